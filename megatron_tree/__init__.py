@@ -1,0 +1,1 @@
+"""megatron_tree: tree training for Megatron-Core."""

@@ -1,0 +1,81 @@
+"""The packed tree record: one trie of token sequences laid out in depth-first pre-order.
+
+Legend for shapes: N = padded packed length, U = real packed (unique) tokens, S = sequences in the
+tree, T = sum of the lengths of those sequences (every token of every sequence, shared or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    """One micro-batch's trie, flattened in pre-order so that every subtree is a contiguous range.
+
+    The whole attention structure is carried by ``subtree_end``: key position ``k`` is visible to the
+    query positions ``[k, subtree_end[k])`` (its own subtree), so
+    ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``. Padding positions ``p >= num_tree_tokens``
+    have ``subtree_end[p] == p + 1`` (each sees only itself, so no softmax row is empty).
+
+    Attributes:
+        input_ids: int64 [N]. Token of each packed position (``pad_token_id`` on padding).
+        position_ids: int64 [N]. Depth of each packed position in its trie (0 for a root and for
+            padding); equals the token's position in every sequence that contains it.
+        subtree_end: int32 [N]. Exclusive end of each position's subtree (the O(N) mask encoding).
+        parent_index: int64 [N]. Packed position of each position's parent, -1 for roots/padding.
+        sequence_ids: int64 [S]. Original batch index of each sequence, in tree (pre-order) order.
+        cu_seqlens: int64 [S + 1]. Offsets of each sequence's tokens in ``token_index``.
+        token_index: int64 [T]. Packed position of every sequence token, sequences concatenated in
+            tree order; ``input_ids[token_index[cu_seqlens[i]:cu_seqlens[i + 1]]]`` is sequence i.
+        num_tree_tokens: U, the real (unique) packed tokens; positions ``>= U`` are padding.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    parent_index: torch.Tensor
+    sequence_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    token_index: torch.Tensor
+    num_tree_tokens: int
+
+    @property
+    def padded_length(self) -> int:
+        """N, the packed length including padding."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        """S, the number of sequences in this tree (0 for a dummy tree)."""
+        return int(self.sequence_ids.shape[0])
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        """T, the number of tokens of the sequences counted as if unpacked."""
+        return int(self.token_index.shape[0])
+
+    @property
+    def sequence_lengths(self) -> torch.Tensor:
+        """int64 [S], length of each sequence in tree order."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def is_dummy(self) -> bool:
+        """True for an all-padding tree added to keep data-parallel ranks in step."""
+        return self.num_sequences == 0
+
+    def sequence_token_index(self, i: int) -> torch.Tensor:
+        """int64 [L_i], packed positions of the tokens of the i-th sequence (tree order)."""
+        return self.token_index[int(self.cu_seqlens[i]) : int(self.cu_seqlens[i + 1])]
+
+    def to(self, device: torch.device | str) -> "PackedTree":
+        """A copy with every tensor moved to ``device``."""
+        return PackedTree(
+            **{
+                name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+                for name, value in self.__dict__.items()
+            }
+        )

@@ -1,0 +1,1 @@
+"""Runtime patches of code we do not own."""

@@ -1,0 +1,25 @@
+from setuptools import setup
+
+# Versions verified together on a CPU-only Python 3.11 machine; megatron-core >= 0.17 requires
+# Python >= 3.12. transformers 5 dropped `hf_config.rope_theta`, which mbridge 0.15.1 reads.
+MEGATRON = [
+    "megatron-core>=0.16.1,<0.17",
+    "mbridge==0.15.1",
+    "transformers>=4.51,<5",
+    "safetensors",
+    "einops",
+]
+TEST = ["pytest>=8", "hypothesis>=6.100", "matplotlib"]
+
+setup(
+    name="megatron_tree",
+    version="0.1.0",
+    description="Tree training (prefix-shared packed sequences) for Megatron-Core RL training",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=["megatron_tree", "megatron_tree.patches"],
+    package_dir={"megatron_tree": "megatron_tree", "megatron_tree.patches": "patches"},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.5", "numpy"],
+    extras_require={"megatron": MEGATRON, "test": TEST, "all": MEGATRON + TEST},
+)
