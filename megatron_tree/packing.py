@@ -1,0 +1,396 @@
+"""Pack a padded RL batch into prefix tries, one flattened pre-order trie per micro-batch.
+
+How it works, with no Python object or loop per token:
+
+1. Sort the sequences lexicographically (a sequence sorts before its extensions). In sorted order the
+   trie of a set of sequences is read off the longest common prefix (LCP) of each sequence with its
+   predecessor: sequence i contributes its tokens at depths ``lcp_i .. len_i - 1``, and laying the
+   contributions out one after another is the depth-first pre-order of the trie.
+2. Split the sorted order into root groups (LCP 0), cut a group too large for one micro-batch into
+   contiguous runs, and bin-pack the runs first-fit-decreasing (a loop over runs, not tokens).
+3. Lay out each bin with a few [S, L] tensor operations: packed position of every (sequence, depth)
+   by a forward fill of the owning sequence down each depth column, and the end of every node's
+   subtree (the start of the first later contribution with ``lcp <= depth``) by a reverse fill.
+
+Legend: B batch size, L padded length, S sequences in a tree, N packed (padded) tree length,
+T sequence tokens of a tree (every token of every sequence).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .tree import PackedTree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PackedTreeBatch", "build_packed_tree_batch", "layout_tree"]
+
+
+class PackedTreeBatch(Sequence):
+    """The micro-batches of one packed batch, with the sharing statistics.
+
+    Each micro-batch is a dict with:
+        ``"input_ids"``: int64 [1, N]; ``"position_ids"``: int64 [1, N] (token depth);
+        ``"tree"``: :class:`PackedTree`; and every other per-token input tensor ``name`` of shape
+        [B, L, ...] as ``name``: [T, ...], the tree's sequences concatenated in tree order (aligned
+        with ``tree.token_index``; sequence i is rows ``tree.cu_seqlens[i]:tree.cu_seqlens[i + 1]``).
+
+    Attributes:
+        batch_size: B, the number of input sequences.
+        num_real_tokens: tokens of all sequences counted as if unpacked.
+        num_tree_tokens: unique tokens after prefix sharing (over all micro-batches).
+        num_padded_tokens: packed length including padding, over all micro-batches.
+        num_dummy_trees: all-padding trees appended to match other data-parallel ranks.
+    """
+
+    def __init__(self, micro_batches: list[dict], batch_size: int, num_real_tokens: int):
+        self.micro_batches = micro_batches
+        self.batch_size = batch_size
+        self.num_real_tokens = num_real_tokens
+        self.num_tree_tokens = sum(mb["tree"].num_tree_tokens for mb in micro_batches)
+        self.num_padded_tokens = sum(mb["tree"].padded_length for mb in micro_batches)
+        self.num_dummy_trees = sum(mb["tree"].is_dummy for mb in micro_batches)
+
+    @property
+    def tree_token_ratio(self) -> float:
+        """Unique tree tokens / real tokens (1.0 means nothing shared; lower is better)."""
+        return self.num_tree_tokens / max(self.num_real_tokens, 1)
+
+    @property
+    def trees(self) -> list[PackedTree]:
+        return [mb["tree"] for mb in self.micro_batches]
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __getitem__(self, i):
+        return self.micro_batches[i]
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.micro_batches)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedTreeBatch(micro_batches={len(self)}, sequences={self.batch_size}, "
+            f"real_tokens={self.num_real_tokens}, tree_tokens={self.num_tree_tokens}, "
+            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f})"
+        )
+
+
+def _neighbour_lcp(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """LCP of each row with the row before it (0 for the first).
+
+    Args:
+        rows: int64 [S, L], padded with -1 (a value no token takes) past each length.
+        lengths: int64 [S].
+
+    Returns:
+        int64 [S].
+    """
+    lcp = torch.zeros_like(lengths)
+    if rows.shape[0] > 1:
+        differ = rows[1:] != rows[:-1]
+        first_diff = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), rows.shape[1])
+        lcp[1:] = torch.minimum(first_diff, torch.minimum(lengths[1:], lengths[:-1]))
+    return lcp
+
+
+def layout_tree(
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    padded_length: int | None = None,
+    align: int = 1,
+    pad_token_id: int = 0,
+):
+    """Flatten the trie of lexicographically sorted sequences in pre-order.
+
+    Args:
+        rows: int64 [S, L] token ids, sorted lexicographically, -1 past each length.
+        lengths: int64 [S], all >= 1.
+        padded_length: N, at least the number of unique tokens; by default the unique token count
+            rounded up to a multiple of ``align``.
+        align: alignment of the default ``padded_length``.
+        pad_token_id: token id written on padding positions.
+
+    Returns:
+        (input_ids [N], position_ids [N], subtree_end int32 [N], parent_index [N], token_index [T],
+        num_tree_tokens).
+    """
+    num_seq, width = rows.shape
+    device = rows.device
+    lcp = _neighbour_lcp(rows, lengths)
+    contrib = lengths - lcp  # [S] tokens each sequence adds to the trie
+    start = torch.zeros(num_seq + 1, dtype=torch.int64, device=device)
+    torch.cumsum(contrib, dim=0, out=start[1:])
+    num_tree_tokens = int(start[-1])
+    if padded_length is None:
+        padded_length = max(-(-num_tree_tokens // align), 1) * align
+    if num_tree_tokens > padded_length:
+        raise AssertionError(f"tree of {num_tree_tokens} tokens does not fit {padded_length}")
+
+    depth = torch.arange(width, device=device)[None, :]  # [1, L]
+    seq = torch.arange(num_seq, device=device)[:, None]  # [S, 1]
+    in_seq = depth < lengths[:, None]  # [S, L]
+    owned = in_seq & (depth >= lcp[:, None])  # tokens this sequence contributes
+    own_pos = start[:-1, None] + depth - lcp[:, None]  # packed position where owned
+
+    # Packed position of every (sequence, depth): the last sequence at or above that contributed
+    # this depth owns the node (everything in between shares a longer prefix).
+    owner = torch.where(owned, seq, -1).cummax(dim=0).values
+    path = torch.gather(own_pos, 0, owner.clamp(min=0))  # [S, L], valid where in_seq
+
+    # The subtree of a node at depth d contributed by sequence i ends where the first later
+    # sequence j with lcp_j <= d starts its contribution (or at the end of the tree).
+    leaves_here = torch.where(lcp[:, None] <= depth, seq, num_seq)  # [S, L]
+    first_leaving = leaves_here.flip(0).cummin(dim=0).values.flip(0)
+    next_leaving = torch.cat(
+        [first_leaving[1:], torch.full((1, width), num_seq, device=device)], dim=0
+    )
+    node_end = start[next_leaving]  # [S, L]
+
+    parent_path = torch.cat([torch.full((num_seq, 1), -1, device=device), path[:, :-1]], dim=1)
+
+    dest = own_pos[owned]
+    input_ids = torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device)
+    position_ids = torch.zeros(padded_length, dtype=torch.int64, device=device)
+    subtree_end = torch.arange(1, padded_length + 1, dtype=torch.int64, device=device)
+    parent_index = torch.full((padded_length,), -1, dtype=torch.int64, device=device)
+    input_ids[dest] = rows[owned]
+    position_ids[dest] = depth.expand(num_seq, width)[owned]
+    subtree_end[dest] = node_end[owned]
+    parent_index[dest] = parent_path[owned]
+    token_index = path[in_seq]
+    return input_ids, position_ids, subtree_end.to(torch.int32), parent_index, token_index, num_tree_tokens
+
+
+def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int):
+    if not isinstance(data, dict) or "input_ids" not in data or "attention_mask" not in data:
+        raise ValueError(
+            "data must be a dict holding 'input_ids' [B, L] and 'attention_mask' [B, L] tensors"
+        )
+    input_ids, attention_mask = data["input_ids"], data["attention_mask"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"data['input_ids'] must be [B, L], got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"data['attention_mask'] has shape {tuple(attention_mask.shape)} but data['input_ids'] "
+            f"has {tuple(input_ids.shape)}; they must be equal"
+        )
+    if input_ids.shape[0] == 0:
+        raise ValueError("the batch is empty: data['input_ids'] has no sequences")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"data['input_ids'] must hold integer token ids, got {input_ids.dtype}")
+    for name, value in data.items():
+        if name in ("input_ids", "attention_mask"):
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != tuple(input_ids.shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"data[{name!r}] must be a tensor shaped [B, L, ...] = {tuple(input_ids.shape)} like "
+                f"input_ids, got {shape}; pass per-token tensors only"
+            )
+    if block_size <= 0 or parallel_size <= 0:
+        raise ValueError(
+            f"block_size={block_size} and parallel_size={parallel_size} must be positive integers"
+        )
+    align = math.lcm(block_size, parallel_size)
+    if max_tokens_per_mb is None:
+        raise ValueError(
+            f"max_tokens_per_mb is required: the token capacity of one micro-batch (a multiple of "
+            f"lcm(block_size, parallel_size) = {align})"
+        )
+    if max_tokens_per_mb <= 0 or max_tokens_per_mb % align:
+        raise ValueError(
+            f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of "
+            f"lcm(block_size={block_size}, parallel_size={parallel_size}) = {align}; e.g. "
+            f"{max(align, -(-max_tokens_per_mb // align) * align)}"
+        )
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    right_padded = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    bad = (mask != right_padded).any(dim=1)
+    if bad.any():
+        raise ValueError(
+            f"data['attention_mask'] rows {bad.nonzero().flatten()[:8].tolist()} are not right-padded: "
+            "each row must be ones for the real tokens followed by zeros (no left padding or holes)"
+        )
+    if (lengths == 0).any():
+        raise ValueError(
+            f"sequences {(lengths == 0).nonzero().flatten()[:8].tolist()} are empty (attention_mask "
+            "all zero); drop them from the batch before packing"
+        )
+    too_long = lengths > max_tokens_per_mb
+    if too_long.any():
+        i = int(too_long.nonzero()[0])
+        raise ValueError(
+            f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb="
+            f"{max_tokens_per_mb}; raise max_tokens_per_mb (a multiple of {align}) or truncate it"
+        )
+    return lengths.to(torch.int64), align
+
+
+def _lexicographic_order(keys: torch.Tensor) -> torch.Tensor:
+    """Row order of [B, L] keys, column 0 most significant (np.lexsort takes the last key first)."""
+    order = np.lexsort(keys.cpu().numpy().T[::-1])
+    return torch.from_numpy(order.astype(np.int64))
+
+
+def _split_into_runs(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int) -> list[tuple[int, int, int]]:
+    """Cut the sorted order into runs [a, b) that each fit ``capacity`` unique tokens.
+
+    A run starts at every root group (lcp 0) and wherever the current run is full; greedy filling is
+    optimal for contiguous runs because a run's trie only shrinks when a sequence is removed.
+
+    Returns:
+        list of (first, end, unique_tokens).
+    """
+    runs = []
+    first, used = 0, 0
+    for i, (l, n) in enumerate(zip(lcp.tolist(), lengths.tolist())):
+        add = n - l
+        if i > 0 and (l == 0 or used + add > capacity):
+            runs.append((first, i, used))
+            first, used, add = i, 0, n
+        used += add
+    runs.append((first, len(lengths), used))
+    return runs
+
+
+def _first_fit_decreasing(runs: list[tuple[int, int, int]], capacity: int) -> list[list[int]]:
+    """Bin-pack runs by unique tokens; returns, per bin, the indices of its runs."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for r in sorted(range(len(runs)), key=lambda r: (-runs[r][2], r)):
+        size = runs[r][2]
+        for b, room in enumerate(free):
+            if size <= room:
+                bins[b].append(r)
+                free[b] -= size
+                break
+        else:
+            bins.append([r])
+            free.append(capacity - size)
+    return bins
+
+
+def _sync_num_micro_batches(num: int, dp_group) -> int:
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
+    count = torch.tensor([num], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(count.item())
+
+
+def _dummy_tree(padded_length: int, pad_token_id: int, device) -> PackedTree:
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return PackedTree(
+        input_ids=torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device),
+        position_ids=torch.zeros(padded_length, dtype=torch.int64, device=device),
+        subtree_end=torch.arange(1, padded_length + 1, dtype=torch.int32, device=device),
+        parent_index=torch.full((padded_length,), -1, dtype=torch.int64, device=device),
+        sequence_ids=empty,
+        cu_seqlens=torch.zeros(1, dtype=torch.int64, device=device),
+        token_index=empty,
+        num_tree_tokens=0,
+    )
+
+
+def _micro_batch(tree: PackedTree, extras: dict[str, torch.Tensor], flat_index: torch.Tensor) -> dict:
+    mb = {"input_ids": tree.input_ids[None], "position_ids": tree.position_ids[None], "tree": tree}
+    for name, flat in extras.items():
+        mb[name] = flat[flat_index]
+    return mb
+
+
+def build_packed_tree_batch(
+    data: dict[str, torch.Tensor],
+    *,
+    max_tokens_per_mb: int | None = None,
+    block_size: int = 128,
+    parallel_size: int = 1,
+    pad_to_max: bool = True,
+    pad_token_id: int = 0,
+    dp_group=None,
+) -> PackedTreeBatch:
+    """Pack a right-padded batch into prefix tries, one per micro-batch.
+
+    Two sequences in the same tree share their whole common prefix, whatever their input order.
+    Sequences sharing a prefix are kept in one tree when it fits; a larger group is split across
+    trees, and small groups share a tree (as separate roots) first-fit-decreasing.
+
+    Args:
+        data: ``input_ids`` [B, L] int, ``attention_mask`` [B, L] (1 for real tokens, right-padded),
+            and any other per-token tensors [B, L, ...] (loss mask, old log-probs, advantages...).
+        max_tokens_per_mb: unique-token capacity of one tree; a multiple of
+            ``lcm(block_size, parallel_size)``.
+        block_size: attention tile size the packed length is aligned to.
+        parallel_size: another factor the packed length must be divisible by (e.g. TP x CP x 2).
+        pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes, as pipeline parallelism
+            needs); if False, pad each tree only to the next multiple of the alignment.
+        pad_token_id: token id written on padding positions.
+        dp_group: optional data-parallel process group; all its ranks then return the same number
+            of micro-batches (all-padding dummy trees appended where needed).
+
+    Returns:
+        :class:`PackedTreeBatch`.
+    """
+    lengths, align = _validate(data, max_tokens_per_mb, block_size, parallel_size)
+    input_ids, mask = data["input_ids"], data["attention_mask"].bool()
+    device = input_ids.device
+    batch_size, width = input_ids.shape
+    width = int(lengths.max())
+    keys = input_ids[:, :width].to(torch.int64).masked_fill(~mask[:, :width], -1)
+    if (keys < -1).any() or ((keys == -1) & mask[:, :width]).any():
+        raise ValueError("data['input_ids'] holds negative token ids; token ids must be >= 0")
+
+    order = _lexicographic_order(keys).to(device)
+    sorted_keys, sorted_lengths = keys[order], lengths[order]
+    lcp = _neighbour_lcp(sorted_keys, sorted_lengths)
+    runs = _split_into_runs(lcp, sorted_lengths, max_tokens_per_mb)
+    bins = _first_fit_decreasing(runs, max_tokens_per_mb)
+
+    # Extras flattened sequence-major in batch order, and where each sequence starts in that layout.
+    extras = {k: v[mask] for k, v in data.items() if k not in ("input_ids", "attention_mask")}
+    seq_start = torch.zeros(batch_size + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, dim=0, out=seq_start[1:])
+
+    micro_batches = []
+    for bin_runs in bins:
+        members = torch.cat([torch.arange(runs[r][0], runs[r][1]) for r in sorted(bin_runs)])
+        members = members.to(device)
+        tree_lengths = sorted_lengths[members]
+        ids, pos, end, parent, token_index, unique = layout_tree(
+            sorted_keys[members, : int(tree_lengths.max())],
+            tree_lengths,
+            padded_length=max_tokens_per_mb if pad_to_max else None,
+            align=align,
+            pad_token_id=pad_token_id,
+        )
+        cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
+        torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
+        sequence_ids = order[members]
+        tree = PackedTree(ids, pos, end, parent, sequence_ids, cu_seqlens, token_index, unique)
+        # Index of each tree sequence token in the flattened extras.
+        flat_index = torch.repeat_interleave(
+            seq_start[sequence_ids] - cu_seqlens[:-1], tree_lengths
+        ) + torch.arange(int(cu_seqlens[-1]), device=device)
+        micro_batches.append(_micro_batch(tree, extras, flat_index))
+
+    if dp_group is not None:
+        target = _sync_num_micro_batches(len(micro_batches), dp_group)
+        padded = max_tokens_per_mb if pad_to_max else align
+        empty_index = torch.zeros(0, dtype=torch.int64, device=device)
+        while len(micro_batches) < target:
+            micro_batches.append(_micro_batch(_dummy_tree(padded, pad_token_id, device), extras, empty_index))
+
+    result = PackedTreeBatch(micro_batches, batch_size, int(lengths.sum()))
+    logger.debug("packed %s", result)
+    return result
