@@ -1,1 +1,1 @@
-"""Runtime patches of code we do not own."""
+"""Runtime patches of code we do not own (see patches/README.md). Nothing is applied on import."""

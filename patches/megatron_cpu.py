@@ -1,0 +1,232 @@
+"""Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
+
+Megatron-Core 0.16.1 calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
+(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask).
+This module redirects exactly those calls to the CPU:
+
+==========================================================  =======================================
+patched symbol                                              CPU behaviour
+==========================================================  =======================================
+``torch.cuda.current_device``                               returns ``torch.device("cpu")``
+``megatron.core.tensor_parallel.random._get_cuda_rng_state``  the CPU generator's state
+``megatron.core.tensor_parallel.random._set_cuda_rng_state``  sets the CPU generator's state
+``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``  seeds a state on the CPU generator
+``megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed``  (and its re-export in
+                                                            ``megatron.core.tensor_parallel``) seeds
+                                                            the CPU generator and the tracker states
+``megatron.core.transformer.utils.get_default_causal_mask``  builds the mask on the CPU (also the
+                                                            copy imported by
+                                                            ``megatron.core.fusions.fused_softmax``)
+``...utils.get_sliding_window_causal_mask``                 same, for sliding-window attention
+==========================================================  =======================================
+
+Nothing happens at import. Use :func:`apply` / :func:`undo` or the :func:`megatron_cpu_patch`
+context manager. On a machine where CUDA is available every entry point is a no-op. The patch is
+for tests and demos: the CPU generator then plays the role of the CUDA generator, so dropout inside
+``get_cuda_rng_tracker().fork()`` draws from the CPU generator (Megatron logs "CPU RNG state changed
+within GPU RNG context" when that happens; the message is expected under this patch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+
+TARGET_MEGATRON_CORE = "0.16.1"
+
+# (module path, attribute path inside the module). Attribute paths may be dotted (class.method).
+_TARGETS: tuple[tuple[str, str], ...] = (
+    ("torch.cuda", "current_device"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"),
+    ("megatron.core.tensor_parallel", "model_parallel_cuda_manual_seed"),
+    ("megatron.core.transformer.utils", "get_default_causal_mask"),
+    ("megatron.core.transformer.utils", "get_sliding_window_causal_mask"),
+    ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
+    ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
+)
+
+# (owner object, attribute name, original value) for every patched attribute, in apply order.
+_saved: list[tuple[Any, str, Any]] = []
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    # torch.get_rng_state() already returns a fresh copy, so `clone` needs no extra work.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    saved = torch.get_rng_state()
+    # torch.manual_seed would also seed CUDA generators (and, under this patch, recurse through
+    # the lazy CUDA seeding machinery); seed the CPU generator alone.
+    torch.default_generator.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(saved)
+
+
+def _cpu_model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+) -> None:
+    """CPU stand-in for Megatron's model_parallel_cuda_manual_seed, with the same seed layout."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if te_rng_tracker or use_cudagraphable_rng:
+        raise ValueError(
+            "the CPU patch supports only Megatron's own RNG tracker: pass te_rng_tracker=False "
+            "and use_cudagraphable_rng=False"
+        )
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if etp_rank is None:
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    mp_random.initialize_rng_tracker(
+        False, inference_rng_tracker, False, force_reset=force_reset_rng
+    )
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    # Same seeds as upstream: data parallel = seed, tensor parallel = seed + 2718 + tp_rank,
+    # expert parallel = seed + 1024 + 100 * ep_rank + etp_rank. The "default CUDA generator" is the
+    # CPU generator here, so it gets the data-parallel seed.
+    torch.default_generator.manual_seed(seed)
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(
+        mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+    )
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    allowed = torch.ones(sq, skv, dtype=torch.bool)
+    allowed = torch.triu(allowed, diagonal=skv - sq - window_size[0])
+    allowed = torch.tril(allowed, diagonal=skv - sq + window_size[1])
+    return ~allowed
+
+
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "current_device": _cpu_current_device,
+    "_get_cuda_rng_state": _cpu_get_rng_state,
+    "_set_cuda_rng_state": _cpu_set_rng_state,
+    "CudaRNGStatesTracker.add": _cpu_tracker_add,
+    "model_parallel_cuda_manual_seed": _cpu_model_parallel_cuda_manual_seed,
+    "get_default_causal_mask": _cpu_default_causal_mask,
+    "get_sliding_window_causal_mask": _cpu_sliding_window_causal_mask,
+}
+
+
+def _resolve(module_name: str, attr_path: str) -> tuple[Any, str]:
+    """(owner object, final attribute name); raises AttributeError/ImportError when absent."""
+    owner: Any = importlib.import_module(module_name)
+    *parents, name = attr_path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    getattr(owner, name)
+    return owner, name
+
+
+def _megatron_version() -> str:
+    import megatron.core
+
+    return getattr(megatron.core, "__version__", "unknown")
+
+
+def is_applied() -> bool:
+    """True while the patch is in effect."""
+    return bool(_saved)
+
+
+def apply() -> bool:
+    """Apply the CPU patch. Idempotent; a no-op when CUDA is available.
+
+    Returns:
+        True if the patch is in effect after the call, False on a CUDA machine.
+
+    Raises:
+        RuntimeError: a symbol this patch replaces does not exist in the installed megatron-core
+            (the patch targets megatron-core ``TARGET_MEGATRON_CORE``).
+    """
+    if torch.cuda.is_available():
+        return False
+    if _saved:
+        return True
+    resolved, missing = [], []
+    for module_name, attr_path in _TARGETS:
+        try:
+            resolved.append((*_resolve(module_name, attr_path), attr_path))
+        except (ImportError, AttributeError):
+            missing.append(f"{module_name}.{attr_path}")
+    if missing:
+        raise RuntimeError(
+            f"megatron_tree.patches.megatron_cpu targets megatron-core {TARGET_MEGATRON_CORE}, but "
+            f"the installed megatron-core {_megatron_version()} lacks: {', '.join(missing)}. "
+            "Install megatron-core==0.16.1 or update patches/megatron_cpu.py."
+        )
+    version = _megatron_version()
+    if not version.startswith(TARGET_MEGATRON_CORE.rsplit(".", 1)[0]):
+        warnings.warn(
+            f"megatron_cpu patch targets megatron-core {TARGET_MEGATRON_CORE}, found {version}",
+            stacklevel=2,
+        )
+    for owner, name, attr_path in resolved:
+        # Read from __dict__ so that undo restores exactly what was there (e.g. a plain function
+        # on a class rather than a bound method).
+        original = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
+        _saved.append((owner, name, original))
+        setattr(owner, name, _REPLACEMENTS[attr_path])
+    return True
+
+
+def undo() -> None:
+    """Restore every patched symbol. Idempotent; a no-op when the patch is not applied."""
+    while _saved:
+        owner, name, original = _saved.pop()
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def megatron_cpu_patch() -> Iterator[bool]:
+    """Context manager form of :func:`apply` / :func:`undo`.
+
+    Yields whether the patch is in effect. Only the outermost block that actually applied the patch
+    undoes it, so nesting (or entering while :func:`apply` is active) is safe.
+    """
+    applied_here = not is_applied()
+    active = apply()
+    try:
+        yield active
+    finally:
+        if applied_here and active:
+            undo()
