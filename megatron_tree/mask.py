@@ -83,7 +83,9 @@ def tree_block_layout(
     qb, kb = blk[:, None], blk[None, :]
     below = kb < qb
     any_allowed = (kb == qb) | (below & (max_end[None, :] > qb * block_size))
-    all_allowed = below & (min_end[None, :] >= (qb + 1) * block_size)
+    # A diagonal tile is full only for 1 x 1 tiles; otherwise its upper triangle is masked.
+    fully_before = below | (kb == qb) if block_size == 1 else below
+    all_allowed = fully_before & (min_end[None, :] >= (qb + 1) * block_size)
     return any_allowed, all_allowed
 
 

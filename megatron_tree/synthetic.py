@@ -1,0 +1,101 @@
+"""Synthetic RL batches with realistic prefix sharing, for benchmarks, demos and tests.
+
+Each generator returns a right-padded batch dict: ``input_ids`` int64 [B, L], ``attention_mask``
+int64 [B, L], ``loss_mask`` float32 [B, L] (1 on generated tokens), in a shuffled order so that
+packing cannot rely on shared sequences being adjacent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pad_sequences(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | None = None) -> dict:
+    """Right-pad 1-D token tensors into a batch dict (``loss_mask`` included when given)."""
+    if not sequences:
+        raise ValueError("sequences is empty; pass at least one 1-D token tensor")
+    width = max(len(s) for s in sequences)
+    batch = {
+        "input_ids": torch.zeros(len(sequences), width, dtype=torch.int64),
+        "attention_mask": torch.zeros(len(sequences), width, dtype=torch.int64),
+    }
+    if loss_masks is not None:
+        batch["loss_mask"] = torch.zeros(len(sequences), width, dtype=torch.float32)
+    for i, seq in enumerate(sequences):
+        batch["input_ids"][i, : len(seq)] = seq
+        batch["attention_mask"][i, : len(seq)] = 1
+        if loss_masks is not None:
+            batch["loss_mask"][i, : len(seq)] = loss_masks[i]
+    return batch
+
+
+def _shuffled(sequences, loss_masks, generator):
+    perm = torch.randperm(len(sequences), generator=generator).tolist()
+    return pad_sequences([sequences[i] for i in perm], [loss_masks[i] for i in perm])
+
+
+def grpo_batch(
+    *,
+    num_prompts: int = 8,
+    samples_per_prompt: int = 8,
+    prompt_len: int = 512,
+    response_len: tuple[int, int] = (64, 128),
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> dict:
+    """``num_prompts`` prompts, each followed by ``samples_per_prompt`` independent responses.
+
+    Response lengths are uniform in ``[response_len[0], response_len[1]]``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    sequences, loss_masks = [], []
+    for _ in range(num_prompts):
+        prompt = torch.randint(0, vocab_size, (prompt_len,), generator=g)
+        for _ in range(samples_per_prompt):
+            n = int(torch.randint(response_len[0], response_len[1] + 1, (), generator=g))
+            sequences.append(torch.cat([prompt, torch.randint(0, vocab_size, (n,), generator=g)]))
+            loss_masks.append(torch.cat([torch.zeros(prompt_len), torch.ones(n)]))
+    return _shuffled(sequences, loss_masks, g)
+
+
+def multi_turn_batch(
+    *,
+    num_tasks: int = 4,
+    rollouts_per_task: int = 4,
+    turns: int = 4,
+    system_len: int = 256,
+    task_len: int = 128,
+    observation_len: tuple[int, int] = (32, 96),
+    action_len: tuple[int, int] = (32, 128),
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> dict:
+    """Agent trajectories where every turn extends the one before it.
+
+    One system prompt is shared by all tasks; each task prompt by its rollouts. A rollout of ``turns``
+    turns yields one sequence per turn (the whole history up to and including that turn's action),
+    so every earlier turn's sequence is a prefix of the later ones.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(0, vocab_size, (n,), generator=g)
+
+    def length(bounds):
+        return int(torch.randint(bounds[0], bounds[1] + 1, (), generator=g))
+
+    system = tokens(system_len)
+    sequences, loss_masks = [], []
+    for _ in range(num_tasks):
+        task = torch.cat([system, tokens(task_len)])
+        for _ in range(rollouts_per_task):
+            history, mask = task, torch.zeros(len(task))
+            for turn in range(turns):
+                if turn > 0:
+                    obs = tokens(length(observation_len))
+                    history, mask = torch.cat([history, obs]), torch.cat([mask, torch.zeros(len(obs))])
+                action = tokens(length(action_len))
+                history, mask = torch.cat([history, action]), torch.cat([mask, torch.ones(len(action))])
+                sequences.append(history)
+                loss_masks.append(mask)
+    return _shuffled(sequences, loss_masks, g)

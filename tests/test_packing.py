@@ -1,0 +1,265 @@
+"""Trie packing against brute-force references built from the original sequences.
+
+The reference identifies every trie node with the tuple of tokens on its path (its prefix); the
+packed layout must map every (sequence, depth) to one position per distinct prefix, and the mask
+must allow exactly "key prefix is a prefix of query prefix".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_tree.mask import build_attention_mask_from_trie
+from megatron_tree.packing import build_packed_tree_batch
+from megatron_tree.synthetic import grpo_batch, multi_turn_batch, pad_sequences
+
+
+def make_batch(sequences: list[list[int]], seed: int = 0) -> dict:
+    batch = pad_sequences([torch.tensor(s, dtype=torch.int64) for s in sequences])
+    g = torch.Generator().manual_seed(seed)
+    shape = batch["input_ids"].shape
+    # Extras with distinct values per (sequence, position), also where tokens are shared.
+    batch["advantages"] = torch.randn(shape, generator=g)
+    batch["old_logprobs"] = torch.randn(*shape, 3, generator=g)
+    return batch
+
+
+def original_sequences(batch: dict) -> list[list[int]]:
+    lengths = batch["attention_mask"].sum(1).tolist()
+    return [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+def check_packed(batch: dict, packed, capacity: int) -> None:
+    """Every property of a packed batch that a brute-force reference can state."""
+    seqs = original_sequences(batch)
+    seen_ids = []
+    total_unique = 0
+    for mb in packed:
+        tree = mb["tree"]
+        n = tree.padded_length
+        assert mb["input_ids"].shape == (1, n) and mb["position_ids"].shape == (1, n)
+        assert tree.subtree_end.dtype == torch.int32
+        assert tree.num_tree_tokens <= n <= capacity
+        seen_ids += tree.sequence_ids.tolist()
+
+        # Node identity: each packed position holds exactly one prefix, each prefix one position.
+        prefix_at: dict[int, tuple] = {}
+        for i, sid in enumerate(tree.sequence_ids.tolist()):
+            seq = seqs[sid]
+            index = tree.sequence_token_index(i).tolist()
+            assert len(index) == len(seq)
+            # Round trip of tokens and of every extra tensor.
+            assert mb["input_ids"][0, index].tolist() == seq
+            rows = slice(int(tree.cu_seqlens[i]), int(tree.cu_seqlens[i + 1]))
+            for name in batch:
+                if name not in ("input_ids", "attention_mask"):
+                    assert torch.equal(mb[name][rows], batch[name][sid, : len(seq)])
+            for d, pos in enumerate(index):
+                prefix = tuple(seq[: d + 1])
+                assert prefix_at.setdefault(pos, prefix) == prefix
+        prefixes = set(prefix_at.values())
+        assert len(prefixes) == len(prefix_at), "one prefix laid out twice: sharing is not maximal"
+        assert sorted(prefix_at) == list(range(tree.num_tree_tokens)), "real tokens not contiguous"
+        total_unique += len(prefix_at)
+
+        # Depth and parent, from the prefixes.
+        depth = tree.position_ids.tolist()
+        position_of = {p: pos for pos, p in prefix_at.items()}
+        for pos, prefix in prefix_at.items():
+            assert depth[pos] == len(prefix) - 1
+            expected_parent = position_of[prefix[:-1]] if len(prefix) > 1 else -1
+            assert int(tree.parent_index[pos]) == expected_parent
+        assert all(d == 0 for d in depth[tree.num_tree_tokens :])
+
+        # Mask: k visible from q iff k's prefix is a prefix of q's; padding sees only itself.
+        expected = torch.eye(n, dtype=torch.bool)
+        for q, pq in prefix_at.items():
+            for k, pk in prefix_at.items():
+                expected[q, k] = pq[: len(pk)] == pk
+        assert torch.equal(build_attention_mask_from_trie(tree), ~expected)
+
+    assert sorted(seen_ids) == list(range(len(seqs))), "every sequence packed exactly once"
+    assert packed.num_tree_tokens == total_unique
+    assert packed.num_real_tokens == sum(map(len, seqs))
+
+
+@st.composite
+def random_tries(draw):
+    """Sequences grown from earlier ones: shared prefixes, branches, prefixes, duplicates."""
+    vocab = draw(st.integers(2, 6))
+    sequences: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 12))):
+        base: list[int] = []
+        if sequences and draw(st.booleans()):
+            parent = draw(st.sampled_from(sequences))
+            base = parent[: draw(st.integers(0, len(parent)))]
+        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=0 if base else 1, max_size=9))
+        sequences.append(base + tail)
+    return sequences
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_tries(), st.sampled_from([1, 4, 8]), st.booleans())
+def test_random_tries_match_brute_force(sequences, block_size, pad_to_max):
+    batch = make_batch(sequences)
+    capacity = block_size * (-(-max(map(len, sequences)) // block_size) + 2)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=capacity, block_size=block_size, pad_to_max=pad_to_max
+    )
+    check_packed(batch, packed, capacity)
+    for mb in packed:
+        n = mb["tree"].padded_length
+        assert n % block_size == 0
+        assert n == capacity if pad_to_max else n < mb["tree"].num_tree_tokens + block_size
+
+
+EDGE_CASES = {
+    "one sequence": [[5, 6, 7]],
+    "one token": [[3]],
+    "identical": [[1, 2, 3]] * 4,
+    "prefix of another": [[1, 2, 3, 4, 5], [1, 2], [1, 2, 3], [1]],
+    "many branches at one node": [[9, 9, 9, b] for b in range(20)],
+    "deep multi-turn chain": [list(range(k * 7)) for k in range(1, 9)],
+    "branches at several depths": [[0, 1, 2, 3, 4, 5], [0, 1, 9], [0, 1, 2, 3, 8, 8, 8], [0, 7], [4]],
+    "odd lengths": [[1] * 13, [1] * 7 + [2] * 5, [3] * 11],
+    "disjoint roots": [[1, 2], [3, 4], [5, 6, 7]],
+}
+
+
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_edge_cases(name):
+    batch = make_batch(EDGE_CASES[name])
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=8)
+    check_packed(batch, packed, 64)
+    assert len(packed) == 1  # everything fits one tree
+
+
+def test_input_order_does_not_change_sharing():
+    seqs = EDGE_CASES["branches at several depths"]
+    unique = {build_packed_tree_batch(make_batch(s), max_tokens_per_mb=32, block_size=8).num_tree_tokens
+              for s in (seqs, seqs[::-1], seqs[2:] + seqs[:2])}
+    assert unique == {len({tuple(s[: d + 1]) for s in seqs for d in range(len(s))})}
+
+
+def test_groups_fill_few_trees_and_large_groups_split():
+    # 4 prompts of 40 tokens x 4 responses of 6: 64 unique tokens per group.
+    seqs = [[p] * 40 + [p, r, r, r, r, r] for p in range(4) for r in range(10, 14)]
+    batch = make_batch(seqs)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=128, block_size=8)
+    check_packed(batch, packed, 128)
+    assert len(packed) == 2
+    # Each group kept whole in one tree.
+    for mb in packed:
+        assert len({seqs[s][0] for s in mb["tree"].sequence_ids.tolist()}) == 2
+    # A group too large for one tree is split, and every tree respects capacity.
+    big = make_batch([[1] * 40 + [r] * 10 for r in range(12)])
+    packed = build_packed_tree_batch(big, max_tokens_per_mb=80, block_size=8)
+    check_packed(big, packed, 80)
+    assert len(packed) > 1
+
+
+@pytest.mark.parametrize("make", [grpo_batch, multi_turn_batch])
+def test_realistic_batches_round_trip(make):
+    batch = make(vocab_size=50, seed=3, **({"prompt_len": 64, "response_len": (8, 16)} if make is grpo_batch else {"system_len": 16, "task_len": 8, "observation_len": (2, 6), "action_len": (2, 8)}))
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=512, block_size=16)
+    # Round trip of every sequence and extra (cheap checks; full mask checks run on small tries).
+    for mb in packed:
+        tree = mb["tree"]
+        for i, sid in enumerate(tree.sequence_ids.tolist()):
+            n = int(batch["attention_mask"][sid].sum())
+            assert torch.equal(tree.input_ids[tree.sequence_token_index(i)], batch["input_ids"][sid, :n])
+            assert torch.equal(mb["loss_mask"][tree.cu_seqlens[i] : tree.cu_seqlens[i + 1]], batch["loss_mask"][sid, :n])
+    assert packed.tree_token_ratio < 0.6
+
+
+def test_alignment_with_parallel_size():
+    batch = make_batch([[1, 2, 3], [1, 2, 4, 5, 6, 7]])
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=24, block_size=4, parallel_size=6, pad_to_max=False)
+    assert packed[0]["tree"].padded_length == 12  # 7 unique tokens -> next multiple of lcm(4, 6)
+
+
+def test_statistics():
+    batch = make_batch([[1, 2, 3, 4], [1, 2, 3, 5], [7]])
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=16, block_size=8)
+    assert (packed.num_real_tokens, packed.num_tree_tokens, packed.num_padded_tokens) == (9, 6, 16)
+    assert packed.tree_token_ratio == pytest.approx(6 / 9)
+    assert "tree_token_ratio=0.6667" in repr(packed)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _ok():
+    return make_batch([[1, 2, 3], [1, 2]])
+
+
+@pytest.mark.parametrize(
+    "mutate, kwargs, match",
+    [
+        (None, {}, "max_tokens_per_mb is required"),
+        (None, {"max_tokens_per_mb": 0}, "max_tokens_per_mb=0 must be a positive multiple"),
+        (None, {"max_tokens_per_mb": 100, "block_size": 8}, r"max_tokens_per_mb=100 .* lcm\(block_size=8"),
+        (None, {"max_tokens_per_mb": 32, "block_size": 16, "parallel_size": 6}, r"lcm\(block_size=16, parallel_size=6\) = 48; e.g. 48"),
+        (None, {"max_tokens_per_mb": 8, "block_size": 0}, "block_size=0 and parallel_size=1 must be positive"),
+        (lambda b: b.update(input_ids=torch.ones(2, 20, dtype=torch.int64), attention_mask=torch.ones(2, 20), advantages=torch.ones(2, 20), old_logprobs=torch.ones(2, 20)), {"max_tokens_per_mb": 16, "block_size": 8}, "sequence 0 has 20 tokens, more than max_tokens_per_mb=16"),
+        (lambda b: b["attention_mask"].__setitem__((0, 0), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"rows \[0\] are not right-padded"),
+        (lambda b: b["attention_mask"].__setitem__((1, slice(None)), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"sequences \[1\] are empty"),
+        (lambda b: b.update(attention_mask=torch.ones(2, 4)), {"max_tokens_per_mb": 16, "block_size": 8}, "data\\['attention_mask'\\] has shape \\(2, 4\\)"),
+        (lambda b: b.update(advantages=torch.ones(3, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, "data\\['advantages'\\] must be a tensor shaped \\[B, L, ...\\]"),
+        (lambda b: b.update(input_ids=torch.zeros(0, 3, dtype=torch.int64), attention_mask=torch.zeros(0, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, "the batch is empty"),
+        (lambda b: b.pop("attention_mask"), {"max_tokens_per_mb": 16, "block_size": 8}, "must be a dict holding 'input_ids'"),
+        (lambda b: b["input_ids"].__setitem__((0, 0), -5), {"max_tokens_per_mb": 16, "block_size": 8}, "negative token ids"),
+        (lambda b: b.update(input_ids=b["input_ids"].float()), {"max_tokens_per_mb": 16, "block_size": 8}, "must hold integer token ids"),
+    ],
+)
+def test_errors(mutate, kwargs, match):
+    batch = _ok()
+    if mutate is not None:
+        mutate(batch)
+    with pytest.raises(ValueError, match=match):
+        build_packed_tree_batch(batch, **kwargs)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def _dp_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # Rank 0: 3 disjoint groups of 40 tokens (3 trees of capacity 64); rank 1: one small tree.
+        seqs = [[g] * 40 for g in range(3)] if rank == 0 else [[5, 6, 7], [5, 6, 8]]
+        packed = build_packed_tree_batch(
+            make_batch(seqs), max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD
+        )
+        torch.save(
+            {
+                "num": len(packed),
+                "dummies": packed.num_dummy_trees,
+                "shapes": [tuple(mb["input_ids"].shape) for mb in packed],
+                "dummy_masks": [build_attention_mask_from_trie(mb["tree"]) for mb in packed if mb["tree"].is_dummy],
+                "dummy_extras": [mb["advantages"].shape for mb in packed if mb["tree"].is_dummy],
+            },
+            os.path.join(out_dir, f"{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_get_the_same_number_of_trees(tmp_path):
+    import torch.multiprocessing as mp
+    from _dist import free_port
+
+    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    assert r0["num"] == r1["num"] == 3
+    assert (r0["dummies"], r1["dummies"]) == (0, 2)
+    assert r0["shapes"] == r1["shapes"] == [(1, 64)] * 3
+    for masked in r1["dummy_masks"]:
+        assert torch.equal(~masked, torch.eye(64, dtype=torch.bool))  # padding sees only itself
+    assert r1["dummy_extras"] == [(0,), (0,)]
