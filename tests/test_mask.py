@@ -110,3 +110,24 @@ def test_errors():
         tree_block_layout(tree, 24)
     with pytest.raises(ValueError, match="subtree_end must be an integer tensor"):
         tree_mask_mod(torch.zeros(4))
+
+
+def test_mask_png_shows_the_tile_layout(tmp_path):
+    import zlib
+
+    from megatron_tree.visualize import save_tree_mask_png
+
+    tree = random_tree(5, 6, 64, 16)  # N = 64: one pixel per token, upscaled 4x
+    path = save_tree_mask_png(tree, tmp_path / "mask.png", max_pixels=64)
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    assert (width, height) == (256, 256)
+    idat = raw.index(b"IDAT")
+    length = int.from_bytes(raw[idat - 4 : idat], "big")
+    pixels = torch.frombuffer(bytearray(zlib.decompress(raw[idat + 4 : idat + 4 + length])), dtype=torch.uint8)
+    rgb = pixels.view(256, 1 + 256 * 3)[:, 1:].reshape(256, 256, 3)[::4, ::4]
+    allowed = ~build_attention_mask_from_trie(tree)
+    real = tree.num_tree_tokens
+    # Real query/key pairs: dark where attended, white where masked.
+    assert torch.equal(rgb[:real, :real, 0] < 128, allowed[:real, :real])
