@@ -22,15 +22,19 @@ patched symbol                                              CPU behaviour
 
 Nothing happens at import. Use :func:`apply` / :func:`undo` or the :func:`megatron_cpu_patch`
 context manager. On a machine where CUDA is available every entry point is a no-op. The patch is
-for tests and demos: the CPU generator then plays the role of the CUDA generator, so dropout inside
-``get_cuda_rng_tracker().fork()`` draws from the CPU generator (Megatron logs "CPU RNG state changed
-within GPU RNG context" when that happens; the message is expected under this patch).
+for tests and demos: the CPU generator then plays the role of the CUDA generator, so weight init
+and dropout inside ``get_cuda_rng_tracker().fork()`` draw from the CPU generator. Megatron logs
+"CPU RNG state changed within GPU RNG context" on each such draw; that is expected here, so
+:func:`apply` filters that one message out of Megatron's RNG logger and :func:`undo` removes the
+filter. :func:`module_cuda_noop` is a separate context manager for model builders that call
+``Module.cuda()`` unconditionally (mbridge).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -54,6 +58,19 @@ _TARGETS: tuple[tuple[str, str], ...] = (
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
 _saved: list[tuple[Any, str, Any]] = []
+
+
+class _ExpectedRngWarningFilter(logging.Filter):
+    """Drops Megatron's "CPU RNG state changed within GPU RNG context": under this patch the CPU
+    generator *is* the tracked generator, so every draw inside ``fork()`` (weight init, dropout)
+    changes it by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_rng_filter = _ExpectedRngWarningFilter()
 
 
 def _cpu_current_device() -> torch.device:
@@ -206,6 +223,7 @@ def apply() -> bool:
         original = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
         _saved.append((owner, name, original))
         setattr(owner, name, _REPLACEMENTS[attr_path])
+    logging.getLogger(_RNG_LOGGER).addFilter(_rng_filter)
     return True
 
 
@@ -214,6 +232,7 @@ def undo() -> None:
     while _saved:
         owner, name, original = _saved.pop()
         setattr(owner, name, original)
+    logging.getLogger(_RNG_LOGGER).removeFilter(_rng_filter)
 
 
 @contextlib.contextmanager
@@ -230,3 +249,25 @@ def megatron_cpu_patch() -> Iterator[bool]:
     finally:
         if applied_here and active:
             undo()
+
+
+@contextlib.contextmanager
+def module_cuda_noop() -> Iterator[None]:
+    """While active (and CUDA is unavailable), ``torch.nn.Module.cuda`` returns the module unchanged.
+
+    Model builders such as mbridge's ``get_model`` move every model to CUDA unconditionally; on a
+    CPU-only machine that call would fail. Restored on exit, also on exceptions.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.nn.Module.cuda
+
+    def cuda(self, device=None):
+        return self
+
+    torch.nn.Module.cuda = cuda
+    try:
+        yield
+    finally:
+        torch.nn.Module.cuda = original

@@ -1,0 +1,199 @@
+"""``patch_bridge_for_tree_training``: make mbridge build tree-attention models.
+
+mbridge (0.15.1) builds a model in ``bridge.get_model()`` through ``LLMBridge._model_provider``,
+which calls ``self._get_transformer_layer_spec()`` (the TE block spec) and the module global
+``GPTModel`` of ``mbridge.core.llm_bridge``. ``AutoBridge.from_pretrained`` only creates the bridge
+(DESIGN.md section 5). So the patch binds to every bridge *instance* created inside the block:
+
+* its layer spec is rewritten with :func:`megatron_tree.spec.tree_attention_spec`; without
+  transformer-engine the local spec is used instead of the TE spec (TE cannot be imported on CPU),
+  with ``normalization`` from the config and ``sequence_parallel`` switched off (the local spec's
+  torch norms do not support it);
+* its models are :class:`megatron_tree.rope.TreeGPTModel` (depth RoPE);
+* with the local spec, its weight-name maps also know the local spec's ``input_layernorm.weight``
+  and ``pre_mlp_layernorm.weight`` (TE fuses those norms into the linear layers), so
+  ``load_weights`` / ``export_weights`` map HuggingFace checkpoints correctly;
+* when CUDA is not available, ``torch.nn.Module.cuda`` is a no-op while its ``get_model`` runs.
+
+These instance bindings outlive the block, so ``get_model`` may be called after it. The only global
+change, the hook on ``mbridge.core.bridge.Bridge.__init__`` that binds new instances, is restored on
+exit, also on exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+_BOUND_ATTR = "_megatron_tree_tree_training"
+
+
+def _transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@contextlib.contextmanager
+def _swap_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
+    """Instance copies of the maps with the local spec's separate norm weights added."""
+    attention = dict(type(bridge)._ATTENTION_MAPPING)
+    mlp = dict(type(bridge)._MLP_MAPPING)
+    other = dict(type(bridge)._OTHER_MAPPING)
+    input_norm = attention.get("self_attention.linear_qkv.layer_norm_weight")
+    pre_mlp_norm = mlp.get("mlp.linear_fc1.layer_norm_weight")
+    if input_norm is None or pre_mlp_norm is None:
+        raise ValueError(
+            f"{type(bridge).__name__} has no fused-norm weight mapping to derive the local spec's "
+            "norm names from; tree training through mbridge without transformer-engine supports "
+            "dense GPT bridges (Qwen2, Qwen3, Llama, ...)"
+        )
+    # mbridge routes names without ".self_attention." and without "mlp" to _OTHER_MAPPING, and
+    # "pre_mlp_layernorm" (it contains "mlp") to _MLP_MAPPING.
+    other["input_layernorm.weight"] = list(input_norm)
+    mlp = {"pre_mlp_layernorm.weight": list(pre_mlp_norm), **mlp}
+    bridge._OTHER_MAPPING = other
+    bridge._MLP_MAPPING = mlp
+
+
+def _bind(bridge: Any, backend: str, block_size: int) -> None:
+    """Make ``bridge`` build tree-attention models from now on (idempotent)."""
+    if getattr(bridge, _BOUND_ATTR, None) is not None:
+        return
+    from megatron.core.models.gpt import gpt_layer_specs
+    from mbridge.core import llm_bridge
+
+    from .patches import megatron_cpu
+    from .rope import TreeGPTModel
+    from .spec import tree_attention_spec
+
+    use_te = _transformer_engine_available()
+    if not use_te:
+        _extend_weight_maps_for_local_spec(bridge)
+        if bridge.config.sequence_parallel:
+            logger.info("tree training without transformer-engine: sequence_parallel switched off")
+            bridge.set_extra_args(sequence_parallel=False)
+
+    original_spec = bridge._get_transformer_layer_spec
+    original_provider = bridge._model_provider
+    original_get_model = bridge.get_model
+
+    def get_transformer_layer_spec(vp_stage=None):
+        if use_te:
+            spec = original_spec(vp_stage)
+        else:
+            has_vp_stage = "vp_stage" in llm_bridge.inspect.signature(
+                gpt_layer_specs.get_gpt_decoder_block_spec
+            ).parameters
+            bridge.has_vp_stage = has_vp_stage  # read by mbridge's provider
+            extra = {"vp_stage": vp_stage} if has_vp_stage else {}
+            spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+                bridge.config,
+                use_transformer_engine=False,
+                normalization=bridge.config.normalization,
+                **extra,
+            )
+        return tree_attention_spec(spec, backend=backend, block_size=block_size)
+
+    def model_provider(*args, **kwargs):
+        provider = original_provider(*args, **kwargs)
+
+        @functools.wraps(provider)
+        def tree_provider(*pargs, **pkwargs):
+            with _swap_attr(llm_bridge, "GPTModel", TreeGPTModel):
+                model = provider(*pargs, **pkwargs)
+            if not isinstance(model, TreeGPTModel):
+                raise ValueError(
+                    f"{type(bridge).__name__} built {type(model).__name__}, not a GPTModel; tree "
+                    "training through mbridge supports GPT-style language models"
+                )
+            return model
+
+        return tree_provider
+
+    def get_model(*args, **kwargs):
+        import torch
+
+        if torch.cuda.is_available():
+            return original_get_model(*args, **kwargs)
+        with megatron_cpu.module_cuda_noop():
+            return original_get_model(*args, **kwargs)
+
+    bridge._get_transformer_layer_spec = get_transformer_layer_spec
+    bridge._model_provider = model_provider
+    bridge.get_model = functools.wraps(original_get_model)(get_model)
+    setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
+
+
+@contextlib.contextmanager
+def patch_bridge_for_tree_training(
+    enable: bool = True, *, backend: str = "auto", block_size: int = 128
+) -> Iterator[None]:
+    """Bridges created inside this block build tree-attention models with depth RoPE.
+
+    Usage::
+
+        with patch_bridge_for_tree_training():
+            bridge = AutoBridge.from_pretrained(hf_path, dtype=torch.float32)
+        model = bridge.get_model(weight_path=hf_path, bf16=False)   # inside or after the block
+        logits = model[0](input_ids, position_ids, attention_mask=tree.subtree_end)
+
+    On a CPU-only machine also apply ``megatron_tree.patches.megatron_cpu`` (Megatron itself calls
+    CUDA while building a model).
+
+    Args:
+        enable: False makes the block a no-op (convenient for switching tree training off).
+        backend: TreeCoreAttention backend for the models these bridges build.
+        block_size: tile size of the flex / block-sparse backends.
+
+    Raises:
+        ValueError: unknown backend; or, at ``get_model``, a layer that cannot use tree attention.
+    """
+    from .attention import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    # One hook on Bridge.__init__, installed by the outermost enabled block; the innermost block's
+    # settings (or its enable=False) decide what a bridge created at that point gets.
+    install = enable and not _HOOK
+    if install:
+        from mbridge.core import bridge as bridge_module
+
+        original_init = bridge_module.Bridge.__init__
+
+        @functools.wraps(original_init)
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            if _ACTIVE and _ACTIVE[-1] is not None:
+                _bind(self, **_ACTIVE[-1])
+
+        bridge_module.Bridge.__init__ = init
+        _HOOK.append(original_init)
+    _ACTIVE.append({"backend": backend, "block_size": block_size} if enable else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        if install:
+            bridge_module.Bridge.__init__ = _HOOK.pop()
+
+
+_ACTIVE: list[dict | None] = []  # settings of the open blocks, innermost last
+_HOOK: list = []  # the original Bridge.__init__ while the hook is installed
+
+
+def is_tree_training_bridge(bridge: Any) -> bool:
+    """True if ``bridge`` was created inside :func:`patch_bridge_for_tree_training`."""
+    return getattr(bridge, _BOUND_ATTR, None) is not None
