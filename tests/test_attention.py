@@ -1,0 +1,221 @@
+"""Tree core attention: every backend and mask form against a brute-force reference; spec rewrite."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_tree import attention as tree_attn
+from megatron_tree.attention import tree_attention
+from megatron_tree.mask import build_attention_mask_from_trie
+
+from _models import branching_sequences, pack
+
+# fp64 on CPU: the backends differ from the reference only by summation order, ~1e-15.
+TOL = 1e-12
+
+
+def _tree(block_size: int = 16):
+    return pack(branching_sequences(), block_size=block_size, max_tokens=512)[0]["tree"]
+
+
+def _reference(q, k, v, masked):
+    """Brute force: repeat KV groups, scores, -inf on masked pairs, softmax. [N, b, np*hn]."""
+    n, b, heads, dim = q.shape
+    rep = heads // k.shape[2]
+    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)
+
+
+def _qkv(n, heads=4, groups=2, dim=8, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(n, 1, heads, dim), (n, 1, groups, dim), (n, 1, groups, dim)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).requires_grad_(grad) for s in shapes]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "block_sparse", "auto"])
+@pytest.mark.parametrize("form", ["subtree_end", "subtree_end_1N", "dense", "dense_11NN"])
+@pytest.mark.parametrize("block_size", [16, 7, 128])
+def test_backends_match_reference_forward_backward(backend, form, block_size):
+    tree = _tree()
+    n = tree.padded_length
+    masked = build_attention_mask_from_trie(tree)
+    mask = {
+        "subtree_end": tree.subtree_end,
+        "subtree_end_1N": tree.subtree_end[None],
+        "dense": masked,
+        "dense_11NN": masked[None, None],
+    }[form]
+    q, k, v = _qkv(n)
+    ref = _reference(q, k, v, masked)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    out = tree_attention(q, k, v, mask, backend=backend, block_size=block_size)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert out.shape == (n, 1, 32)
+    assert (out - ref).abs().max() < TOL
+    for got, want in zip(grads, ref_grads):
+        assert (got - want).abs().max() < TOL
+
+
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_flex_forward_matches_reference_on_cpu(block_size):
+    tree = _tree()
+    masked = build_attention_mask_from_trie(tree)
+    q, k, v = _qkv(tree.padded_length, grad=False)
+    ref = _reference(q, k, v, masked)
+    for mask in (tree.subtree_end, masked):
+        out = tree_attention(q, k, v, mask, backend="flex", block_size=block_size)
+        assert (out - ref).abs().max() < TOL
+
+
+def test_flex_backward_on_cpu_raises_clearly():
+    tree = _tree()
+    q, k, v = _qkv(tree.padded_length)
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        tree_attention(q, k, v, tree.subtree_end, backend="flex")
+
+
+def test_softmax_scale_is_honoured():
+    tree = _tree()
+    q, k, v = _qkv(tree.padded_length, grad=False)
+    masked = build_attention_mask_from_trie(tree)
+    # Scaling q by 2 with scale s/2 equals the default scale s.
+    ref = tree_attention(q, k, v, tree.subtree_end, backend="sdpa")
+    for backend in ("sdpa", "block_sparse"):
+        out = tree_attention(2 * q, k, v, masked, backend=backend, softmax_scale=0.5 / math.sqrt(8))
+        assert (out - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "block_sparse"])
+def test_dropout_is_applied_and_reproducible(backend):
+    tree = _tree()
+    q, k, v = _qkv(tree.padded_length, grad=False)
+    plain = tree_attention(q, k, v, tree.subtree_end, backend=backend)
+    torch.manual_seed(3)
+    dropped = tree_attention(q, k, v, tree.subtree_end, backend=backend, dropout_p=0.5)
+    torch.manual_seed(3)
+    again = tree_attention(q, k, v, tree.subtree_end, backend=backend, dropout_p=0.5)
+    assert not torch.allclose(dropped, plain)
+    assert torch.equal(dropped, again)
+
+
+def test_derived_masks_are_built_once_per_micro_batch(monkeypatch):
+    tree = _tree()
+    calls = []
+    original = tree_attn._block_sparse_plan
+    monkeypatch.setattr(tree_attn, "_block_sparse_plan", lambda *a: calls.append(1) or original(*a))
+    tree_attn.clear_tree_mask_cache()
+    q, k, v = _qkv(tree.padded_length, grad=False)
+    for _ in range(4):  # four "layers" of one micro-batch
+        tree_attention(q, k, v, tree.subtree_end, backend="block_sparse")
+    assert len(calls) == 1
+    tree_attention(q, k, v, tree.subtree_end.clone(), backend="block_sparse")  # next micro-batch
+    assert len(calls) == 2
+    encoding = tree.subtree_end.clone()
+    tree_attention(q, k, v, encoding, backend="block_sparse")
+    encoding[-1] = encoding[-1]  # an in-place write invalidates the entry
+    tree_attention(q, k, v, encoding, backend="block_sparse")
+    assert len(calls) == 4
+
+
+def test_mask_errors_name_the_sizes():
+    tree = _tree()
+    n = tree.padded_length
+    q, k, v = _qkv(n, grad=False)
+    wrong = build_attention_mask_from_trie(tree)[:-16, :-16]
+    with pytest.raises(ValueError, match=rf"shape \({n - 16}, {n - 16}\).*{n} query and {n} key"):
+        tree_attention(q, k, v, wrong, backend="sdpa")
+    with pytest.raises(ValueError, match=rf"has shape \({n - 1},\).*{n} positions"):
+        tree_attention(q, k, v, tree.subtree_end[:-1])
+    with pytest.raises(ValueError, match="integer subtree_end or a bool mask"):
+        tree_attention(q, k, v, torch.zeros(n, n))
+    with pytest.raises(ValueError, match="needs the tree mask"):
+        tree_attention(q, k, v, None)
+    with pytest.raises(ValueError, match="backend='nope'"):
+        tree_attention(q, k, v, tree.subtree_end, backend="nope")
+
+
+# --------------------------------------------------------------------------------------- spec rewrite
+megatron = pytest.importorskip("megatron.core")
+
+
+def _core_attention_of(layer_spec):
+    return layer_spec.submodules.self_attention.submodules.core_attention
+
+
+def test_spec_rewrite_local_layer_and_block():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tree.attention import TreeCoreAttention
+    from megatron_tree.spec import tree_attention_spec
+
+    local = get_gpt_layer_local_spec()
+    rewritten = tree_attention_spec(local, backend="block_sparse", block_size=64)
+    core = _core_attention_of(rewritten)
+    assert core.module is TreeCoreAttention and core.params == {"backend": "block_sparse", "block_size": 64}
+    assert rewritten.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.arbitrary
+    # The input is untouched, the linear layers are kept.
+    assert _core_attention_of(local) is DotProductAttention
+    assert (
+        rewritten.submodules.self_attention.submodules.linear_qkv
+        is local.submodules.self_attention.submodules.linear_qkv
+    )
+    config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4)
+    block = tree_attention_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0))
+    assert len(block.layer_specs) == 3
+    assert all(_core_attention_of(s).module is TreeCoreAttention for s in block.layer_specs)
+    assert tree_attention_spec(rewritten).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.arbitrary
+
+
+def test_spec_rewrite_te_spec_keeps_te_layers():
+    pytest.importorskip("transformer_engine")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megatron_tree.attention import TreeCoreAttention
+    from megatron_tree.spec import tree_attention_spec
+
+    te = get_gpt_layer_with_transformer_engine_spec()
+    rewritten = tree_attention_spec(te)
+    assert _core_attention_of(rewritten).module is TreeCoreAttention
+    assert (
+        rewritten.submodules.self_attention.submodules.linear_qkv
+        is te.submodules.self_attention.submodules.linear_qkv
+    )
+
+
+def test_spec_rewrite_rejects_what_it_cannot_rewrite():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_tree.spec import tree_attention_spec
+
+    with pytest.raises(ValueError, match="layer spec: cannot rewrite self-attention MLASelfAttention"):
+        tree_attention_spec(get_gpt_layer_local_spec(multi_latent_attention=True))
+
+    mla_second = TransformerBlockSubmodules(
+        layer_specs=[get_gpt_layer_local_spec(), get_gpt_layer_local_spec(multi_latent_attention=True)]
+    )
+    with pytest.raises(ValueError, match="block layer 1: .*MLASelfAttention"):
+        tree_attention_spec(mla_second)
+
+    unknown = get_gpt_layer_local_spec()
+    unknown.submodules.self_attention.submodules.core_attention = torch.nn.Identity
+    with pytest.raises(ValueError, match="layer spec: unknown core attention Identity"):
+        tree_attention_spec(unknown)
+
+    class MambaLayer(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="layer 0: cannot rewrite MambaLayer"):
+        tree_attention_spec([ModuleSpec(module=MambaLayer)])
+
+    with pytest.raises(ValueError, match="cannot rewrite a spec of type dict"):
+        tree_attention_spec({})

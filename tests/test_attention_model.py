@@ -1,0 +1,206 @@
+"""Tree attention inside a Megatron GPTModel: depth RoPE, gradients vs unpacked steps, recompute.
+
+References are independent of the tree code: Megatron's own GPTModel with the unmodified local spec
+(DotProductAttention, causal mask, positions 0..L-1) run on each sequence alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_tree.patches import megatron_cpu  # noqa: E402
+
+from _dist import single_process_world  # noqa: E402
+from _models import VOCAB, branching_sequences, pack  # noqa: E402
+
+# fp32 on CPU: packed and unpacked runs differ only in summation order (different matmul shapes),
+# which moves log-probs by ~1e-6 on this 2-layer model; 1e-5 leaves a margin while a wrong rotary
+# angle or a leaked key (>= 1e-3 here) fails.
+LOGP_TOL = 1e-5
+# Gradients sum over many tokens and sequences; relative to each parameter's gradient norm the
+# fp32 reordering error is ~1e-6.
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    single_process_world()
+    yield
+    megatron_cpu.undo()
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
+        params_dtype=torch.float32,
+        **overrides,
+    )
+
+
+def _model(kind: str, config=None, backend: str = "block_sparse"):
+    """kind: "reference" (stock GPTModel, local spec), "plain_rope" (tree attention, stock rope),
+    "tree" (tree attention + depth rope)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_tree.rope import TreeGPTModel
+    from megatron_tree.spec import tree_attention_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if kind != "reference":
+        spec = tree_attention_spec(spec, backend=backend, block_size=16)
+    cls = TreeGPTModel if kind == "tree" else GPTModel
+    torch.manual_seed(0)
+    return cls(
+        config=config or _config(),
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=512,
+        position_embedding_type="rope",
+    )
+
+
+def _reference_logprobs(model, seqs) -> dict[int, torch.Tensor]:
+    out = {}
+    for i, s in enumerate(seqs):
+        logits = model(s[None], torch.arange(len(s))[None], attention_mask=None)
+        out[i] = torch.log_softmax(logits[0], -1)[:-1].gather(1, s[1:, None])[:, 0]
+    return out
+
+
+def _tree_logprobs(model, micro_batches, mask_form: str = "subtree_end") -> dict[int, torch.Tensor]:
+    from megatron_tree.mask import build_attention_mask_from_trie
+
+    out = {}
+    for mb in micro_batches:
+        tree = mb["tree"]
+        mask = tree.subtree_end if mask_form == "subtree_end" else build_attention_mask_from_trie(tree)
+        logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mask)
+        logp = torch.log_softmax(logits[0], -1)
+        for i in range(tree.num_sequences):
+            idx = tree.sequence_token_index(i)
+            out[int(tree.sequence_ids[i])] = logp[idx[:-1], tree.input_ids[idx[1:]]]
+    return out
+
+
+def _max_err(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[i] - b[i]).abs().max()) for i in a)
+
+
+def test_depth_rope_is_needed_for_branches():
+    """With Megatron's plain rope the later branches are off by far more than the tolerance; with
+    depth RoPE every sequence matches its unpacked run."""
+    seqs = branching_sequences()
+    micro_batches = pack(seqs)
+    reference = _model("reference").eval()
+    state = reference.state_dict()
+    with torch.no_grad():
+        ref = _reference_logprobs(reference, seqs)
+        plain = _model("plain_rope").eval()
+        plain.load_state_dict(state)
+        depth = _model("tree").eval()
+        depth.load_state_dict(state)
+        plain_err = _max_err(_tree_logprobs(plain, micro_batches), ref)
+        depth_err = _max_err(_tree_logprobs(depth, micro_batches), ref)
+        dense_err = _max_err(_tree_logprobs(depth, micro_batches, "dense"), ref)
+    assert plain_err > 1e-2, plain_err
+    assert depth_err <= LOGP_TOL, depth_err
+    assert dense_err <= LOGP_TOL, dense_err
+
+
+def _weights(seqs) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {i: torch.rand(len(s) - 1, generator=g) for i, s in enumerate(seqs)}
+
+
+def _loss(logprobs: dict, weights: dict) -> torch.Tensor:
+    return -sum((logprobs[i] * weights[i]).sum() for i in logprobs)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        {},
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    ],
+    ids=["none", "full", "selective"],
+)
+@pytest.mark.parametrize("backend,mask_form", [("block_sparse", "subtree_end"), ("sdpa", "dense")])
+def test_tree_gradients_equal_unpacked_gradients(recompute, backend, mask_form):
+    """One tree-packed step vs. the sum of per-sequence unpacked steps, same per-token loss."""
+    seqs = branching_sequences()
+    micro_batches = pack(seqs)
+    weights = _weights(seqs)
+
+    reference = _model("reference").train()
+    _loss(_reference_logprobs(reference, seqs), weights).backward()
+    want = _grads(reference)
+
+    tree = _model("tree", _config(**recompute), backend=backend).train()
+    tree.load_state_dict(reference.state_dict())
+    _loss(_tree_logprobs(tree, micro_batches, mask_form), weights).backward()
+    got = _grads(tree)
+
+    assert got.keys() == want.keys()
+    for name in want:
+        rel = float((got[name] - want[name]).norm() / want[name].norm())
+        assert rel <= GRAD_RTOL, (name, rel)
+
+
+def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch):
+    from megatron_tree import attention as tree_attn
+
+    calls = []
+    original = tree_attn._block_sparse_plan
+    monkeypatch.setattr(tree_attn, "_block_sparse_plan", lambda *a: calls.append(1) or original(*a))
+    micro_batch = pack(branching_sequences())[0]
+    model = _model(
+        "tree", _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    ).train()
+    tree_attn.clear_tree_mask_cache()
+    logits = model(micro_batch["input_ids"], micro_batch["position_ids"], attention_mask=micro_batch["tree"].subtree_end)
+    logits.square().mean().backward()
+    assert len(calls) == 1  # 2 layers forward + 2 recomputed in backward share one plan
+
+
+def test_core_attention_module_errors():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_tree.attention import TreeCoreAttention
+
+    config = _config()
+    with pytest.raises(ValueError, match="layer 3: tree attention needs attn_mask_type=AttnMaskType.arbitrary"):
+        TreeCoreAttention(config, 3, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match="backend='fast'"):
+        TreeCoreAttention(config, 1, AttnMaskType.arbitrary, "self", backend="fast")
+    module = TreeCoreAttention(config, 1, AttnMaskType.arbitrary, "self")
+    q = torch.randn(32, 1, 4, 16)
+    kv = torch.randn(32, 1, 2, 16)
+    with pytest.raises(ValueError, match=r"shape \(16, 16\) but the packed sequence has 32 query"):
+        module(q, kv, kv, torch.zeros(16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="packed_seq_params"):
+        module(q, kv, kv, torch.arange(1, 33), packed_seq_params=object())
