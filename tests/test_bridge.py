@@ -1,0 +1,147 @@
+"""mbridge + ``patch_bridge_for_tree_training``: HF checkpoints load into tree models that give every
+sequence of a branching trie the log-probs HuggingFace gives it alone, at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("mbridge")
+
+from megatron_tree.patches import megatron_cpu  # noqa: E402
+
+from _dist import run_spawned, single_process_world  # noqa: E402
+from _models import ARCHS, branching_sequences, hf_logprobs, make_hf_checkpoint, pack  # noqa: E402
+
+# fp32 on CPU: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence) sum in
+# different orders, ~3e-6 on these models; a wrong rotary angle or a leaked key moves log-probs by
+# >= 1e-3 (see test_attention_model.test_depth_rope_is_needed_for_branches).
+LOGP_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(arch)
+        make_hf_checkpoint(arch, str(path))
+        paths[arch] = str(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    seqs = branching_sequences()
+    return {arch: hf_logprobs(path, seqs) for arch, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    single_process_world()
+    yield
+    megatron_cpu.undo()
+
+
+def _load(path: str, **patch_kwargs):
+    from mbridge import AutoBridge
+
+    from megatron_tree.bridge import patch_bridge_for_tree_training
+
+    with patch_bridge_for_tree_training(**patch_kwargs):
+        bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
+    # get_model after the block: the bridge instance keeps building tree models.
+    return bridge, bridge.get_model(weight_path=path, bf16=False, wrap_with_ddp=False)[0]
+
+
+def tree_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
+    """Per-sequence log-probs from the packed forward; vocab-parallel logits gathered at TP > 1."""
+    from megatron.core import tensor_parallel
+
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for mb in micro_batches:
+            tree = mb["tree"]
+            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree.subtree_end)
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logp = torch.log_softmax(logits[0], -1)
+            for i in range(tree.num_sequences):
+                idx = tree.sequence_token_index(i)
+                out[int(tree.sequence_ids[i])] = logp[idx[:-1], tree.input_ids[idx[1:]]]
+    return out
+
+
+def _max_err(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[i] - b[i]).abs().max()) for i in a)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
+    from megatron_tree.rope import TreeGPTModel
+
+    bridge, model = _load(checkpoints[arch])
+    assert isinstance(model, TreeGPTModel)
+    micro_batches = pack(branching_sequences())
+    assert _max_err(tree_logprobs(model, micro_batches), references[arch]) <= LOGP_TOL
+
+
+def test_patch_restores_everything_and_binds_instances(checkpoints):
+    from mbridge import AutoBridge
+    from mbridge.core import bridge as bridge_module
+
+    from megatron_tree.bridge import is_tree_training_bridge, patch_bridge_for_tree_training
+    from megatron_tree.rope import TreeGPTModel
+
+    path = checkpoints["qwen2"]
+    init = bridge_module.Bridge.__init__
+    cuda = torch.nn.Module.cuda
+    with pytest.raises(RuntimeError, match="inside"):
+        with patch_bridge_for_tree_training():
+            assert bridge_module.Bridge.__init__ is not init
+            with patch_bridge_for_tree_training(enable=False):
+                plain = AutoBridge.from_pretrained(path, dtype=torch.float32)
+            with patch_bridge_for_tree_training(backend="sdpa"):
+                inner = AutoBridge.from_pretrained(path, dtype=torch.float32)
+            outer = AutoBridge.from_pretrained(path, dtype=torch.float32)
+            raise RuntimeError("inside")
+    assert bridge_module.Bridge.__init__ is init
+    assert torch.nn.Module.cuda is cuda
+    assert not is_tree_training_bridge(plain)
+    assert is_tree_training_bridge(inner) and is_tree_training_bridge(outer)
+    # A bridge made outside any block is untouched.
+    assert not is_tree_training_bridge(AutoBridge.from_pretrained(path, dtype=torch.float32))
+
+    model = inner.get_model(bf16=False, wrap_with_ddp=False)[0]
+    assert isinstance(model, TreeGPTModel)
+    assert torch.nn.Module.cuda is cuda
+    backends = {layer.self_attention.core_attention.backend for layer in model.decoder.layers}
+    assert backends == {"sdpa"}
+    assert {layer.self_attention.core_attention.backend for layer in outer.get_model(
+        bf16=False, wrap_with_ddp=False)[0].decoder.layers} == {"auto"}
+    with pytest.raises(ValueError, match="backend='nope'"):
+        with patch_bridge_for_tree_training(backend="nope"):
+            pass
+
+
+def _tp2_worker(rank: int, checkpoints: dict) -> dict:
+    micro_batches = pack(branching_sequences())
+    out = {}
+    for arch, path in checkpoints.items():
+        bridge, model = _load(path)
+        assert bridge.config.tensor_model_parallel_size == 2
+        assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
+        out[arch] = tree_logprobs(model, micro_batches)
+    return out
+
+
+def test_bridge_tp2_matches_tp1_and_hf(checkpoints, references):
+    """One spawned TP=2 gloo world loads all three checkpoints (sequence parallelism off: the local
+    spec's torch norms do not support it)."""
+    rank0, rank1 = run_spawned(_tp2_worker, 2, checkpoints)
+    micro_batches = pack(branching_sequences())
+    for arch, path in checkpoints.items():
+        tp1 = tree_logprobs(_load(path)[1], micro_batches)
+        assert _max_err(rank0[arch], rank1[arch]) == 0.0
+        assert _max_err(rank0[arch], tp1) <= LOGP_TOL, arch
+        assert _max_err(rank0[arch], references[arch]) <= LOGP_TOL, arch
