@@ -156,31 +156,47 @@ def _pad_encoding(subtree_end: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([subtree_end.to(torch.int64), tail])
 
 
-def _block_sparse_plan(subtree_end: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather plan for one tree: key indices [nb, M*B] and the allowed mask [nb, 1, B, M*B].
+_PLAN_GROUPS = 4
 
-    Query block i attends key blocks ``kv_blocks[i, :count[i]]`` (the tiles with an allowed pair);
-    the list is padded to M with block i itself, masked out, so every row keeps its real keys.
+
+def _block_sparse_plan(subtree_end: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """Gather plan for one tree, as groups of query blocks with similar key-block counts.
+
+    Query block i attends the key blocks holding an allowed pair for it (``tree_block_layout``).
+    Blocks are grouped by that count (group g holds counts up to about (g+1)/G of the maximum), and
+    each group's key lists are padded to the group's largest count with the query block itself,
+    masked out; so the padding costs at most M/G tiles per query block.
+
+    Returns:
+        A list of (q_blocks [g], kv_index [g, M_g*B], allowed [g, 1, B, M_g*B]) over the groups;
+        the q_blocks of all groups together are a permutation of range(nb).
     """
     n = subtree_end.shape[0]
     padded = -(-n // block_size) * block_size
     ends = _pad_encoding(subtree_end, padded)
     any_allowed, _ = tree_block_layout(ends, block_size)  # [nb, nb]
     nb = padded // block_size
+    device = ends.device
     counts = any_allowed.sum(dim=1)
-    m = int(counts.max())
+    top = int(counts.max())
+    group_of = torch.clamp((counts * _PLAN_GROUPS - 1) // top, min=0)
     # Listed key blocks first, in increasing order (stable sort on "not listed").
-    order = torch.argsort((~any_allowed).to(torch.int8), dim=1, stable=True)[:, :m]  # [nb, M]
-    slot_valid = torch.arange(m, device=ends.device)[None, :] < counts[:, None]  # [nb, M]
-    own = torch.arange(nb, device=ends.device)[:, None].expand(nb, m)
-    kv_blocks = torch.where(slot_valid, order, own)
-    offsets = torch.arange(block_size, device=ends.device)
-    kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(nb, m * block_size)
-    q_pos = (torch.arange(nb, device=ends.device)[:, None] * block_size + offsets)[:, :, None]
-    k_pos = kv_index[:, None, :]  # [nb, 1, M*B]
-    allowed = (k_pos <= q_pos) & (q_pos < ends[k_pos])  # [nb, B, M*B]
-    allowed &= slot_valid.repeat_interleave(block_size, dim=1)[:, None, :]
-    return kv_index, allowed.unsqueeze(1)
+    order = torch.argsort((~any_allowed).to(torch.int8), dim=1, stable=True)
+    offsets = torch.arange(block_size, device=device)
+    plan = []
+    for group in torch.unique(group_of).tolist():
+        q_blocks = torch.nonzero(group_of == group).squeeze(1)
+        m = int(counts[q_blocks].max())
+        slot_valid = torch.arange(m, device=device)[None, :] < counts[q_blocks, None]  # [g, M]
+        own = q_blocks[:, None].expand(-1, m)
+        kv_blocks = torch.where(slot_valid, order[q_blocks, :m], own)
+        kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(len(q_blocks), m * block_size)
+        q_pos = (q_blocks[:, None] * block_size + offsets)[:, :, None]  # [g, B, 1]
+        k_pos = kv_index[:, None, :]  # [g, 1, M*B]
+        allowed = (k_pos <= q_pos) & (q_pos < ends[k_pos])  # [g, B, M*B]
+        allowed &= slot_valid.repeat_interleave(block_size, dim=1)[:, None, :]
+        plan.append((q_blocks, kv_index, allowed.unsqueeze(1)))
+    return plan
 
 
 def _flex_attention_fn(device: torch.device):
@@ -304,23 +320,21 @@ def tree_attention(
         rows = []
         for row in range(b):
             enc = encoding[row if encoding.shape[0] > 1 else 0]
-            kv_index, allowed = _MASK_CACHE.get(
+            plan = _MASK_CACHE.get(
                 source,
                 ("plan", block_size, row if encoding.shape[0] > 1 else 0),
                 lambda: _block_sparse_plan(enc, block_size),
             )
-            rows.append(
-                _block_sparse_row(q[row], k[row], v[row], kv_index, allowed, scale, dropout_p, gqa)[:, :sq]
-            )
+            rows.append(_block_sparse_row(q[row], k[row], v[row], plan, scale, dropout_p, gqa)[:, :sq])
         out = torch.stack(rows)
     # [b, np, N, hn] -> [N, b, np * hn]
     return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * head_dim)
 
 
-def _block_sparse_row(q, k, v, kv_index, allowed, scale, dropout_p, gqa) -> torch.Tensor:
+def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
     """One tree. q [np, N, hn], k/v [ng, N, hn] -> [np, padded, hn]."""
-    nb, span = kv_index.shape
-    block_size = allowed.shape[-2]
+    block_size = plan[0][2].shape[-2]
+    nb = sum(len(group[0]) for group in plan)
     padded = nb * block_size
     n = q.shape[1]
     if padded != n:
@@ -328,15 +342,24 @@ def _block_sparse_row(q, k, v, kv_index, allowed, scale, dropout_p, gqa) -> torc
         q, k, v = (F.pad(t, pad) for t in (q, k, v))
     num_heads, _, head_dim = q.shape
     # [np, nb*B, hn] -> [nb, np, B, hn]
-    q_blocks = q.view(num_heads, nb, block_size, head_dim).transpose(0, 1)
-    flat = kv_index.reshape(-1)
-    # [ng, nb*M*B, hn] -> [nb, ng, M*B, hn]
-    k_blocks = k[:, flat].view(k.shape[0], nb, span, head_dim).transpose(0, 1)
-    v_blocks = v[:, flat].view(v.shape[0], nb, span, head_dim).transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        q_blocks, k_blocks, v_blocks, attn_mask=allowed, dropout_p=dropout_p, scale=scale,
-        enable_gqa=gqa,
-    )
+    q_all = q.view(num_heads, nb, block_size, head_dim).transpose(0, 1)
+    outs, order = [], []
+    for q_blocks, kv_index, allowed in plan:
+        g, span = kv_index.shape
+        flat = kv_index.reshape(-1)
+        # [ng, g*M*B, hn] -> [g, ng, M*B, hn]
+        k_blocks = k[:, flat].view(k.shape[0], g, span, head_dim).transpose(0, 1)
+        v_blocks = v[:, flat].view(v.shape[0], g, span, head_dim).transpose(0, 1)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_all[q_blocks], k_blocks, v_blocks, attn_mask=allowed, dropout_p=dropout_p,
+                scale=scale, enable_gqa=gqa,
+            )
+        )
+        order.append(q_blocks)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [nb, np, B, hn] in group order
+    if len(outs) > 1:
+        out = out[torch.argsort(torch.cat(order))]
     # [nb, np, B, hn] -> [np, nb*B, hn]
     return out.transpose(0, 1).reshape(num_heads, padded, head_dim)
 

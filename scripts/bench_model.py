@@ -1,0 +1,255 @@
+"""Benchmark: forward+backward of a small GPT on tree-packed vs. unshared packed micro-batches.
+
+Same model, same tree attention kernels; the baseline packs the same sequences with sharing switched
+off (every sequence its own root: positions 0..L-1, each token sees its own sequence's prefix).
+The speed-up is reported next to the ideal from a FLOP model (linear layers scale with packed
+tokens, attention with the number of allowed (query, key) pairs, read off ``subtree_end``).
+
+Two batches are timed: a GRPO batch (one prompt, n responses: everything shared) and a batch of n
+unrelated sequences of the same lengths (nothing shared, where tree packing must cost nothing).
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_model.py            # CPU defaults
+    python scripts/bench_model.py --device cuda --dtype bf16 --backend flex --hidden 1024 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--groups", type=int, default=2, help="key/value groups (GQA)")
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--responses", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--backend", default="block_sparse", choices=["auto", "sdpa", "flex", "block_sparse"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return p.parse_args(argv)
+
+
+def init_world():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from megatron_tree.patches import megatron_cpu
+
+    megatron_cpu.apply()  # no-op on CUDA machines
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    mp_random.model_parallel_cuda_manual_seed(1234)
+
+
+def build_model(args):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_tree.rope import TreeGPTModel
+    from megatron_tree.spec import tree_attention_spec
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        ffn_hidden_size=args.ffn,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        params_dtype=dtype,
+        bf16=args.dtype == "bf16",
+    )
+    spec = tree_attention_spec(
+        get_gpt_layer_local_spec(normalization="RMSNorm"), backend=args.backend, block_size=args.block_size
+    )
+    model = TreeGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab,
+        max_sequence_length=args.prompt + args.response_len,
+        position_embedding_type="rope",
+    )
+    return model.to(device=args.device, dtype=dtype)
+
+
+def batches(args):
+    """(shared GRPO sequences, unrelated sequences of the same lengths)."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, args.vocab, (args.prompt,), generator=g)
+    shared = [torch.cat([prompt, torch.randint(1, args.vocab, (args.response_len,), generator=g)])
+              for _ in range(args.responses)]
+    unrelated = [torch.randint(1, args.vocab, (args.prompt + args.response_len,), generator=g)
+                 for _ in range(args.responses)]
+    return shared, unrelated
+
+
+def tree_micro_batch(seqs, args) -> dict:
+    from megatron_tree.packing import build_packed_tree_batch
+    from megatron_tree.synthetic import pad_sequences
+
+    total = sum(len(s) for s in seqs)
+    cap = -(-total // args.block_size) * args.block_size
+    mbs = build_packed_tree_batch(pad_sequences(seqs), max_tokens_per_mb=cap, block_size=args.block_size, pad_to_max=False)
+    assert len(mbs) == 1
+    mb = mbs[0]
+    return {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"], "tree": mb["tree"]}
+
+
+def unshared_micro_batch(seqs, args) -> dict:
+    """The baseline layout: sequences concatenated, each its own root (no sharing)."""
+    from megatron_tree.tree import PackedTree
+
+    lengths = torch.tensor([len(s) for s in seqs])
+    total = int(lengths.sum())
+    n = -(-total // args.block_size) * args.block_size
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[:total] = torch.cat(seqs)
+    pos = torch.zeros(n, dtype=torch.int64)
+    pos[:total] = torch.cat([torch.arange(int(l)) for l in lengths])
+    subtree_end = torch.arange(1, n + 1, dtype=torch.int32)
+    subtree_end[:total] = torch.repeat_interleave(ends, lengths).to(torch.int32)
+    parent = torch.full((n,), -1, dtype=torch.int64)
+    parent[:total] = torch.arange(-1, total - 1)
+    parent[starts] = -1
+    token_index = torch.arange(total)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+    tree = PackedTree(ids, pos, subtree_end, parent, torch.arange(len(seqs)), cu, token_index, total)
+    return {"input_ids": ids[None], "position_ids": pos[None], "tree": tree}
+
+
+def step_inputs(mb, device):
+    """Model inputs plus the (position, target) pairs of every sequence's next-token loss."""
+    tree = mb["tree"]
+    idx = tree.token_index
+    last = tree.cu_seqlens[1:] - 1
+    keep = torch.ones(len(idx), dtype=torch.bool)
+    keep[last] = False
+    positions = idx[keep]
+    targets = tree.input_ids[idx[torch.nonzero(keep).squeeze(1) + 1]]
+    return (
+        mb["input_ids"].to(device),
+        mb["position_ids"].to(device),
+        tree.subtree_end.to(device),
+        positions.to(device),
+        targets.to(device),
+    )
+
+
+def make_step(model, inputs):
+    input_ids, position_ids, mask, positions, targets = inputs
+
+    def step():
+        from megatron_tree.attention import clear_tree_mask_cache
+
+        clear_tree_mask_cache()  # count building the mask plan as part of every step
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids, position_ids, attention_mask=mask)[0]
+        logp = torch.log_softmax(logits[positions].float(), dim=-1)
+        loss = -logp.gather(1, targets[:, None]).mean()
+        loss.backward()
+
+    return step
+
+
+def time_steps(steps: dict, reps: int, device: str) -> dict:
+    """Best-of-``reps`` seconds per step, the steps interleaved so that load from other processes on
+    a shared machine hits all of them alike."""
+    for step in steps.values():
+        step()  # warm-up
+    times = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
+
+
+def flops(mb, args) -> float:
+    """Forward+backward FLOPs: 3x forward; forward = 2 * matmul params per token + attention."""
+    tree = mb["tree"]
+    u = tree.num_tree_tokens
+    kv = args.hidden // args.heads * args.groups
+    per_layer = args.hidden * (args.hidden + 2 * kv) + args.hidden * args.hidden + 3 * args.hidden * args.ffn
+    linear = 2 * u * (args.layers * per_layer + args.hidden * args.vocab)
+    pairs = int((tree.subtree_end[:u].to(torch.int64) - torch.arange(u)).sum())  # allowed (q, k)
+    attention = args.layers * 4 * args.hidden * pairs
+    return 3.0 * (linear + attention)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    init_world()
+    model = build_model(args).train()
+    shared, unrelated = batches(args)
+    rows = {}
+    for name, seqs in (("shared (GRPO)", shared), ("nothing shared", unrelated)):
+        tree_mb, base_mb = tree_micro_batch(seqs, args), unshared_micro_batch(seqs, args)
+        times = time_steps(
+            {
+                "tree": make_step(model, step_inputs(tree_mb, args.device)),
+                "base": make_step(model, step_inputs(base_mb, args.device)),
+            },
+            args.reps,
+            args.device,
+        )
+        t_tree, t_base = times["tree"], times["base"]
+        ideal = flops(base_mb, args) / flops(tree_mb, args)
+        rows[name] = dict(
+            tokens_tree=tree_mb["tree"].num_tree_tokens,
+            tokens_base=base_mb["tree"].num_tree_tokens,
+            t_tree=t_tree,
+            t_base=t_base,
+            speedup=t_base / t_tree,
+            ideal=ideal,
+        )
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.groups} groups, "
+        f"ffn {args.ffn}, vocab {args.vocab}; {args.device} {args.dtype}, backend {args.backend}, "
+        f"threads {args.threads}; batch: prompt {args.prompt} + {args.responses} x {args.response_len}"
+    )
+    print(f"{'batch':<16} {'tokens tree/base':>17} {'fwd+bwd tree':>13} {'baseline':>9} "
+          f"{'speed-up':>9} {'ideal':>6} {'of ideal':>9}")
+    for name, r in rows.items():
+        print(
+            f"{name:<16} {r['tokens_tree']:>8}/{r['tokens_base']:<8} {r['t_tree']:>12.3f}s "
+            f"{r['t_base']:>8.3f}s {r['speedup']:>8.2f}x {r['ideal']:>5.2f}x {r['speedup'] / r['ideal']:>8.0%}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
