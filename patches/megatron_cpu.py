@@ -18,6 +18,10 @@ patched symbol                                              CPU behaviour
                                                             copy imported by
                                                             ``megatron.core.fusions.fused_softmax``)
 ``...utils.get_sliding_window_causal_mask``                 same, for sliding-window attention
+``torch.cuda.synchronize``                                  no-op (called by the pipeline p2p code)
+``megatron.core.pipeline_parallel.schedules.torch``         ``torch`` with ``zeros(device="cuda")``
+                                                            redirected to the CPU (the schedules'
+                                                            token counters)
 ==========================================================  =======================================
 
 Nothing happens at import. Use :func:`apply` / :func:`undo` or the :func:`megatron_cpu_patch`
@@ -54,6 +58,8 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.utils", "get_sliding_window_causal_mask"),
     ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"),
     ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
+    ("torch.cuda", "synchronize"),
+    ("megatron.core.pipeline_parallel.schedules", "torch"),
 )
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
@@ -153,7 +159,26 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Ten
     return ~allowed
 
 
-_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+def _cpu_synchronize(device: Any = None) -> None:
+    # No CUDA stream exists, so there is nothing to wait for (the pipeline's p2p code calls this).
+    return None
+
+
+class _TorchWithCpuZeros:
+    """``torch`` as seen by Megatron's pipeline schedules, whose token counters are created with
+    ``torch.zeros(..., device="cuda")``: the same module, with that one device redirected."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+_REPLACEMENTS: dict[str, Any] = {
     "current_device": _cpu_current_device,
     "_get_cuda_rng_state": _cpu_get_rng_state,
     "_set_cuda_rng_state": _cpu_set_rng_state,
@@ -161,6 +186,8 @@ _REPLACEMENTS: dict[str, Callable[..., Any]] = {
     "model_parallel_cuda_manual_seed": _cpu_model_parallel_cuda_manual_seed,
     "get_default_causal_mask": _cpu_default_causal_mask,
     "get_sliding_window_causal_mask": _cpu_sliding_window_causal_mask,
+    "synchronize": _cpu_synchronize,
+    "torch": _TorchWithCpuZeros(),
 }
 
 

@@ -1,8 +1,8 @@
 """Test helpers: in-process gloo worlds for Megatron-Core on CPU.
 
 ``single_process_world()`` initializes a world of size 1 in the test process (once per process) and
-Megatron's parallel_state at TP=1. ``run_spawned(fn, world_size)`` spawns a fresh gloo world with
-TP = world_size, applies the CPU patch in every worker, calls ``fn(rank, *args)`` and returns each
+Megatron's parallel_state at TP=1. ``run_spawned(fn, world_size, tp=..., pp=...)`` spawns a fresh
+gloo world (TP = world_size unless given), applies the CPU patch in every worker, calls ``fn(rank, *args)`` and returns each
 rank's (picklable) result, rank order. Spawns cost seconds each (every worker imports Megatron), so
 tests do several checks per spawn.
 """
@@ -43,7 +43,7 @@ def single_process_world(seed: int = 1234) -> None:
     mp_random.model_parallel_cuda_manual_seed(seed)
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, tp: int, pp: int) -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
@@ -56,7 +56,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
         mp_random.model_parallel_cuda_manual_seed(1234)
         result = ("ok", fn(rank, *args))
     except BaseException:  # report the worker's traceback to the test process
@@ -69,12 +71,18 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
             dist.destroy_process_group()
 
 
-def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, *args)`` on a fresh gloo world with TP = ``world_size``; results by rank."""
+def run_spawned(
+    fn: Callable[..., Any], world_size: int, *args: Any, tp: int | None = None, pp: int = 1
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on a fresh gloo world; results by rank.
+
+    Parallel layout: TP = ``tp`` (default: the whole world), PP = ``pp``, DP = the rest.
+    """
+    tp = world_size // pp if tp is None else tp
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, free_port(), out_dir, fn, args, tp, pp),
             nprocs=world_size,
             join=True,
         )
