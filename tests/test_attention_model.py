@@ -16,6 +16,12 @@ from megatron_tree.patches import megatron_cpu  # noqa: E402
 from _dist import single_process_world  # noqa: E402
 from _models import VOCAB, branching_sequences, pack  # noqa: E402
 
+# A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
+# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
+)
+
 # fp32 on CPU: packed and unpacked runs differ only in summation order (different matmul shapes),
 # which moves log-probs by ~1e-6 on this 2-layer model; 1e-5 leaves a margin while a wrong rotary
 # angle or a leaked key (>= 1e-3 here) fails.

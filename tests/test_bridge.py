@@ -13,6 +13,12 @@ from megatron_tree.patches import megatron_cpu  # noqa: E402
 from _dist import run_spawned, single_process_world  # noqa: E402
 from _models import ARCHS, branching_sequences, hf_logprobs, make_hf_checkpoint, pack  # noqa: E402
 
+# A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
+# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
+)
+
 # fp32 on CPU: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence) sum in
 # different orders, ~3e-6 on these models; a wrong rotary angle or a leaked key moves log-probs by
 # >= 1e-3 (see test_attention_model.test_depth_rope_is_needed_for_branches).
