@@ -108,6 +108,7 @@ def layout_tree(
     padded_length: int | None = None,
     align: int = 1,
     pad_token_id: int = 0,
+    share_prefixes: bool = True,
 ):
     """Flatten the trie of lexicographically sorted sequences in pre-order.
 
@@ -118,6 +119,8 @@ def layout_tree(
             rounded up to a multiple of ``align``.
         align: alignment of the default ``padded_length``.
         pad_token_id: token id written on padding positions.
+        share_prefixes: False lays every sequence out as its own root chain (the unshared
+            baseline with the same layout and kernels).
 
     Returns:
         (input_ids [N], position_ids [N], subtree_end int32 [N], parent_index [N], token_index [T],
@@ -125,7 +128,7 @@ def layout_tree(
     """
     num_seq, width = rows.shape
     device = rows.device
-    lcp = _neighbour_lcp(rows, lengths)
+    lcp = _neighbour_lcp(rows, lengths) if share_prefixes else torch.zeros_like(lengths)
     contrib = lengths - lcp  # [S] tokens each sequence adds to the trie
     start = torch.zeros(num_seq + 1, dtype=torch.int64, device=device)
     torch.cumsum(contrib, dim=0, out=start[1:])
@@ -319,6 +322,7 @@ def build_packed_tree_batch(
     pad_to_max: bool = True,
     pad_token_id: int = 0,
     dp_group=None,
+    share_prefixes: bool = True,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -338,6 +342,8 @@ def build_packed_tree_batch(
         pad_token_id: token id written on padding positions.
         dp_group: optional data-parallel process group; all its ranks then return the same number
             of micro-batches (all-padding dummy trees appended where needed).
+        share_prefixes: False switches sharing off: every sequence becomes its own root chain, in
+            the same layout, for a baseline that runs the same kernels.
 
     Returns:
         :class:`PackedTreeBatch`.
@@ -354,6 +360,8 @@ def build_packed_tree_batch(
     order = _lexicographic_order(keys).to(device)
     sorted_keys, sorted_lengths = keys[order], lengths[order]
     lcp = _neighbour_lcp(sorted_keys, sorted_lengths)
+    if not share_prefixes:
+        lcp = torch.zeros_like(lcp)
     runs = _split_into_runs(lcp, sorted_lengths, max_tokens_per_mb)
     bins = _first_fit_decreasing(runs, max_tokens_per_mb)
 
@@ -373,6 +381,7 @@ def build_packed_tree_batch(
             padded_length=max_tokens_per_mb if pad_to_max else None,
             align=align,
             pad_token_id=pad_token_id,
+            share_prefixes=share_prefixes,
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])

@@ -126,6 +126,7 @@ def tree_forward_backward(
     block_size: int = 128,
     parallel_size: int = 1,
     pad_to_max: bool | None = None,
+    share_prefixes: bool = True,
 ) -> TreeStepResult:
     """Pack ``batch`` into trees and run forward (and backward) through Megatron's schedule.
 
@@ -144,6 +145,7 @@ def tree_forward_backward(
         max_tokens_per_mb, block_size, parallel_size, pad_to_max: packing (see
             ``build_packed_tree_batch``); ``pad_to_max`` defaults to True under pipeline parallelism
             (constant shapes), else False.
+        share_prefixes: False packs without sharing (the unshared baseline, same kernels).
         critic: run a value model instead of an actor.
         normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of
             per-sequence means), over the global batch.
@@ -184,6 +186,7 @@ def tree_forward_backward(
     packed = build_packed_tree_batch(
         data, max_tokens_per_mb=max_tokens_per_mb, block_size=block_size,
         parallel_size=parallel_size, pad_to_max=pad_to_max, dp_group=dp_group,
+        share_prefixes=share_prefixes,
     )
     timings["pack"] = time.perf_counter() - t0
     num_mb = len(packed)

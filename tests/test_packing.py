@@ -263,3 +263,25 @@ def test_data_parallel_ranks_get_the_same_number_of_trees(tmp_path):
     for masked in r1["dummy_masks"]:
         assert torch.equal(~masked, torch.eye(64, dtype=torch.bool))  # padding sees only itself
     assert r1["dummy_extras"] == [(0,), (0,)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_tries())
+def test_unshared_layout_is_one_causal_chain_per_sequence(sequences):
+    batch = make_batch(sequences)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=8, share_prefixes=False)
+    assert packed.num_tree_tokens == packed.num_real_tokens == sum(map(len, sequences))
+    for mb in packed:
+        tree = mb["tree"]
+        n = tree.padded_length
+        owner = torch.full((n,), -1)
+        for i, sid in enumerate(tree.sequence_ids.tolist()):
+            index = tree.sequence_token_index(i)
+            assert mb["input_ids"][0, index].tolist() == sequences[sid]
+            assert tree.position_ids[index].tolist() == list(range(len(index)))
+            assert (owner[index] == -1).all()
+            owner[index] = i
+        pos = torch.arange(n)
+        same = (owner[:, None] == owner[None, :]) & (owner[:, None] >= 0)
+        expected = (same & (pos[None, :] <= pos[:, None])) | torch.eye(n, dtype=torch.bool)
+        assert torch.equal(build_attention_mask_from_trie(tree), ~expected)
