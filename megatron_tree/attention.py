@@ -275,7 +275,9 @@ def tree_attention(
     if backend == "auto":
         backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
     if backend == "flex" and dropout_p > 0.0:
-        raise ValueError("the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'")
+        raise ValueError(
+            "the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'"
+        )
 
     source = attention_mask
     if form == "dense":
@@ -302,7 +304,9 @@ def tree_attention(
             raise ValueError("the flex backend takes one tree per micro-batch (b = 1)")
         padded = -(-sq // block_size) * block_size
         block_mask = _MASK_CACHE.get(
-            source, ("block_mask", block_size), lambda: _build_block_mask(encoding[0], block_size, padded)
+            source,
+            ("block_mask", block_size),
+            lambda: _build_block_mask(encoding[0], block_size, padded),
         )
         if not q.is_cuda:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -420,10 +424,13 @@ def _make_core_attention_class():
                 )
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise ValueError(
-                    f"{where}: tree attention supports softmax_type='vanilla', got {config.softmax_type!r}"
+                    f"{where}: tree attention supports softmax_type='vanilla', got "
+                    f"{config.softmax_type!r}"
                 )
             if getattr(config, "window_size", None) is not None:
-                raise ValueError(f"{where}: tree attention does not support sliding windows (window_size)")
+                raise ValueError(
+                    f"{where}: tree attention does not support sliding windows (window_size)"
+                )
             self.layer_number = layer_number
             self.attn_mask_type = attn_mask_type
             self.backend = backend

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import logging
 from typing import Any, Iterator
 
@@ -94,9 +95,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
         if use_te:
             spec = original_spec(vp_stage)
         else:
-            has_vp_stage = "vp_stage" in llm_bridge.inspect.signature(
-                gpt_layer_specs.get_gpt_decoder_block_spec
-            ).parameters
+            has_vp_stage = (
+                "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
+            )
             bridge.has_vp_stage = has_vp_stage  # read by mbridge's provider
             extra = {"vp_stage": vp_stage} if has_vp_stage else {}
             spec = gpt_layer_specs.get_gpt_decoder_block_spec(
@@ -154,7 +155,9 @@ def patch_bridge_for_tree_training(
     CUDA while building a model).
 
     Args:
-        enable: False makes the block a no-op (convenient for switching tree training off).
+        enable: False makes the block a no-op (convenient for switching tree training off); a
+            disabled block nested in an enabled one creates plain bridges. In nested enabled
+            blocks the innermost block's ``backend`` / ``block_size`` apply.
         backend: TreeCoreAttention backend for the models these bridges build.
         block_size: tile size of the flex / block-sparse backends.
 

@@ -51,8 +51,10 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     subs = layer_spec.submodules
     cross = getattr(subs, "cross_attention", IdentityOp)
     if _module_class(cross) is not IdentityOp:
-        raise ValueError(f"{where}: has cross attention ({_class_name(_module_class(cross))}), which tree "
-                         "training does not support")
+        raise ValueError(
+            f"{where}: has cross attention ({_class_name(_module_class(cross))}), which tree "
+            "training does not support"
+        )
     attention = subs.self_attention
     attention_cls = _module_class(attention)
     if attention_cls is IdentityOp:
@@ -120,7 +122,9 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
         cls = _module_class(spec)
         if isinstance(cls, type) and issubclass(cls, TransformerBlock):
             if not isinstance(spec.submodules, TransformerBlockSubmodules):
-                raise ValueError("TransformerBlock spec without TransformerBlockSubmodules cannot be rewritten")
+                raise ValueError(
+                    "TransformerBlock spec without TransformerBlockSubmodules cannot be rewritten"
+                )
             spec.submodules.layer_specs = rewrite_list(spec.submodules.layer_specs, "block ")
             return spec
         return _rewrite_layer(spec, "layer spec", core)

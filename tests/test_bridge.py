@@ -110,6 +110,7 @@ def test_patch_restores_everything_and_binds_instances(checkpoints):
             with patch_bridge_for_tree_training(backend="sdpa"):
                 inner = AutoBridge.from_pretrained(path, dtype=torch.float32)
             outer = AutoBridge.from_pretrained(path, dtype=torch.float32)
+            assert isinstance(outer.get_model(bf16=False, wrap_with_ddp=False)[0], TreeGPTModel)
             raise RuntimeError("inside")
     assert bridge_module.Bridge.__init__ is init
     assert torch.nn.Module.cuda is cuda
