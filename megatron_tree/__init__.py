@@ -1,9 +1,21 @@
 """megatron_tree: tree training (prefix-shared packed sequences) for Megatron-Core RL training.
 
 The pure-torch core (packing, masks, log-prob gathering) imports nothing from Megatron; the
-Megatron and mbridge integrations import it lazily.
+Megatron and mbridge integrations import it lazily (``TreeGPTModel`` and ``TreeCoreAttention`` are
+built on first access).
 """
 
+from .bridge import patch_bridge_for_tree_training
+from .critic import ValueHead, attach_value_head
+from .flops import GPTShape, train_flops
+from .logprobs import (
+    gather_packed_tree_logprobs,
+    gather_packed_tree_logprobs_entropy,
+    gather_packed_tree_logprobs_entropy_from_hidden,
+    gather_packed_tree_values,
+    gather_packed_tree_vocab_stats,
+    merge_packed_tree_results,
+)
 from .mask import (
     build_attention_mask_from_trie,
     build_block_mask_from_trie,
@@ -11,14 +23,46 @@ from .mask import (
     tree_mask_mod,
 )
 from .packing import PackedTreeBatch, build_packed_tree_batch
+from .spec import tree_attention_spec
+from .train_step import TreeStepResult, loss_weights, ppo_clipped_loss, tree_forward_backward, value_loss
 from .tree import PackedTree
 
+_LAZY = {"TreeGPTModel": ".rope", "TreeCoreAttention": ".attention"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "GPTShape",
     "PackedTree",
     "PackedTreeBatch",
+    "TreeCoreAttention",
+    "TreeGPTModel",
+    "TreeStepResult",
+    "ValueHead",
+    "attach_value_head",
     "build_attention_mask_from_trie",
     "build_block_mask_from_trie",
     "build_packed_tree_batch",
+    "gather_packed_tree_logprobs",
+    "gather_packed_tree_logprobs_entropy",
+    "gather_packed_tree_logprobs_entropy_from_hidden",
+    "gather_packed_tree_values",
+    "gather_packed_tree_vocab_stats",
+    "loss_weights",
+    "merge_packed_tree_results",
+    "patch_bridge_for_tree_training",
+    "ppo_clipped_loss",
+    "train_flops",
+    "tree_attention_spec",
     "tree_block_layout",
+    "tree_forward_backward",
     "tree_mask_mod",
+    "value_loss",
 ]

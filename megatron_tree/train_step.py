@@ -20,7 +20,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .logprobs import gather_packed_tree_logprobs_entropy, gather_packed_tree_values
+from .logprobs import (
+    gather_packed_tree_logprobs_entropy,
+    gather_packed_tree_values,
+    merge_packed_tree_results,
+)
 from .packing import build_packed_tree_batch
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,10 @@ class TreeStepResult:
     """What one step did.
 
     ``loss`` is this rank's share of the global batch loss (the shares of all data-parallel ranks
-    add up to it); None on pipeline stages other than the last.
+    add up to it); None on pipeline stages other than the last. ``outputs`` (with
+    ``collect_outputs=True``, last stage only): ``logprobs`` and ``entropy`` (actor) or ``values``
+    (critic), detached, merged back to the batch layout [B, L] (rolled for log-probs, 0 past each
+    sequence).
     """
 
     loss: torch.Tensor | None
@@ -47,6 +54,7 @@ class TreeStepResult:
     padded_tokens: int
     tree_token_ratio: float
     seconds: dict[str, float] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] | None = None
 
     def log_line(self) -> str:
         times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
@@ -113,7 +121,7 @@ def value_loss(outputs: dict, micro_batch: dict) -> torch.Tensor:
 def tree_forward_backward(
     model,
     batch: dict[str, torch.Tensor],
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     *,
     max_tokens_per_mb: int,
     critic: bool = False,
@@ -127,6 +135,7 @@ def tree_forward_backward(
     parallel_size: int = 1,
     pad_to_max: bool | None = None,
     share_prefixes: bool = True,
+    collect_outputs: bool = False,
 ) -> TreeStepResult:
     """Pack ``batch`` into trees and run forward (and backward) through Megatron's schedule.
 
@@ -141,7 +150,8 @@ def tree_forward_backward(
             reads ([B, L], e.g. ``old_logprobs``, ``advantages``, ``returns``).
         loss_fn: ``loss_fn(outputs, micro_batch) -> [T]`` per-token loss. ``outputs`` holds
             ``logprobs`` and ``entropy`` (actor) or ``values`` (critic), each [T]; ``micro_batch``
-            holds the packed batch tensors [T] (sequences concatenated in tree order).
+            holds the packed batch tensors [T] (sequences concatenated in tree order). None with
+            ``forward_only=True`` computes outputs only (loss 0).
         max_tokens_per_mb, block_size, parallel_size, pad_to_max: packing (see
             ``build_packed_tree_batch``); ``pad_to_max`` defaults to True under pipeline parallelism
             (constant shapes), else False.
@@ -154,6 +164,8 @@ def tree_forward_backward(
         dp_group: data-parallel group: trees are equalized across it and the normalization is global.
         dp_grad_average: the gradient reduction averages over DP ranks (Megatron DDP's default).
         forward_only: no backward (evaluation / log-prob computation).
+        collect_outputs: return the per-token outputs in the batch layout (e.g. old or reference
+            log-probs from a ``forward_only`` pass).
 
     Returns:
         :class:`TreeStepResult`; the loss equals the unpacked batch's loss.
@@ -161,6 +173,8 @@ def tree_forward_backward(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if loss_fn is None and not forward_only:
+        raise ValueError("loss_fn is required for a training step; pass loss_fn or forward_only=True")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -192,6 +206,7 @@ def tree_forward_backward(
     num_mb = len(packed)
     lengths = {mb["tree"].padded_length for mb in packed}
     device = _model_device(model)
+    collected: list[tuple[dict, object]] = []
 
     def forward_step(data_iterator, model_chunk):
         mb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in next(data_iterator).items()}
@@ -206,7 +221,12 @@ def tree_forward_backward(
                     output_tensor, tree, temperature=temperature, tp_group=tp_group
                 )
                 outputs = {"logprobs": logprobs, "entropy": entropy}
-            per_token = loss_fn(outputs, mb)
+            if collect_outputs:
+                collected.append(({k: v.detach() for k, v in outputs.items()}, tree))
+            if loss_fn is None:
+                per_token = torch.zeros(tree.num_sequence_tokens, device=device)
+            else:
+                per_token = loss_fn(outputs, mb)
             if per_token.shape != (tree.num_sequence_tokens,):
                 raise ValueError(
                     f"loss_fn must return a per-token loss of shape [{tree.num_sequence_tokens}] "
@@ -234,6 +254,15 @@ def tree_forward_backward(
         loss = torch.stack([d["loss"] for d in losses]).sum()
         if dp_group is not None and dp_grad_average:  # undo the gradient-averaging scale
             loss = loss / dist.get_world_size(dp_group)
+    merged = None
+    if collect_outputs and collected:
+        width = batch["input_ids"].shape[1]
+        merged = {
+            name: merge_packed_tree_results(
+                [(out[name], tree) for out, tree in collected], packed.batch_size, max_seq_len=width
+            )
+            for name in collected[0][0]
+        }
     result = TreeStepResult(
         loss=loss,
         num_sequences=packed.batch_size,
@@ -244,6 +273,7 @@ def tree_forward_backward(
         padded_tokens=packed.num_padded_tokens,
         tree_token_ratio=packed.tree_token_ratio,
         seconds=timings,
+        outputs=merged,
     )
     logger.info(result.log_line())
     return result

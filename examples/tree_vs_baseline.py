@@ -1,0 +1,296 @@
+"""The main job: one GRPO training step, tree-packed vs. the unshared baseline, on a tiny Qwen3.
+
+The model is built through mbridge under ``patch_bridge_for_tree_training`` from the bundled config
+``examples/configs/qwen3_tiny`` with random weights (a HuggingFace checkpoint is written to a temp
+dir first, so nothing is downloaded). The batch is a synthetic GRPO batch (8 prompts x 8 samples,
+prompt 1024, responses 128-256 by default). The job prints a progress line per phase, then a table:
+parity of the tree's per-token log-probs against HuggingFace on each unpacked sequence, the
+tree/baseline loss agreement, tree_token_ratio, step times (median, interleaved runs), the speed-up
+next to the ideal from the FLOP model, and the activation memory of each step. It writes a PNG of
+the first tree's attention mask.
+
+    python examples/tree_vs_baseline.py                       # CPU, single process
+    python examples/tree_vs_baseline.py --small               # a reduced size (seconds)
+    torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
+    python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+PHASES = 7
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(HERE / "configs" / "qwen3_tiny"), help="HF config dir")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--response-len", type=int, nargs=2, default=(128, 256))
+    p.add_argument("--max-tokens", type=int, default=8192, help="unique tokens per micro-batch")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3, help="timed steps of each kind (median)")
+    p.add_argument("--parity-sequences", type=int, default=8, help="sequences checked against HF")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--out", default="outputs", help="folder for the mask picture")
+    p.add_argument("--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32")
+    args = p.parse_args(argv)
+    if args.small:
+        args.prompts, args.samples, args.prompt_len, args.response_len = 2, 4, 128, (16, 32)
+        args.max_tokens, args.block_size, args.reps = 512, 64, 1
+    return args
+
+
+class Progress:
+    def __init__(self, rank: int):
+        self.rank, self.step, self.t0 = rank, 0, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        self.step += 1
+        if self.rank == 0:
+            print(f"[{self.step}/{PHASES}] {message} (t={time.perf_counter() - self.t0:.1f}s)", flush=True)
+
+
+def init_parallel(args) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_tree.patches import megatron_cpu
+
+    if args.device == "cpu":
+        megatron_cpu.apply()
+    if "RANK" in os.environ:  # torchrun
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    model_parallel_cuda_manual_seed(1234)
+    return dist.get_rank()
+
+
+def write_checkpoint(config_dir: str, out_dir: str) -> None:
+    """A HuggingFace checkpoint of the bundled config with seeded random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init, so logits are far from uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def hf_logprobs(path: str, batch: dict, rows: list[int]) -> dict[int, torch.Tensor]:
+    """Reference: HuggingFace on each unpacked sequence; rolled log-probs [L - 1] per row."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for row in rows:
+            n = int(batch["attention_mask"][row].sum())
+            seq = batch["input_ids"][row, :n]
+            logp = torch.log_softmax(model(seq[None]).logits[0].double(), dim=-1)
+            out[row] = logp[torch.arange(n - 1), seq[1:]].float()
+    return out
+
+
+def grpo_inputs(args, vocab: int) -> dict:
+    """A GRPO batch with a rolled response loss mask and group-normalized advantages."""
+    from megatron_tree.synthetic import grpo_batch
+
+    batch = grpo_batch(
+        num_prompts=args.prompts, samples_per_prompt=args.samples, prompt_len=args.prompt_len,
+        response_len=tuple(args.response_len), vocab_size=vocab, seed=0,
+    )
+    # Rolled: entry t weights the prediction of token t + 1, a response token.
+    mask = torch.zeros_like(batch["loss_mask"])
+    mask[:, :-1] = batch.pop("loss_mask")[:, 1:]
+    batch["loss_mask"] = mask
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.rand(batch["input_ids"].shape[0], generator=g)
+    prompt_id = batch["input_ids"][:, 0]  # random prompts: their first tokens tell groups apart
+    adv = torch.empty_like(rewards)
+    for p in prompt_id.unique():
+        group = prompt_id == p
+        adv[group] = (rewards[group] - rewards[group].mean()) / (rewards[group].std() + 1e-6)
+    batch["advantages"] = adv[:, None].expand_as(mask).contiguous()
+    return batch
+
+
+def activation_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves for backward during ``fn()`` (distinct storages)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rank = init_parallel(args)
+    progress = Progress(rank)
+
+    from megatron.core import parallel_state
+    from mbridge import AutoBridge
+
+    from megatron_tree import patch_bridge_for_tree_training
+    from megatron_tree.flops import GPTShape, train_flops
+    from megatron_tree.packing import build_packed_tree_batch
+    from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward
+    from megatron_tree.visualize import save_tree_mask_png
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    with tempfile.TemporaryDirectory() as ckpt:
+        if rank == 0:
+            write_checkpoint(args.config, ckpt)
+        ckpt_path = [ckpt]
+        dist.broadcast_object_list(ckpt_path, src=0)  # torchrun ranks share rank 0's temp dir
+        ckpt = ckpt_path[0]
+        progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+
+        with patch_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
+            bridge = AutoBridge.from_pretrained(ckpt, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
+        model.train()
+        vocab = model.vocab_size
+        shape = GPTShape.from_config(model.config, vocab)
+        progress(
+            f"built {type(model).__name__} through mbridge: hidden {shape.hidden}, {shape.layers} layers, "
+            f"vocab {vocab}, TP {args.tp}, backend {args.backend}, {args.device}"
+        )
+
+        batch = grpo_inputs(args, vocab)
+        common = dict(
+            max_tokens_per_mb=args.max_tokens, block_size=args.block_size, tp_group=tp_group,
+            parallel_size=args.tp,
+        )
+        old = tree_forward_backward(
+            model, batch, None, forward_only=True, collect_outputs=True, **common
+        )
+        batch["old_logprobs"] = old.outputs["logprobs"].cpu()
+        progress(
+            f"batch: {old.num_sequences} sequences, {old.real_tokens} tokens -> {old.tree_tokens} tree tokens "
+            f"in {old.num_micro_batches} trees; old log-probs from a forward-only tree pass"
+        )
+
+        rows = list(range(min(args.parity_sequences, old.num_sequences)))
+        parity = 0.0
+        if rank == 0:
+            reference = hf_logprobs(ckpt, batch, rows)
+            for row, want in reference.items():
+                got = batch["old_logprobs"][row, : len(want)]
+                parity = max(parity, float((got - want).abs().max()))
+        progress(f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = {parity:.2e}")
+
+    def step(share: bool):
+        model.zero_grad(set_to_none=True)
+        from megatron_tree.attention import clear_tree_mask_cache
+
+        clear_tree_mask_cache()
+        result = tree_forward_backward(model, batch, ppo_clipped_loss, share_prefixes=share, **common)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    tree_result, base_result = step(True), step(False)  # warm-up, and the loss comparison
+    loss_gap = abs(float(tree_result.loss) - float(base_result.loss)) / abs(float(base_result.loss))
+    progress(f"warm-up: tree loss {float(tree_result.loss):.6f}, baseline loss {float(base_result.loss):.6f}")
+
+    times = {"tree": [], "base": []}
+    for _ in range(args.reps):
+        for name, share in (("tree", True), ("base", False)):
+            t0 = time.perf_counter()
+            step(share)
+            times[name].append(time.perf_counter() - t0)
+    t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
+    progress(f"timed {args.reps} interleaved steps of each")
+
+    if args.device == "cuda":
+        peaks = {}
+        for name, share in (("tree", True), ("base", False)):
+            torch.cuda.reset_peak_memory_stats()
+            step(share)
+            peaks[name] = torch.cuda.max_memory_allocated()
+        memory_kind = "peak CUDA memory"
+    else:
+        peaks = {name: activation_bytes(lambda s=share: step(s)) for name, share in (("tree", True), ("base", False))}
+        memory_kind = "activations saved for backward"
+
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp)
+    unshared = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp, share_prefixes=False)
+    ideal = train_flops(unshared.trees, shape) / train_flops(packed.trees, shape)
+    picture = None
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        picture = save_tree_mask_png(packed[0]["tree"], Path(args.out) / "tree_mask.png")
+    progress(f"mask picture of the first tree: {picture}")
+
+    speedup = t_base / t_tree
+    row = {
+        "parity_max_abs_logprob_err": parity,
+        "tree_vs_baseline_loss_rel_err": loss_gap,
+        "tree_token_ratio": packed.tree_token_ratio,
+        "trees": len(packed),
+        "baseline_micro_batches": len(unshared),
+        "baseline_s": t_base,
+        "tree_s": t_tree,
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": speedup / ideal,
+        "tree_memory_bytes": peaks["tree"],
+        "baseline_memory_bytes": peaks["base"],
+    }
+    if rank == 0:
+        mib = 2**20
+        print()
+        print(f"{'parity: max |logp tree - logp HF| (unpacked)':<48} {parity:.2e}")
+        print(f"{'tree vs baseline loss, relative difference':<48} {loss_gap:.2e}")
+        print(f"{'tree_token_ratio (unique / real tokens)':<48} {packed.tree_token_ratio:.3f}")
+        print(f"{'micro-batches: tree / baseline':<48} {len(packed)} / {len(unshared)}")
+        print(f"{'baseline step (median)':<48} {t_base:.3f} s")
+        print(f"{'tree step (median)':<48} {t_tree:.3f} s")
+        print(f"{'speed-up':<48} {speedup:.2f}x")
+        print(f"{'ideal speed-up (FLOP model)':<48} {ideal:.2f}x ({speedup / ideal:.0%} reached)")
+        print(f"{memory_kind + ': tree / baseline':<48} {peaks['tree'] / mib:.0f} / {peaks['base'] / mib:.0f} MiB")
+        print(f"{'mask picture':<48} {picture}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return row
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

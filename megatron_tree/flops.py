@@ -1,0 +1,73 @@
+"""A FLOP model of a GPT forward+backward over packed trees, for ideal speed-ups.
+
+Linear layers cost ``2 * params`` per packed token; attention costs ``4 * heads * head_dim`` per allowed
+(query, key) pair per layer (QK^T and PV), with the allowed pairs read off ``subtree_end`` in O(N);
+a backward is twice a forward. Padding is not counted: the model gives the ideal of the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .tree import PackedTree
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The sizes that set a GPT's FLOPs."""
+
+    hidden: int
+    layers: int
+    heads: int
+    query_groups: int
+    ffn_hidden: int
+    vocab: int
+    gated_mlp: bool = True
+    head_dim: int | None = None  # default hidden // heads
+
+    @classmethod
+    def from_config(cls, config, vocab: int) -> "GPTShape":
+        """From a Megatron ``TransformerConfig`` and the vocabulary size."""
+        return cls(
+            hidden=config.hidden_size,
+            layers=config.num_layers,
+            heads=config.num_attention_heads,
+            query_groups=config.num_query_groups or config.num_attention_heads,
+            ffn_hidden=config.ffn_hidden_size,
+            vocab=vocab,
+            gated_mlp=bool(config.gated_linear_unit),
+            head_dim=config.kv_channels,
+        )
+
+    @property
+    def attention_width(self) -> int:
+        """heads x head_dim: the width of QK^T and PV per layer."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def linear_params_per_token(self) -> int:
+        head_dim = self.head_dim or self.hidden // self.heads
+        qkv = self.hidden * (self.heads + 2 * self.query_groups) * head_dim
+        proj = self.heads * head_dim * self.hidden
+        mlp = self.hidden * self.ffn_hidden * (3 if self.gated_mlp else 2)
+        return self.layers * (qkv + proj + mlp) + self.hidden * self.vocab
+
+
+def attention_pairs(tree: PackedTree) -> int:
+    """Allowed (query, key) pairs among the tree's real tokens: sum of subtree sizes."""
+    u = tree.num_tree_tokens
+    ends = tree.subtree_end[:u].to(torch.int64)
+    return int((ends - torch.arange(u, device=ends.device)).sum())
+
+
+def train_flops(trees: Iterable[PackedTree], shape: GPTShape) -> float:
+    """Forward+backward FLOPs of ``shape`` over the real tokens of ``trees``."""
+    total = 0.0
+    for tree in trees:
+        linear = 2.0 * tree.num_tree_tokens * shape.linear_params_per_token
+        attention = 4.0 * shape.attention_width * shape.layers * attention_pairs(tree)
+        total += 3.0 * (linear + attention)
+    return total
