@@ -1,0 +1,545 @@
+"""Per-sequence log-probs, entropy, vocab stats and values read back from a packed tree's outputs.
+
+In a trie every non-root node ``c`` has exactly one parent, so the rolled log-prob of a sequence
+(entry ``t`` is log p(token t+1 | tokens <= t)) is a per-node quantity: node ``c`` is predicted by
+row ``parent_index[c]``. Everything is computed once per row/node of the tree, over all rows in one
+chunked pass, and mapped to sequences with one gather; a position shared by several sequences is
+computed once and its gradients add through that gather.
+
+Vocab-parallel convention (as Megatron's ``vocab_parallel_cross_entropy``): with ``tp`` ranks in
+``tp_group``, rank ``r`` holds the logits of vocab columns ``[r * Vl, (r + 1) * Vl)``. Each rank
+reduces its shard chunk by chunk with no communication, then one ``all_gather`` of per-row
+(max, sum-exp, entropy numerator) and per-node target logits merges the shards, the way split-KV
+attention merges partial softmaxes. The backward is local (no collectives).
+
+Per-sequence outputs are flat tensors ``[T]`` aligned with ``tree.token_index``: entry
+``cu_seqlens[i] + t`` is token ``t`` of the tree's ``i``-th sequence, whose batch row is
+``tree.sequence_ids[i]`` (the layout of the packed micro-batch's extra keys).
+``merge_packed_tree_results`` turns them back into ``[B, L]``.
+
+Legend for shapes: N = padded packed length, U = real tree nodes (``tree.num_tree_tokens``),
+P = predicted (non-root) nodes, T = sequence tokens (``tree.num_sequence_tokens``), H = hidden size,
+V = vocab size, Vl = V / tp (local shard), C = rows in a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_tree.tree import PackedTree
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Default chunk sizes in elements of [C, Vl]. On CPU the logits path keeps its two fp32 chunk
+# buffers (~1 MiB each) in L2 cache; the fused path needs more rows per matmul. Elsewhere chunks
+# only bound memory.
+_CHUNK_ELEMENTS_CPU = 2**20
+_FUSED_CHUNK_ELEMENTS_CPU = 2**24
+_CHUNK_ELEMENTS = 2**26
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """The (row, label) pairs of a tree: node ``nodes[j]`` is predicted by row ``rows[j]``.
+
+    Attributes:
+        rows: int64 [P]. Parent row of each predicted node, sorted ascending.
+        nodes: int64 [P]. The predicted node.
+        labels: int64 [P]. Local vocab column of the node's token (0 where ``owned`` is False).
+        owned: bool [P]. Whether the token's column lives in this rank's vocab shard.
+        chunk_starts: Row offset of each chunk, then U.
+        pair_starts: Offset in the pairs of each chunk's first row, then P.
+    """
+
+    rows: torch.Tensor
+    nodes: torch.Tensor
+    labels: torch.Tensor
+    owned: torch.Tensor
+    chunk_starts: list[int]
+    pair_starts: list[int]
+
+    def chunks(self):
+        """Yields (row start, row end, pair start, pair end) of every chunk."""
+        for k in range(len(self.chunk_starts) - 1):
+            yield (self.chunk_starts[k], self.chunk_starts[k + 1],
+                   self.pair_starts[k], self.pair_starts[k + 1])
+
+
+def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def _check_temperature(temperature: float) -> None:
+    finite = isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not (finite and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _rows_of(tensor: torch.Tensor, tree: PackedTree, name: str) -> torch.Tensor:
+    """Views [N, X], [1, N, X] or [N, 1, X] (Megatron's [s, b, X] with b = 1) as [N, X]."""
+    if tensor.dim() == 3 and 1 in tensor.shape[:2]:
+        tensor = tensor.reshape(-1, tensor.shape[-1])
+    if tensor.dim() != 2:
+        raise ValueError(
+            f"{name} must be [N, X], [1, N, X] or [N, 1, X], got {tuple(tensor.shape)}"
+        )
+    if tensor.shape[0] != tree.padded_length:
+        raise ValueError(
+            f"{name} has {tensor.shape[0]} positions but the tree's padded length is "
+            f"{tree.padded_length}"
+        )
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name} must be a floating point tensor, got {tensor.dtype}")
+    return tensor
+
+
+def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: int,
+                chunk_rows: int, device: torch.device) -> _Pairs:
+    num_nodes = tree.num_tree_tokens
+    parent = tree.parent_index[:num_nodes].to(device)
+    tokens = tree.input_ids[:num_nodes].to(device)
+    vocab_size = vocab_local * tp_size
+    if num_nodes and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
+        raise ValueError(f"tree tokens must lie in [0, {vocab_size}) (the logits' full vocab)")
+    rows, nodes = torch.sort(parent, stable=True)  # roots (-1) first
+    num_roots = int((parent < 0).sum())
+    rows, nodes = rows[num_roots:], nodes[num_roots:]
+    labels = tokens[nodes] - tp_rank * vocab_local
+    owned = (labels >= 0) & (labels < vocab_local)
+    chunk_starts = list(range(0, num_nodes, chunk_rows)) + [num_nodes]
+    bounds = torch.tensor(chunk_starts, dtype=rows.dtype, device=device)
+    pair_starts = torch.searchsorted(rows, bounds).tolist()
+    return _Pairs(rows, nodes, torch.where(owned, labels, 0), owned, chunk_starts, pair_starts)
+
+
+def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, *,
+                cpu_elements: int = _CHUNK_ELEMENTS_CPU) -> int:
+    if chunk_size is None:
+        budget = cpu_elements if device.type == "cpu" else _CHUNK_ELEMENTS
+        return max(1, budget // vocab_local)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared chunked kernels. `get_chunk(a, b)` returns logits rows [a, b) as [C, Vl] in any
+# float dtype; all math is in `dtype` (fp32, or fp64 for fp64 inputs), in base 2 (exp2 is ~3x
+# faster than exp on CPU): with c = log2(e) / temperature, log2 p = c * (x - M) - log2(s).
+# ---------------------------------------------------------------------------------------------
+
+
+def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs, *,
+                   num_nodes: int, vocab_local: int, temperature: float, with_entropy: bool,
+                   tp_group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device):
+    """Returns (node_logprob [U], row_entropy [U] or None, row_shift [U]) over the full vocab.
+
+    ``row_shift`` = M + log2(s) / c, so that log2 p = c * (x - row_shift) (what backward needs).
+    """
+    c = _LOG2E / temperature
+    num_pairs = pairs.rows.shape[0]
+    # [3U + P]: per-row local max, sum of exp2, sum of exp2 * log2-shift; per-pair target logit.
+    local = torch.zeros(3 * num_nodes + num_pairs, dtype=dtype, device=device)
+    row_max, sum_exp, ent_num = local[: 3 * num_nodes].view(3, num_nodes)
+    target = local[3 * num_nodes:]
+    chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
+    shifted = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)  # [C, Vl]
+    exps = torch.empty_like(shifted)  # [C, Vl]
+    for a, b, pa, pb in pairs.chunks():
+        x = get_chunk(a, b)  # [C, Vl]
+        m = x.amax(-1, keepdim=True).to(dtype)  # [C, 1]
+        row_max[a:b] = m.squeeze(-1)
+        s1 = torch.sub(x, m, out=shifted[: b - a]).mul_(c)  # log2 of unnormalised p, <= 0
+        e = torch.exp2(s1, out=exps[: b - a])
+        sum_exp[a:b] = e.sum(-1)
+        if with_entropy:
+            ent_num[a:b] = s1.mul_(e).sum(-1)
+        picked = x[pairs.rows[pa:pb] - a, pairs.labels[pa:pb]].to(dtype)  # [P_chunk]
+        target[pa:pb] = torch.where(pairs.owned[pa:pb], picked, 0)
+
+    tp_size, _ = _tp_size_rank(tp_group)
+    if tp_size > 1:
+        gathered = [torch.empty_like(local) for _ in range(tp_size)]
+        dist.all_gather(gathered, local, group=tp_group)
+        stacked = torch.stack(gathered)  # [tp, 3U + P]
+    else:
+        stacked = local[None]
+    per_rank = stacked[:, : 3 * num_nodes].reshape(tp_size, 3, num_nodes)
+    row_max_r, sum_exp_r, ent_num_r = per_rank.unbind(1)  # each [tp, U]
+    big_m = row_max_r.amax(0)  # [U]
+    shift = (row_max_r - big_m) * c  # [tp, U], <= 0
+    weight = torch.exp2(shift)
+    total = (weight * sum_exp_r).sum(0)  # [U]
+    log2_total = torch.log2(total)
+    target = stacked[:, 3 * num_nodes:].sum(0)  # [P], exactly one rank contributes each
+    node_logprob = torch.zeros(num_nodes, dtype=dtype, device=device)
+    node_logprob[pairs.nodes] = (
+        (target - big_m[pairs.rows]) / temperature - _LN2 * log2_total[pairs.rows]
+    )
+    entropy = None
+    if with_entropy:
+        numer = (weight * (ent_num_r + shift * sum_exp_r)).sum(0)
+        entropy = _LN2 * (log2_total - numer / total)
+    return node_logprob, entropy, big_m + log2_total / c
+
+
+def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
+                     put_grad: Callable[[int, int, torch.Tensor], None] | None, pairs: _Pairs, *,
+                     grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                     row_shift: torch.Tensor, entropy: torch.Tensor | None, num_nodes: int,
+                     vocab_local: int, temperature: float, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> None:
+    """Writes the gradient wrt logits rows [a, b) (dz [C, Vl] in dtype) of every chunk into
+    ``out[a:b]`` ([N, Vl] in dtype) when given, else calls ``put_grad(a, b, dz)``.
+
+    With z = x / temperature, p = softmax(z), H = -sum p log p:
+    d logp_y / dz = onehot(y) - p and dH / dz = -p (log p + H), so for row r with children
+    gradients g_c and entropy gradient h:  dz = sum_c g_c onehot(y_c) - p (G + h (log p + H)),
+    G = sum_c g_c; everything is then divided by the temperature.
+    """
+    c = _LOG2E / temperature
+    device = row_shift.device
+    if grad_logprob is None:
+        pair_grad = torch.zeros(pairs.rows.shape[0], dtype=dtype, device=device)
+    else:
+        pair_grad = grad_logprob.to(dtype)[pairs.nodes]  # [P]
+    row_grad = torch.zeros(num_nodes, dtype=dtype, device=device)
+    row_grad.index_add_(0, pairs.rows, pair_grad)  # [U], G of every row
+    offset = -row_grad / temperature  # [U]
+    slope = None  # multiplies log2 p
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(dtype)
+        offset -= grad_entropy * entropy / temperature
+        slope = -grad_entropy * (_LN2 / temperature)
+    label_grad = torch.where(pairs.owned, pair_grad / temperature, 0)  # [P]
+    chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
+    log2p_buf = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)
+    prob_buf = torch.empty_like(log2p_buf)
+    for a, b, pa, pb in pairs.chunks():
+        x = get_chunk(a, b)  # [C, Vl]
+        log2p = torch.sub(x, row_shift[a:b, None], out=log2p_buf[: b - a]).mul_(c)
+        prob = torch.exp2(log2p, out=prob_buf[: b - a])
+        dz = log2p if out is None else out[a:b]
+        if slope is None:
+            torch.mul(prob, offset[a:b, None], out=dz)
+        else:
+            torch.mul(log2p.mul_(slope[a:b, None]).add_(offset[a:b, None]), prob, out=dz)
+        dz.index_put_((pairs.rows[pa:pb] - a, pairs.labels[pa:pb]), label_grad[pa:pb],
+                      accumulate=True)
+        if out is None:
+            put_grad(a, b, dz)
+
+
+class _TreeLogprobEntropy(torch.autograd.Function):
+    """logits [N, Vl] -> (node_logprob [U], row_entropy [U]); see _forward_stats."""
+
+    @staticmethod
+    def forward(ctx, logits, pairs, num_nodes, temperature, with_entropy, tp_group):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        node_logprob, entropy, row_shift = _forward_stats(
+            lambda a, b: logits[a:b], pairs, num_nodes=num_nodes, vocab_local=logits.shape[1],
+            temperature=temperature, with_entropy=with_entropy, tp_group=tp_group, dtype=dtype,
+            device=logits.device,
+        )
+        ctx.save_for_backward(logits, row_shift, entropy)
+        ctx.pairs, ctx.num_nodes, ctx.temperature = pairs, num_nodes, temperature
+        ctx.set_materialize_grads(False)
+        if entropy is None:
+            return node_logprob
+        return node_logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy=None):
+        logits, row_shift, entropy = ctx.saved_tensors
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 6
+        grad = torch.empty_like(logits)
+        grad[ctx.num_nodes:].zero_()  # padding rows
+        direct = grad.dtype == row_shift.dtype  # else computed in fp32 and cast chunk by chunk
+
+        def put_grad(a, b, dz):
+            grad[a:b].copy_(dz)
+
+        _backward_chunks(
+            lambda a, b: logits[a:b], put_grad, ctx.pairs, grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
+            num_nodes=ctx.num_nodes, vocab_local=logits.shape[1], temperature=ctx.temperature,
+            dtype=row_shift.dtype, out=grad if direct else None,
+        )
+        return grad, None, None, None, None, None
+
+
+class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
+    """(hidden [N, H], weight [Vl, H]) -> (node_logprob [U], row_entropy [U]) without [N, Vl]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, pairs, num_nodes, temperature, tp_group):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        node_logprob, entropy, row_shift = _forward_stats(
+            lambda a, b: hidden[a:b] @ weight.t(), pairs, num_nodes=num_nodes,
+            vocab_local=weight.shape[0], temperature=temperature, with_entropy=True,
+            tp_group=tp_group, dtype=dtype, device=hidden.device,
+        )
+        ctx.save_for_backward(hidden, weight, row_shift, entropy)
+        ctx.pairs, ctx.num_nodes, ctx.temperature = pairs, num_nodes, temperature
+        ctx.tp_group = tp_group
+        ctx.set_materialize_grads(False)
+        return node_logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, row_shift, entropy = ctx.saved_tensors
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 6
+        grad_hidden = torch.zeros_like(hidden)
+        # A bf16/fp16 weight gradient is accumulated over chunks in fp32, then cast once.
+        grad_weight = torch.zeros_like(
+            weight, dtype=torch.promote_types(weight.dtype, torch.float32)
+        )
+
+        def put_grad(a, b, dz):
+            dz = dz.to(weight.dtype)  # [C, Vl]
+            grad_hidden[a:b] = dz @ weight
+            grad_weight.add_(dz.t() @ hidden[a:b])
+
+        _backward_chunks(
+            lambda a, b: hidden[a:b] @ weight.t(), put_grad, ctx.pairs, grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
+            num_nodes=ctx.num_nodes, vocab_local=weight.shape[0], temperature=ctx.temperature,
+            dtype=row_shift.dtype,
+        )
+        if _tp_size_rank(ctx.tp_group)[0] > 1:
+            # hidden is replicated across the TP ranks: its gradient is the sum of every shard's.
+            dist.all_reduce(grad_hidden, group=ctx.tp_group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _rolled_per_sequence(node_values: torch.Tensor, tree: PackedTree) -> torch.Tensor:
+    """[U] per-node log-probs (0 at roots) -> [T]: entry t of a sequence reads node t+1.
+
+    The entry after a sequence's last token is the next sequence's first token (the first
+    sequence's for the last one): always a root, so every last entry reads 0.
+    """
+    return node_values[torch.roll(tree.token_index.to(node_values.device), -1)]
+
+
+def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy):
+    _check_temperature(temperature)
+    logits = _rows_of(logits, tree, "logits")
+    tp_size, tp_rank = _tp_size_rank(tp_group)
+    pairs = _tree_pairs(
+        tree, vocab_local=logits.shape[1], tp_size=tp_size, tp_rank=tp_rank,
+        chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device), device=logits.device,
+    )
+    out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, float(temperature),
+                                    with_entropy, tp_group)
+    if not with_entropy:
+        return _rolled_per_sequence(out, tree)
+    node_logprob, row_entropy = out
+    return (_rolled_per_sequence(node_logprob, tree),
+            row_entropy[tree.token_index.to(logits.device)])
+
+
+def gather_packed_tree_logprobs_entropy(
+    logits: torch.Tensor,
+    tree: PackedTree,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rolled per-sequence log-probs and entropy of a packed tree's (vocab-parallel) logits.
+
+    Differentiable with respect to ``logits``. Computed in fp32 (fp64 for fp64 logits) chunk by
+    chunk; the backward keeps only ``logits`` and two floats per tree node. Logits are assumed
+    finite.
+
+    Args:
+        logits: [N, Vl], [1, N, Vl] or [N, 1, Vl], any float dtype; this rank's vocab shard.
+        tree: the micro-batch's packed tree (N = ``tree.padded_length``).
+        temperature: logits are divided by it before the softmax.
+        tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
+        chunk_size: rows reduced at once (bounds the fp32 temporaries to 2 x [chunk, Vl]);
+            None picks a cache-sized chunk on CPU and 2**26 / Vl rows elsewhere.
+
+    Returns:
+        (logprobs [T], entropy [T]), in ``tree.token_index`` order. ``logprobs`` entry t of a
+        sequence of length L is log p(token t+1 | tokens <= t) and entry L-1 is 0; ``entropy``
+        entry t is the entropy of the distribution at token t (defined for t = L-1 too).
+    """
+    return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
+                            chunk_size=chunk_size, with_entropy=True)
+
+
+def gather_packed_tree_logprobs(
+    logits: torch.Tensor,
+    tree: PackedTree,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The ``logprobs`` of :func:`gather_packed_tree_logprobs_entropy` alone ([T]), cheaper."""
+    return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
+                            chunk_size=chunk_size, with_entropy=False)
+
+
+def gather_packed_tree_logprobs_entropy_from_hidden(
+    hidden: torch.Tensor,
+    output_weight: torch.Tensor,
+    tree: PackedTree,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused output layer + :func:`gather_packed_tree_logprobs_entropy`: never builds [N, Vl].
+
+    Logits are ``hidden @ output_weight.T`` one chunk at a time, recomputed in the backward.
+    ``hidden`` is the replicated input of the column-parallel output layer (the decoder's final
+    hidden states, not sequence-parallel); its gradient is all-reduced over ``tp_group`` here, as
+    Megatron's ``copy_to_tensor_model_parallel_region`` would. No output bias.
+
+    Args:
+        hidden: [N, H], [1, N, H] or [N, 1, H].
+        output_weight: [Vl, H], this rank's rows of the output layer (or tied embedding).
+        tree, temperature, tp_group, chunk_size: as in gather_packed_tree_logprobs_entropy.
+
+    Returns:
+        (logprobs [T], entropy [T]) as gather_packed_tree_logprobs_entropy.
+    """
+    _check_temperature(temperature)
+    hidden = _rows_of(hidden, tree, "hidden")
+    if output_weight.dim() != 2 or output_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"output_weight must be [Vl, {hidden.shape[1]}], got {tuple(output_weight.shape)}"
+        )
+    tp_size, tp_rank = _tp_size_rank(tp_group)
+    vocab_local = output_weight.shape[0]
+    pairs = _tree_pairs(
+        tree, vocab_local=vocab_local, tp_size=tp_size, tp_rank=tp_rank,
+        chunk_rows=_chunk_rows(chunk_size, vocab_local, hidden.device,
+                               cpu_elements=_FUSED_CHUNK_ELEMENTS_CPU),
+        device=hidden.device,
+    )
+    node_logprob, row_entropy = _TreeLogprobEntropyFromHidden.apply(
+        hidden, output_weight, pairs, tree.num_tree_tokens, float(temperature), tp_group
+    )
+    return (_rolled_per_sequence(node_logprob, tree),
+            row_entropy[tree.token_index.to(hidden.device)])
+
+
+@torch.no_grad()
+def gather_packed_tree_vocab_stats(
+    logits: torch.Tensor, tree: PackedTree, *, tp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max logit over the full (sharded) vocabulary at every sequence token.
+
+    Args:
+        logits: as in gather_packed_tree_logprobs_entropy (raw, no temperature).
+        tree: the micro-batch's packed tree.
+        tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
+
+    Returns:
+        (vocab_min [T], vocab_max [T]) fp32, in ``tree.token_index`` order, not rolled: entry t
+        is the row of token t.
+    """
+    logits = _rows_of(logits, tree, "logits")
+    real = logits[: tree.num_tree_tokens]
+    # One collective: max of (max, -min).
+    stats = torch.stack([real.amax(-1), -real.amin(-1)]).float()  # [2, U]
+    if _tp_size_rank(tp_group)[0] > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=tp_group)
+    token_index = tree.token_index.to(logits.device)
+    return -stats[1][token_index], stats[0][token_index]
+
+
+def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree) -> torch.Tensor:
+    """A critic's per-position values read back per sequence ([T], differentiable, not rolled).
+
+    Args:
+        values: N values in any shape ([N], [1, N], [N, 1], [1, N, 1], ...).
+        tree: the micro-batch's packed tree.
+
+    Returns:
+        [T] in ``tree.token_index`` order: entry t of a sequence is the value at its token t.
+        A position shared by several sequences receives the sum of their gradients.
+    """
+    if values.numel() != tree.padded_length:
+        raise ValueError(
+            f"values has {values.numel()} elements, expected the tree's padded length "
+            f"{tree.padded_length}"
+        )
+    return values.reshape(-1)[tree.token_index.to(values.device)]
+
+
+def merge_packed_tree_results(
+    outputs: Iterable[tuple[torch.Tensor, PackedTree]],
+    batch_size: int,
+    *,
+    padding_value: float = 0.0,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Per-micro-batch per-sequence results back into the original batch layout.
+
+    Args:
+        outputs: ``(result, tree)`` pairs, one per micro-batch in any order (dummy trees allowed);
+            ``result`` is [T_mb, ...] in ``tree.token_index`` order (what the gather functions
+            and the packed micro-batch's extra keys hold).
+        batch_size: B. Every batch row must appear in exactly one tree.
+        padding_value: fills positions past each sequence's length.
+        max_seq_len: L; defaults to the longest sequence.
+
+    Returns:
+        [B, L, ...]: row ``b`` holds sequence ``b`` at positions ``[0, len_b)``. Differentiable.
+
+    Raises:
+        ValueError: a result whose length is not its tree's T, a sequence id out of
+            [0, batch_size), duplicated or missing, or a sequence longer than ``max_seq_len``.
+    """
+    results, batch_rows, positions, seq_ids, seq_lens = [], [], [], [], []
+    for result, tree in outputs:
+        if result.shape[0] != tree.num_sequence_tokens:
+            raise ValueError(
+                f"a result has {result.shape[0]} entries but its tree has "
+                f"{tree.num_sequence_tokens} sequence tokens"
+            )
+        lengths = tree.sequence_lengths.to(result.device)
+        starts = tree.cu_seqlens[:-1].to(result.device).repeat_interleave(lengths)
+        ids = tree.sequence_ids.to(result.device)
+        results.append(result)
+        batch_rows.append(ids.repeat_interleave(lengths))
+        positions.append(torch.arange(result.shape[0], device=result.device) - starts)
+        seq_ids.append(ids)
+        seq_lens.append(lengths)
+    if not results:
+        raise ValueError("outputs is empty")
+    ids = torch.cat(seq_ids)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= batch_size):
+        raise ValueError(f"sequence ids must lie in [0, {batch_size}), got {ids.tolist()}")
+    counts = torch.bincount(ids, minlength=batch_size)
+    if bool((counts > 1).any()):
+        raise ValueError(f"duplicate sequence ids: {torch.nonzero(counts > 1).flatten().tolist()}")
+    if bool((counts == 0).any()):
+        raise ValueError(f"missing sequence ids: {torch.nonzero(counts == 0).flatten().tolist()}")
+    longest = int(torch.cat(seq_lens).max()) if ids.numel() else 0
+    if max_seq_len is None:
+        max_seq_len = longest
+    elif longest > max_seq_len:
+        raise ValueError(f"a sequence of length {longest} exceeds max_seq_len={max_seq_len}")
+    flat = torch.cat(results)
+    merged = flat.new_full((batch_size, max_seq_len, *flat.shape[1:]), padding_value)
+    merged[torch.cat(batch_rows), torch.cat(positions)] = flat
+    return merged
