@@ -109,40 +109,24 @@ def batches(args):
     return shared, unrelated
 
 
-def tree_micro_batch(seqs, args) -> dict:
+def packed_micro_batch(seqs, args, *, share_prefixes: bool) -> dict:
+    """All of ``seqs`` in one micro-batch; ``share_prefixes=False`` is the unshared baseline
+    (every sequence its own root chain, same packing code and kernels)."""
     from megatron_tree.packing import build_packed_tree_batch
     from megatron_tree.synthetic import pad_sequences
 
     total = sum(len(s) for s in seqs)
     cap = -(-total // args.block_size) * args.block_size
-    mbs = build_packed_tree_batch(pad_sequences(seqs), max_tokens_per_mb=cap, block_size=args.block_size, pad_to_max=False)
+    mbs = build_packed_tree_batch(
+        pad_sequences(seqs),
+        max_tokens_per_mb=cap,
+        block_size=args.block_size,
+        pad_to_max=False,
+        share_prefixes=share_prefixes,
+    )
     assert len(mbs) == 1
     mb = mbs[0]
     return {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"], "tree": mb["tree"]}
-
-
-def unshared_micro_batch(seqs, args) -> dict:
-    """The baseline layout: sequences concatenated, each its own root (no sharing)."""
-    from megatron_tree.tree import PackedTree
-
-    lengths = torch.tensor([len(s) for s in seqs])
-    total = int(lengths.sum())
-    n = -(-total // args.block_size) * args.block_size
-    ends = torch.cumsum(lengths, 0)
-    starts = ends - lengths
-    ids = torch.zeros(n, dtype=torch.int64)
-    ids[:total] = torch.cat(seqs)
-    pos = torch.zeros(n, dtype=torch.int64)
-    pos[:total] = torch.cat([torch.arange(int(l)) for l in lengths])
-    subtree_end = torch.arange(1, n + 1, dtype=torch.int32)
-    subtree_end[:total] = torch.repeat_interleave(ends, lengths).to(torch.int32)
-    parent = torch.full((n,), -1, dtype=torch.int64)
-    parent[:total] = torch.arange(-1, total - 1)
-    parent[starts] = -1
-    token_index = torch.arange(total)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
-    tree = PackedTree(ids, pos, subtree_end, parent, torch.arange(len(seqs)), cu, token_index, total)
-    return {"input_ids": ids[None], "position_ids": pos[None], "tree": tree}
 
 
 def step_inputs(mb, device):
@@ -217,7 +201,8 @@ def main(argv=None) -> dict:
     shared, unrelated = batches(args)
     rows = {}
     for name, seqs in (("shared (GRPO)", shared), ("nothing shared", unrelated)):
-        tree_mb, base_mb = tree_micro_batch(seqs, args), unshared_micro_batch(seqs, args)
+        tree_mb = packed_micro_batch(seqs, args, share_prefixes=True)
+        base_mb = packed_micro_batch(seqs, args, share_prefixes=False)
         times = time_steps(
             {
                 "tree": make_step(model, step_inputs(tree_mb, args.device)),
