@@ -5,7 +5,8 @@ Megatron and mbridge integrations import it lazily (``TreeGPTModel`` and ``TreeC
 built on first access).
 """
 
-from .bridge import patch_bridge_for_tree_training
+from .bridge import is_tree_training_bridge, patch_bridge_for_tree_training
+from .attention import clear_tree_mask_cache, tree_attention
 from .critic import ValueHead, attach_value_head
 from .flops import GPTShape, train_flops
 from .logprobs import (
@@ -27,6 +28,9 @@ from .spec import tree_attention_spec
 from .train_step import TreeStepResult, loss_weights, ppo_clipped_loss, tree_forward_backward, value_loss
 from .tree import PackedTree
 
+from .rope import depth_rotary_pos_emb
+
+# Built on first access so that importing the package does not import Megatron.
 _LAZY = {"TreeGPTModel": ".rope", "TreeCoreAttention": ".attention"}
 
 
@@ -50,16 +54,20 @@ __all__ = [
     "build_attention_mask_from_trie",
     "build_block_mask_from_trie",
     "build_packed_tree_batch",
+    "clear_tree_mask_cache",
+    "depth_rotary_pos_emb",
     "gather_packed_tree_logprobs",
     "gather_packed_tree_logprobs_entropy",
     "gather_packed_tree_logprobs_entropy_from_hidden",
     "gather_packed_tree_values",
     "gather_packed_tree_vocab_stats",
+    "is_tree_training_bridge",
     "loss_weights",
     "merge_packed_tree_results",
     "patch_bridge_for_tree_training",
     "ppo_clipped_loss",
     "train_flops",
+    "tree_attention",
     "tree_attention_spec",
     "tree_block_layout",
     "tree_forward_backward",

@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 from megatron_tree.synthetic import pad_sequences  # noqa: E402
+from megatron_tree.parity import build_gpt_model, gradient_errors, stage_parameter_name, unpacked_reference_step  # noqa: E402
 from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward, value_loss  # noqa: E402
 
 from _dist import run_spawned, single_process_world  # noqa: E402
@@ -62,31 +63,10 @@ def _config(recompute: str = "none"):
 
 def _build(kind: str, critic: bool, recompute: str = "none", state: dict | None = None):
     """kind: "tree" (tree attention + depth RoPE) or "reference" (stock GPTModel)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from megatron_tree.critic import attach_value_head
-    from megatron_tree.rope import TreeGPTModel
-    from megatron_tree.spec import tree_attention_spec
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    cls = GPTModel
-    if kind == "tree":
-        spec, cls = tree_attention_spec(spec, backend="block_sparse", block_size=16), TreeGPTModel
-    torch.manual_seed(0)
-    model = cls(
-        config=_config(recompute),
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=512,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+    model = build_gpt_model(
+        _config(recompute), tree=kind == "tree", vocab_size=VOCAB, critic=critic,
+        backend="block_sparse", block_size=16,
     )
-    if critic:
-        attach_value_head(model)
     if state is not None:
         model.load_state_dict(state)
     return model
@@ -113,29 +93,8 @@ def _loss_fn(critic: bool):
 
 
 def _reference_step(model, batch: dict, critic: bool) -> torch.Tensor:
-    """Per-sequence unpacked forward + backward; returns the token-mean loss."""
-    from megatron.core import tensor_parallel
-
-    lengths = batch["attention_mask"].sum(1).tolist()
-    total = torch.zeros((), dtype=torch.float64)
-    for i, n in enumerate(lengths):
-        seq = batch["input_ids"][i, :n]
-        out = model(seq[None], torch.arange(n)[None], attention_mask=None)  # [1, n, V/tp] or [1, n, 1]
-        row = {k: batch[k][i, :n] for k in ("old_logprobs", "advantages", "returns")}
-        if critic:
-            per_token = value_loss({"values": out[0, :, 0]}, row)
-        else:
-            logp = torch.log_softmax(
-                tensor_parallel.gather_from_tensor_model_parallel_region(out)[0].double(), dim=-1
-            )
-            logprobs = torch.zeros(n, dtype=torch.float64)
-            logprobs[:-1] = logp[torch.arange(n - 1), seq[1:]]
-            entropy = -(logp.exp() * logp).sum(-1)
-            per_token = _loss_fn(False)({"logprobs": logprobs, "entropy": entropy}, row)
-        total = total + (per_token.double() * batch["loss_mask"][i, :n]).sum()
-    loss = total / batch["loss_mask"].sum()
-    loss.backward()
-    return loss.detach().float()
+    """Per-sequence unpacked forward + backward with the stock model; the token-mean loss."""
+    return unpacked_reference_step(model, batch, _loss_fn(critic), critic=critic)
 
 
 def _tree_step(model, batch: dict, critic: bool, **kwargs):
@@ -158,10 +117,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _assert_grads_close(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys() and want
-    for name in want:
-        rel = float((got[name] - want[name]).norm() / want[name].norm().clamp(min=1e-30))
-        assert rel <= GRAD_RTOL, (name, rel)
+    errors = gradient_errors(got, want)
+    assert errors and max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
 def _compare_tree_to_reference(critic: bool, recompute: str) -> tuple[float, float, dict, dict]:
@@ -259,14 +216,6 @@ def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
         _assert_grads_close(r["grads"], _grads(reference))
 
 
-def _stage_rename(name: str, stage: int, per_stage: int, to_global: bool) -> str:
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        shift = stage * per_stage if to_global else -stage * per_stage
-        parts[2] = str(int(parts[2]) + shift)
-    return ".".join(parts)
-
-
 def _pp_worker(rank: int, state_path: str, critic: bool) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -274,10 +223,10 @@ def _pp_worker(rank: int, state_path: str, critic: bool) -> dict:
     per_stage = NUM_LAYERS // ps.get_pipeline_model_parallel_world_size()
     model = _build("tree", critic)
     full = torch.load(state_path)
-    mine = {n: full[_stage_rename(n, stage, per_stage, True)] for n in model.state_dict()}
+    mine = {n: full[stage_parameter_name(n, stage * per_stage)] for n in model.state_dict()}
     model.load_state_dict(mine)
     result = _tree_step(model, _batch(branching_sequences()), critic, pad_to_max=True)
-    grads = {_stage_rename(n, stage, per_stage, True): g for n, g in _grads(model).items()}
+    grads = {stage_parameter_name(n, stage * per_stage): g for n, g in _grads(model).items()}
     return {"loss": None if result.loss is None else float(result.loss), "grads": grads}
 
 

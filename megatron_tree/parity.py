@@ -1,0 +1,122 @@
+"""The unpacked reference for a tree step: every sequence alone through a stock Megatron GPTModel.
+
+Used by the tests and by ``scripts/torchrun_parity.py`` to check, on any parallel layout, that
+:func:`megatron_tree.tree_forward_backward` gives the loss and gradients of the unpacked batch. The
+reference shares no code with the tree path: causal attention over positions 0..L-1, full-vocab
+float64 log-softmax on the gathered logits, the loss normalization written out here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def unpacked_reference_step(
+    model,
+    batch: dict[str, torch.Tensor],
+    loss_fn: Callable[[dict, dict], torch.Tensor],
+    *,
+    critic: bool = False,
+    backward: bool = True,
+) -> torch.Tensor:
+    """Token-mean loss of ``batch``, one sequence at a time, and its backward.
+
+    Args:
+        model: a stock Megatron GPTModel (causal attention) holding the whole model (no pipeline
+            split), vocab-parallel over the current tensor-parallel group; or a value model.
+        batch: as for ``tree_forward_backward``; ``loss_mask`` [B, L] required.
+        loss_fn: the per-token loss, called per sequence with [L] tensors.
+        critic: the model returns values [1, L, 1] instead of logits.
+        backward: accumulate gradients.
+
+    Returns:
+        The loss (fp32 scalar, detached).
+    """
+    from megatron.core import tensor_parallel
+
+    lengths = batch["attention_mask"].sum(1).tolist()
+    device = next(model.parameters()).device
+    per_token_keys = [k for k in batch if k not in ("input_ids", "attention_mask")]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i, n in enumerate(lengths):
+        seq = batch["input_ids"][i, :n].to(device)
+        row = {k: batch[k][i, :n].to(device) for k in per_token_keys}
+        out = model(seq[None], torch.arange(n, device=device)[None], attention_mask=None)
+        if critic:
+            outputs = {"values": out[0, :, 0].float()}
+        else:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(out)[0]  # [L, V]
+            logp = torch.log_softmax(full.double(), dim=-1)
+            logprobs = torch.zeros(n, dtype=torch.float64, device=device)
+            logprobs[:-1] = logp[torch.arange(n - 1, device=device), seq[1:]]
+            outputs = {"logprobs": logprobs, "entropy": -(logp.exp() * logp).sum(-1)}
+        total = total + (loss_fn(outputs, row).double() * row["loss_mask"]).sum()
+    loss = total / batch["loss_mask"].sum().to(device)
+    if backward:
+        loss.backward()
+    return loss.detach().float()
+
+
+def stage_parameter_name(name: str, first_layer: int) -> str:
+    """A pipeline stage's parameter name in the unsplit model (``decoder.layers.j`` -> ``j + first``)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + first_layer)
+    return ".".join(parts)
+
+
+def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative error ``|got - want| / |want|`` per parameter (names must match)."""
+    if got.keys() != want.keys():
+        raise ValueError(
+            f"gradient names differ: only in got {sorted(got.keys() - want.keys())[:4]}, only in "
+            f"want {sorted(want.keys() - got.keys())[:4]}"
+        )
+    return {
+        name: float((got[name].float() - want[name].float()).norm() / want[name].float().norm().clamp(min=1e-30))
+        for name in want
+    }
+
+
+def build_gpt_model(
+    config,
+    *,
+    tree: bool,
+    vocab_size: int,
+    critic: bool = False,
+    backend: str = "auto",
+    block_size: int = 128,
+    seed: int = 0,
+):
+    """A local-spec GPT for this pipeline stage: ``TreeGPTModel`` with tree attention, or the stock
+    ``GPTModel`` (the reference), with untied output weights and rope.
+
+    The same ``seed`` and config give the same weights for both kinds (tree attention has no
+    parameters of its own), so a reference can also load the tree model's state dict.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from .critic import attach_value_head
+    from .rope import TreeGPTModel
+    from .spec import tree_attention_spec
+
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    cls = GPTModel
+    if tree:
+        spec, cls = tree_attention_spec(spec, backend=backend, block_size=block_size), TreeGPTModel
+    torch.manual_seed(seed)
+    model = cls(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=8192,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    return attach_value_head(model) if critic else model

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Tree step vs. unpacked reference under torchrun: TP=2, PP=2 (actor and critic) and TP=2 x PP=2.
+# gloo + the CPU patch on a CPU machine, NCCL on a CUDA machine (one GPU per rank), unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+TORCHRUN=".venv/bin/torchrun"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+for layout in "2 --tp 2" "2 --pp 2" "2 --pp 2 --critic" "2 --tp 2 --critic" "4 --tp 2 --pp 2"; do
+  set -- $layout
+  n=$1; shift
+  echo "== torchrun --nproc-per-node $n scripts/torchrun_parity.py $*"
+  "$TORCHRUN" --nproc-per-node "$n" --master-port "${MASTER_PORT:-29511}" scripts/torchrun_parity.py "$@" 2>&1 \
+    | grep -E "^rank|^torchrun parity|Error"
+done

@@ -1,0 +1,36 @@
+"""The README's main job runs end to end (at a reduced size) and reports parity."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mbridge")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_main_job_small(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tree_vs_baseline.py"), "--small", "--parity-sequences", "3",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for phase in range(1, 8):
+        assert f"[{phase}/7]" in out
+    # fp32 on CPU: the tree run and HF differ only in summation order (see test_bridge.py).
+    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    assert parity <= 1e-5
+    loss_gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1))
+    assert loss_gap <= 1e-5
+    ratio = float(re.search(r"tree_token_ratio \(unique / real tokens\)\s+(\S+)", out).group(1))
+    assert 0 < ratio < 0.6
+    png = (tmp_path / "tree_mask.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
