@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3, help="timed steps of each kind (median)")
+    p.add_argument("--reps", type=int, default=2, help="timed steps of each kind (median)")
     p.add_argument("--parity-sequences", type=int, default=8, help="sequences checked against HF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true")
@@ -142,19 +143,40 @@ def grpo_inputs(args, vocab: int) -> dict:
     return batch
 
 
-def activation_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward during ``fn()`` (distinct storages)."""
-    seen: dict[int, int] = {}
+def peak_activation_bytes(fn, model) -> int:
+    """Peak bytes of the tensors autograd keeps for backward while ``fn()`` runs.
+
+    Counts each storage once while any saved tensor uses it, from the forward that saves it until
+    the backward that frees it; parameters are not activations and are left out.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    live: dict[int, list[int]] = {}  # storage -> [saved tensors using it, bytes]
+    usage = {"now": 0, "peak": 0}
+
+    def release(ptr: int) -> None:
+        entry = live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            usage["now"] -= entry[1]
+            del live[ptr]
 
     def pack(t):
-        if t.device.type != "meta":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in params or t.device.type == "meta":
+            return t
+        if ptr in live:
+            live[ptr][0] += 1
+        else:
+            live[ptr] = [1, storage.nbytes()]
+            usage["now"] += storage.nbytes()
+            usage["peak"] = max(usage["peak"], usage["now"])
+        weakref.finalize(t, release, ptr)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return sum(seen.values())
+    return usage["peak"]
 
 
 def main(argv=None) -> dict:
@@ -225,9 +247,19 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return result
 
-    tree_result, base_result = step(True), step(False)  # warm-up, and the loss comparison
-    loss_gap = abs(float(tree_result.loss) - float(base_result.loss)) / abs(float(base_result.loss))
-    progress(f"warm-up: tree loss {float(tree_result.loss):.6f}, baseline loss {float(base_result.loss):.6f}")
+    # Warm-up runs: the loss comparison and the memory measurement.
+    results, peaks = {}, {}
+    for name, share in (("tree", True), ("base", False)):
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            results[name] = step(share)
+            peaks[name] = torch.cuda.max_memory_allocated()
+        else:
+            peaks[name] = peak_activation_bytes(lambda s=share, n=name: results.__setitem__(n, step(s)), model)
+    memory_kind = "peak CUDA memory" if args.device == "cuda" else "peak activation memory"
+    loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
+    loss_gap = abs(loss_tree - loss_base) / abs(loss_base)
+    progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
 
     times = {"tree": [], "base": []}
     for _ in range(args.reps):
@@ -237,17 +269,6 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - t0)
     t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
     progress(f"timed {args.reps} interleaved steps of each")
-
-    if args.device == "cuda":
-        peaks = {}
-        for name, share in (("tree", True), ("base", False)):
-            torch.cuda.reset_peak_memory_stats()
-            step(share)
-            peaks[name] = torch.cuda.max_memory_allocated()
-        memory_kind = "peak CUDA memory"
-    else:
-        peaks = {name: activation_bytes(lambda s=share: step(s)) for name, share in (("tree", True), ("base", False))}
-        memory_kind = "activations saved for backward"
 
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp)
     unshared = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp, share_prefixes=False)
