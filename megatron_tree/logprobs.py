@@ -33,11 +33,21 @@ import torch.distributed as dist
 
 from megatron_tree.tree import PackedTree
 
+__all__ = [
+    "gather_packed_tree_logprobs",
+    "gather_packed_tree_logprobs_entropy",
+    "gather_packed_tree_logprobs_entropy_from_hidden",
+    "gather_packed_tree_values",
+    "gather_packed_tree_vocab_stats",
+    "merge_packed_tree_results",
+]
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Default chunk sizes in elements of [C, Vl]. On CPU the logits path keeps its two fp32 chunk
-# buffers (~1 MiB each) in L2 cache; the fused path needs more rows per matmul. Elsewhere chunks
-# only bound memory.
+# buffers (4 MiB each) in cache: 32 rows at V = 32000 measured fastest (8 rows: too many small
+# ops; 512 rows: 2x slower). The fused path needs more rows per matmul. Elsewhere chunks only
+# bound memory.
 _CHUNK_ELEMENTS_CPU = 2**20
 _FUSED_CHUNK_ELEMENTS_CPU = 2**24
 _CHUNK_ELEMENTS = 2**26

@@ -3,9 +3,14 @@
     python scripts/bench_logprobs.py [--repeats 5] [--vocab 32000] [--threads N]
 
 Packs the GRPO batch of the packing benchmark (8 prompts x 8 samples, prompt 512, responses
-64-128) with ``max_tokens_per_mb=4096``, takes its largest tree (~3.9K real tokens) and random
+64-128) with ``max_tokens_per_mb=4096``, takes its largest tree (~4K real tokens) and random
 logits [N, V], and prints the median time of the forward and of forward + backward for
 ``gather_packed_tree_logprobs_entropy`` and for plain unfused torch baselines on the same rows.
+
+Timings with 2 threads are only meaningful on an otherwise idle machine: when another process
+holds the second core, every OpenMP parallel region waits for a descheduled thread, and the
+chunked method (hundreds of small regions) suffers far more than one big unfused op (compare
+``--threads 1``, and the printed load average).
 
 Peak extra memory is the growth of the process's peak RSS (``VmHWM`` in /proc/self/status, Linux;
 ``ru_maxrss`` would carry the parent's peak over into the child) over one forward + backward,
@@ -16,6 +21,7 @@ includes the logits gradient (1x the logits), which any method must produce.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -53,7 +59,7 @@ def _unfused(logits, tree, with_entropy=True):
 
 
 METHODS = {
-    "ours (fused, chunked)": _ours,
+    "ours (chunked, per node)": _ours,
     "unfused log_softmax+gather": lambda x, t: _unfused(x, t, with_entropy=False),
     "unfused log_softmax+gather+entropy": _unfused,
 }
@@ -106,14 +112,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     tree = _tree(args.vocab)
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats}; "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {load}, "
+        f"median of {args.repeats}; "
         f"tree: N={tree.padded_length} padded, U={tree.num_tree_tokens} real rows, "
         f"S={tree.num_sequences} sequences, T={tree.num_sequence_tokens} sequence tokens, "
         f"V={args.vocab}"
     )
     logits32 = torch.randn(tree.padded_length, args.vocab)
-    cases = [(m, "float32") for m in METHODS] + [("ours (fused, chunked)", "bfloat16")]
+    cases = [(m, "float32") for m in METHODS] + [("ours (chunked, per node)", "bfloat16")]
     header = (f"{'method':36} {'logits':>8} {'fwd s':>7} {'fwd+bwd s':>9} "
               f"{'peak extra / logits':>19}")
     print(header)
@@ -132,7 +140,7 @@ def main() -> None:
         rows[(method, dtype)] = (fwd, both)
         name = "fp32" if dtype == "float32" else "bf16"
         print(f"{method:36} {name:>8} {fwd:7.3f} {both:9.3f} {mem:18.2f}x")
-    ours = rows[("ours (fused, chunked)", "float32")]
+    ours = rows[("ours (chunked, per node)", "float32")]
     for method in list(METHODS)[1:]:
         base = rows[(method, "float32")]
         print(f"speed-up of ours over {method}: forward {base[0] / ours[0]:.1f}x, "
