@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .mask import tree_block_layout, tree_mask_mod
+from .mask import tree_block_layout
 
 BACKENDS = ("auto", "sdpa", "flex", "block_sparse")
 
@@ -214,23 +214,9 @@ _COMPILED_FLEX = None
 
 
 def _build_block_mask(subtree_end: torch.Tensor, block_size: int, padded: int):
-    from torch.nn.attention.flex_attention import BlockMask
+    from .mask import build_block_mask_from_trie
 
-    from .mask import _kv_block_lists
-
-    ends = _pad_encoding(subtree_end, padded).to(torch.int32)
-    any_allowed, all_allowed = tree_block_layout(ends, block_size)
-    kv_num, kv_idx = _kv_block_lists(any_allowed & ~all_allowed)
-    full_num, full_idx = _kv_block_lists(all_allowed)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(ends),
-        seq_lengths=(padded, padded),
-    )
+    return build_block_mask_from_trie(_pad_encoding(subtree_end, padded).to(torch.int32), block_size)
 
 
 def tree_attention(
