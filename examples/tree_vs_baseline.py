@@ -76,16 +76,16 @@ def init_parallel(args) -> int:
 
     if args.device == "cpu":
         megatron_cpu.apply()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:  # torchrun
-        backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend)
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
     return dist.get_rank()
@@ -138,7 +138,9 @@ def grpo_inputs(args, vocab: int) -> dict:
     adv = torch.empty_like(rewards)
     for p in prompt_id.unique():
         group = prompt_id == p
-        adv[group] = (rewards[group] - rewards[group].mean()) / (rewards[group].std() + 1e-6)
+        if int(group.sum()) < 2:  # one sample per prompt: baseline against the whole batch
+            group = torch.ones_like(group)
+        adv[prompt_id == p] = ((rewards - rewards[group].mean()) / (rewards[group].std() + 1e-6))[prompt_id == p]
     batch["advantages"] = adv[:, None].expand_as(mask).contiguous()
     return batch
 
@@ -258,7 +260,7 @@ def main(argv=None) -> dict:
             peaks[name] = peak_activation_bytes(lambda s=share, n=name: results.__setitem__(n, step(s)), model)
     memory_kind = "peak CUDA memory" if args.device == "cuda" else "peak activation memory"
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
-    loss_gap = abs(loss_tree - loss_base) / abs(loss_base)
+    loss_gap = abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30)
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
 
     times = {"tree": [], "base": []}

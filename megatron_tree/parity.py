@@ -80,6 +80,26 @@ def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     }
 
 
+def small_gpt_config(**overrides):
+    """A ``TransformerConfig`` for small test / benchmark GPTs that runs anywhere, CPU included.
+
+    Defaults: 2 layers, hidden 64, 4 heads in 2 query groups, FFN 128, RMSNorm, SwiGLU, no linear
+    biases, fp32, no dropout, CPU initialization (the same weights at any tensor-parallel size for
+    the same seed), and the unfused softmax (the fused kernel is CUDA-only). ``overrides`` replace
+    any of them or set other fields.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+        use_cpu_initialization=True, masked_softmax_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
 def build_gpt_model(
     config,
     *,

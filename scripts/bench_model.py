@@ -63,25 +63,18 @@ def init_world():
 
 def build_model(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_tree.parity import small_gpt_config
     from megatron_tree.rope import TreeGPTModel
     from megatron_tree.spec import tree_attention_spec
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    config = TransformerConfig(
+    config = small_gpt_config(
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
         num_query_groups=args.groups,
         ffn_hidden_size=args.ffn,
-        use_cpu_initialization=True,
-        masked_softmax_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        add_bias_linear=False,
         params_dtype=dtype,
         bf16=args.dtype == "bf16",
     )

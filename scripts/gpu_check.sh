@@ -10,6 +10,8 @@
 #      of the brute force computed in bf16), and packed-vs-unpacked gradients of a TreeGPTModel with
 #      the flex backend in fp32 (relative error <= 1e-4 per parameter);
 #   4. scripts/bench_model.py at a larger size (bf16, flex);
+#   5. the end-to-end GRPO step (examples/tree_vs_baseline.py) on qwen3_small (hidden 1024, 8 layers),
+#      bf16, flex, 16K-token trees, tree vs. unshared baseline (bar: >= 85% of the ideal speed-up);
 # then prints one summary table. Exit status 0 iff every check passed.
 #
 # Needs a Python environment with CUDA torch, megatron-core 0.16.x, mbridge 0.15.1, transformers<5
@@ -29,7 +31,7 @@ fi
 'megatron-core', m.__version__, torch.cuda.get_device_name(0))"
 
 # ---------------------------------------------------------------------------------------------- 1
-echo "== [1/4] CPU suite with CUDA hidden"
+echo "== [1/5] CPU suite with CUDA hidden"
 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=4 timeout 240 "$PY" -m pytest -q -p no:cacheprovider -W ignore \
   tests/test_attention.py tests/test_attention_model.py tests/test_bridge.py tests/test_cpu_patch.py \
   >"$OUT/cpu_suite.txt" 2>&1
@@ -281,7 +283,7 @@ PARITY_RC=$?
 [ $PARITY_RC = 0 ] || echo "CUDA parity script|exit status $PARITY_RC|0|FAIL" >>"$OUT/rows.txt"
 
 # ---------------------------------------------------------------------------------------------- 4
-echo "== [4/4] benchmark (bf16, flex, larger model)"
+echo "== [4/5] benchmark (bf16, flex, larger model)"
 timeout 240 "$PY" scripts/bench_model.py --device cuda --dtype bf16 --backend flex \
   --hidden 1024 --layers 8 --heads 16 --groups 4 --ffn 4096 --vocab 32000 \
   --prompt 4096 --responses 8 --response-len 1024 --reps 5 2>&1 | grep -v -i warn | tee "$OUT/bench.txt"
@@ -300,6 +302,26 @@ for line in text.splitlines():
 PYEOF
 else
   echo "benchmark|exit status $BENCH_RC|0|FAIL" >>"$OUT/rows.txt"
+fi
+
+# ---------------------------------------------------------------------------------------------- 5
+echo "== [5/5] end-to-end GRPO step, tree vs. unshared (qwen3_small, bf16, flex, 16K-token trees)"
+timeout 240 "$PY" examples/tree_vs_baseline.py --device cuda --bf16 --backend flex \
+  --config examples/configs/qwen3_small --max-tokens 16384 --prompts 8 --samples 8 \
+  --prompt-len 2048 --response-len 256 512 --reps 3 --parity-sequences 2 --out "$OUT" 2>&1 \
+  | grep -v -i warn | tee "$OUT/e2e.txt"
+E2E_RC=${PIPESTATUS[0]}
+if [ "$E2E_RC" = 0 ]; then
+  "$PY" - "$OUT/e2e.txt" "$OUT/rows.txt" <<'PYEOF'
+import re, sys
+text, rows = open(sys.argv[1]).read(), open(sys.argv[2], "a")
+speed = float(re.search(r"^speed-up\s+([\d.]+)x", text, re.M).group(1))
+ideal = float(re.search(r"^ideal speed-up \(FLOP model\)\s+([\d.]+)x", text, re.M).group(1))
+ok = speed >= 0.85 * ideal
+rows.write(f"e2e GRPO step speed-up|{speed:.2f}x (ideal {ideal:.2f}x, {speed / ideal:.0%})|>= 85% of ideal|{'PASS' if ok else 'FAIL'}\n")
+PYEOF
+else
+  echo "e2e GRPO step|exit status $E2E_RC|0|FAIL" >>"$OUT/rows.txt"
 fi
 
 # ------------------------------------------------------------------------------------------ summary

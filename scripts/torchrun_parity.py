@@ -36,14 +36,11 @@ def parse_args():
 
 
 def config(args, tp: int, pp: int):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_tree.parity import small_gpt_config
 
-    return TransformerConfig(
-        num_layers=args.layers, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=128, use_cpu_initialization=True, masked_softmax_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", add_bias_linear=False,
-        add_qkv_bias=True, init_method_std=0.15, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    return small_gpt_config(
+        num_layers=args.layers, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
     )
 
 

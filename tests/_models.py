@@ -85,6 +85,12 @@ def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.
     return out
 
 
+def max_err(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
+    """Largest absolute difference between two {sequence: log-probs} maps over the same sequences."""
+    assert a.keys() == b.keys()
+    return max(float((a[i] - b[i]).abs().max()) for i in a)
+
+
 def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Reference: HuggingFace on each sequence alone."""
     from transformers import AutoModelForCausalLM

@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 
 from _dist import single_process_world  # noqa: E402
-from _models import VOCAB, branching_sequences, pack  # noqa: E402
+from _models import VOCAB, branching_sequences, max_err, pack, packed_logprobs  # noqa: E402
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
@@ -39,26 +39,9 @@ def world():
 
 
 def _config(**overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_tree.parity import small_gpt_config
 
-    return TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        use_cpu_initialization=True,
-        masked_softmax_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        init_method_std=0.15,
-        params_dtype=torch.float32,
-        **overrides,
-    )
+    return small_gpt_config(add_qkv_bias=True, init_method_std=0.15, **overrides)
 
 
 def _model(kind: str, config=None, backend: str = "block_sparse"):
@@ -100,16 +83,8 @@ def _tree_logprobs(model, micro_batches, mask_form: str = "subtree_end") -> dict
         tree = mb["tree"]
         mask = tree.subtree_end if mask_form == "subtree_end" else build_attention_mask_from_trie(tree)
         logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mask)
-        logp = torch.log_softmax(logits[0], -1)
-        for i in range(tree.num_sequences):
-            idx = tree.sequence_token_index(i)
-            out[int(tree.sequence_ids[i])] = logp[idx[:-1], tree.input_ids[idx[1:]]]
+        out.update(packed_logprobs(logits, mb))
     return out
-
-
-def _max_err(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[i] - b[i]).abs().max()) for i in a)
 
 
 def test_depth_rope_is_needed_for_branches():
@@ -125,9 +100,9 @@ def test_depth_rope_is_needed_for_branches():
         plain.load_state_dict(state)
         depth = _model("tree").eval()
         depth.load_state_dict(state)
-        plain_err = _max_err(_tree_logprobs(plain, micro_batches), ref)
-        depth_err = _max_err(_tree_logprobs(depth, micro_batches), ref)
-        dense_err = _max_err(_tree_logprobs(depth, micro_batches, "dense"), ref)
+        plain_err = max_err(_tree_logprobs(plain, micro_batches), ref)
+        depth_err = max_err(_tree_logprobs(depth, micro_batches), ref)
+        dense_err = max_err(_tree_logprobs(depth, micro_batches, "dense"), ref)
     assert plain_err > 1e-2, plain_err
     assert depth_err <= LOGP_TOL, depth_err
     assert dense_err <= LOGP_TOL, dense_err

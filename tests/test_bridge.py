@@ -11,7 +11,15 @@ pytest.importorskip("mbridge")
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 
 from _dist import run_spawned, single_process_world  # noqa: E402
-from _models import ARCHS, branching_sequences, hf_logprobs, make_hf_checkpoint, pack  # noqa: E402
+from _models import (  # noqa: E402
+    ARCHS,
+    branching_sequences,
+    hf_logprobs,
+    make_hf_checkpoint,
+    max_err,
+    pack,
+    packed_logprobs,
+)
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
@@ -69,17 +77,8 @@ def tree_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
         for mb in micro_batches:
             tree = mb["tree"]
             logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree.subtree_end)
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            logp = torch.log_softmax(logits[0], -1)
-            for i in range(tree.num_sequences):
-                idx = tree.sequence_token_index(i)
-                out[int(tree.sequence_ids[i])] = logp[idx[:-1], tree.input_ids[idx[1:]]]
+            out.update(packed_logprobs(tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb))
     return out
-
-
-def _max_err(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[i] - b[i]).abs().max()) for i in a)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -89,7 +88,7 @@ def test_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
     bridge, model = _load(checkpoints[arch])
     assert isinstance(model, TreeGPTModel)
     micro_batches = pack(branching_sequences())
-    assert _max_err(tree_logprobs(model, micro_batches), references[arch]) <= LOGP_TOL
+    assert max_err(tree_logprobs(model, micro_batches), references[arch]) <= LOGP_TOL
 
 
 def test_patch_restores_everything_and_binds_instances(checkpoints):
@@ -149,6 +148,6 @@ def test_bridge_tp2_matches_tp1_and_hf(checkpoints, references):
     micro_batches = pack(branching_sequences())
     for arch, path in checkpoints.items():
         tp1 = tree_logprobs(_load(path)[1], micro_batches)
-        assert _max_err(rank0[arch], rank1[arch]) == 0.0
-        assert _max_err(rank0[arch], tp1) <= LOGP_TOL, arch
-        assert _max_err(rank0[arch], references[arch]) <= LOGP_TOL, arch
+        assert max_err(rank0[arch], rank1[arch]) == 0.0
+        assert max_err(rank0[arch], tp1) <= LOGP_TOL, arch
+        assert max_err(rank0[arch], references[arch]) <= LOGP_TOL, arch

@@ -27,25 +27,10 @@ def _current_targets() -> list[object]:
 def _tiny_gpt(tp_size: int = 1, **config_overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=True,
-        masked_softmax_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        params_dtype=torch.float32,
-        **config_overrides,
-    )
+    from megatron_tree.parity import small_gpt_config
+
+    config = small_gpt_config(tensor_model_parallel_size=tp_size, **config_overrides)
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),

@@ -7,16 +7,20 @@ and the token-mean normalization written out here. Parallel layouts run in spawn
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_tree.parity import (  # noqa: E402
+    build_gpt_model,
+    gradient_errors,
+    small_gpt_config,
+    stage_parameter_name,
+    unpacked_reference_step,
+)
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 from megatron_tree.synthetic import pad_sequences  # noqa: E402
-from megatron_tree.parity import build_gpt_model, gradient_errors, stage_parameter_name, unpacked_reference_step  # noqa: E402
 from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward, value_loss  # noqa: E402
 
 from _dist import run_spawned, single_process_world  # noqa: E402
@@ -37,24 +41,12 @@ RECOMPUTE = {
 
 def _config(recompute: str = "none"):
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return small_gpt_config(
         num_layers=NUM_LAYERS,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        use_cpu_initialization=True,
-        masked_softmax_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        add_bias_linear=False,
+        gated_linear_unit=False,
         add_qkv_bias=True,
         init_method_std=0.15,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         **RECOMPUTE[recompute],
