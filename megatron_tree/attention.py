@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ._lazy import lazy_class_getattr
 from .mask import tree_block_layout
 
 BACKENDS = ("auto", "sdpa", "flex", "block_sparse")
@@ -458,17 +459,5 @@ def _make_core_attention_class():
     return TreeCoreAttention
 
 
-_CLASS_CACHE: dict[str, type] = {}
-
-
-def __getattr__(name: str):
-    # TreeCoreAttention subclasses MegatronModule; build it on first use so that importing this
-    # module (and megatron_tree) does not import Megatron.
-    if name == "TreeCoreAttention":
-        if name not in _CLASS_CACHE:
-            cls = _make_core_attention_class()
-            cls.__module__ = __name__
-            cls.__qualname__ = name
-            _CLASS_CACHE[name] = cls
-        return _CLASS_CACHE[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# TreeCoreAttention subclasses MegatronModule: built on first use (see _lazy.py).
+__getattr__ = lazy_class_getattr(__name__, {"TreeCoreAttention": _make_core_attention_class})

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ._lazy import lazy_class_getattr
+
 
 def depth_rotary_pos_emb(rotary_pos_emb: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Index Megatron's rotary table by per-token positions.
@@ -77,16 +79,5 @@ def _make_tree_gpt_model_class():
     return TreeGPTModel
 
 
-_CLASS_CACHE: dict[str, type] = {}
-
-
-def __getattr__(name: str):
-    # Built on first use so that importing this module does not import Megatron.
-    if name == "TreeGPTModel":
-        if name not in _CLASS_CACHE:
-            cls = _make_tree_gpt_model_class()
-            cls.__module__ = __name__
-            cls.__qualname__ = name
-            _CLASS_CACHE[name] = cls
-        return _CLASS_CACHE[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# TreeGPTModel subclasses GPTModel: built on first use (see _lazy.py).
+__getattr__ = lazy_class_getattr(__name__, {"TreeGPTModel": _make_tree_gpt_model_class})

@@ -43,7 +43,6 @@ echo "cpu suite (CUDA hidden)|$(tail -n 1 "$OUT/cpu_suite.txt" | tr -d '=' | xar
 # ------------------------------------------------------------------------------------------ 2 + 3
 echo "== [2-3/4] CUDA parity (bf16/fp32) and flex forward/backward"
 timeout 300 "$PY" - "$OUT/rows.txt" <<'PYEOF'
-import math
 import os
 import socket
 import sys
@@ -86,7 +85,7 @@ dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 mp_random.model_parallel_cuda_manual_seed(1234)
 
-from _models import ARCHS, VOCAB, branching_sequences, make_hf_checkpoint, pack
+from _models import ARCHS, VOCAB, attention_reference, branching_sequences, make_hf_checkpoint, pack
 from megatron_tree.attention import tree_attention
 from megatron_tree.mask import build_attention_mask_from_trie
 
@@ -185,15 +184,6 @@ with tempfile.TemporaryDirectory() as root:
         parity(arch, path)
 
 
-def brute_force(q, k, v, masked):
-    n, b, heads, dim = q.shape
-    rep = heads // k.shape[2]
-    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
-    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
-    return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)
-
-
 def flex_kernel_check():
     tree = pack(branching_sequences() * 3, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
     n = tree.padded_length
@@ -209,8 +199,8 @@ def flex_kernel_check():
         grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
         return [out.detach().double()] + [x.double() for x in grads]
 
-    ref = run(lambda q, k, v: brute_force(q, k, v, masked), torch.float64)
-    naive16 = run(lambda q, k, v: brute_force(q, k, v, masked), torch.bfloat16)
+    ref = run(lambda q, k, v: attention_reference(q, k, v, masked), torch.float64)
+    naive16 = run(lambda q, k, v: attention_reference(q, k, v, masked), torch.bfloat16)
     flex16 = run(lambda q, k, v: tree_attention(q, k, v, tree.subtree_end, backend="flex"), torch.bfloat16)
     flex32 = run(lambda q, k, v: tree_attention(q, k, v, tree.subtree_end, backend="flex"), torch.float32)
     for name, r, a, b, c in zip(("out", "dq", "dk", "dv"), ref, naive16, flex16, flex32):

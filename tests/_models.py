@@ -6,6 +6,8 @@ and attention far from flat: a wrong rotary angle or a leaked key then moves log
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_tree.packing import build_packed_tree_batch
@@ -103,3 +105,13 @@ def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
             logits = model(s[None]).logits[0]
             out[i] = torch.log_softmax(logits.float(), -1)[:-1].gather(1, s[1:, None])[:, 0]
     return out
+
+
+def attention_reference(q, k, v, masked):
+    """Brute force: repeat KV groups, scores, -inf on masked pairs, softmax. [N, b, np*hn]."""
+    n, b, heads, dim = q.shape
+    rep = heads // k.shape[2]
+    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)

@@ -11,7 +11,7 @@ from megatron_tree import attention as tree_attn
 from megatron_tree.attention import tree_attention
 from megatron_tree.mask import build_attention_mask_from_trie
 
-from _models import branching_sequences, pack
+from _models import attention_reference, branching_sequences, pack
 
 # fp64 on CPU: the backends differ from the reference only by summation order, ~1e-15.
 TOL = 1e-12
@@ -19,16 +19,6 @@ TOL = 1e-12
 
 def _tree(block_size: int = 16):
     return pack(branching_sequences(), block_size=block_size, max_tokens=512)[0]["tree"]
-
-
-def _reference(q, k, v, masked):
-    """Brute force: repeat KV groups, scores, -inf on masked pairs, softmax. [N, b, np*hn]."""
-    n, b, heads, dim = q.shape
-    rep = heads // k.shape[2]
-    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
-    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
-    return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)
 
 
 def _qkv(n, heads=4, groups=2, dim=8, seed=0, grad=True):
@@ -51,7 +41,7 @@ def test_backends_match_reference_forward_backward(backend, form, block_size):
         "dense_11NN": masked[None, None],
     }[form]
     q, k, v = _qkv(n)
-    ref = _reference(q, k, v, masked)
+    ref = attention_reference(q, k, v, masked)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     out = tree_attention(q, k, v, mask, backend=backend, block_size=block_size)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -66,7 +56,7 @@ def test_flex_forward_matches_reference_on_cpu(block_size):
     tree = _tree()
     masked = build_attention_mask_from_trie(tree)
     q, k, v = _qkv(tree.padded_length, grad=False)
-    ref = _reference(q, k, v, masked)
+    ref = attention_reference(q, k, v, masked)
     for mask in (tree.subtree_end, masked):
         out = tree_attention(q, k, v, mask, backend="flex", block_size=block_size)
         assert (out - ref).abs().max() < TOL
