@@ -245,3 +245,14 @@ def test_pipeline_parallel_needs_constant_shapes(world):
             _tree_step(_build("tree", False), _batch(branching_sequences()), False, pad_to_max=False)
     finally:
         ps.get_pipeline_model_parallel_world_size = original
+
+
+def test_step_errors(world):
+    tree = _build("tree", critic=False)
+    batch = _batch(branching_sequences())
+    with pytest.raises(ValueError, match="loss_fn is required for a training step"):
+        tree_forward_backward(tree, batch, None, max_tokens_per_mb=64, block_size=16)
+    with pytest.raises(ValueError, match=r"loss_fn must return a per-token loss of shape \[\d+\]"):
+        tree_forward_backward(
+            tree, batch, lambda outputs, mb: outputs["logprobs"].sum(), max_tokens_per_mb=64, block_size=16
+        )
