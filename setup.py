@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from setuptools import setup
 
 # Versions verified together on a CPU-only Python 3.11 machine; megatron-core >= 0.17 requires
@@ -9,13 +11,13 @@ MEGATRON = [
     "safetensors",
     "einops",
 ]
-TEST = ["pytest>=8", "hypothesis>=6.100", "matplotlib"]
+TEST = ["pytest>=8", "hypothesis>=6.100"]
 
 setup(
     name="megatron_tree",
     version="0.1.0",
     description="Tree training (prefix-shared packed sequences) for Megatron-Core RL training",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=["megatron_tree", "megatron_tree.patches"],
     package_dir={"megatron_tree": "megatron_tree", "megatron_tree.patches": "patches"},
