@@ -209,10 +209,11 @@ def main(argv=None) -> dict:
             bridge = AutoBridge.from_pretrained(ckpt, dtype=torch.bfloat16 if args.bf16 else torch.float32)
         model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
         model.train()
-        vocab = model.vocab_size
+        gpt = getattr(model, "module", model)  # bf16 models come wrapped in Float16Module
+        vocab = gpt.vocab_size
         shape = GPTShape.from_config(model.config, vocab)
         progress(
-            f"built {type(model).__name__} through mbridge: hidden {shape.hidden}, {shape.layers} layers, "
+            f"built {type(gpt).__name__} through mbridge: hidden {shape.hidden}, {shape.layers} layers, "
             f"vocab {vocab}, TP {args.tp}, backend {args.backend}, {args.device}"
         )
 

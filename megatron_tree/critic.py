@@ -28,19 +28,29 @@ def attach_value_head(model, *, bias: bool = True, init_std: float | None = None
     """Replace ``model.output_layer`` with a :class:`ValueHead` (in place); returns ``model``.
 
     Args:
-        model: a GPTModel (e.g. ``TreeGPTModel``) whose embeddings and output weights are not tied.
-            On pipeline stages without an output layer this is a no-op.
+        model: a GPTModel (e.g. ``TreeGPTModel``), possibly wrapped in Float16Module, whose
+            embeddings and output weights are not tied. On pipeline stages without an output layer
+            this is a no-op. Attach the head before wrapping the model in DDP, so that DDP's
+            gradient buffers include it.
         bias: give the head a bias.
         init_std: normal init std of the head weight; default ``config.init_method_std``.
         seed: seed of the head's init, the same on every rank so the replicas agree.
 
     Raises:
-        ValueError: tied embeddings or sequence parallelism (the head expects full hidden states).
+        ValueError: not a GPTModel; tied embeddings; or sequence parallelism (the head expects full
+            hidden states).
     """
-    if not getattr(model, "post_process", True) or getattr(model, "output_layer", None) is None:
+    gpt = model
+    while not hasattr(gpt, "post_process") and hasattr(gpt, "module"):  # Float16Module, DDP
+        gpt = gpt.module
+    if not hasattr(gpt, "post_process"):
+        raise ValueError(
+            f"attach_value_head needs a GPTModel (optionally wrapped), got {type(model).__name__}"
+        )
+    if not gpt.post_process:  # a pipeline stage without the output layer
         return model
-    config = model.config
-    if getattr(model, "share_embeddings_and_output_weights", False):
+    config = gpt.config
+    if gpt.share_embeddings_and_output_weights:
         raise ValueError(
             "attach_value_head needs share_embeddings_and_output_weights=False (the value head "
             "replaces the output layer, which must not be the input embedding)"
@@ -48,12 +58,12 @@ def attach_value_head(model, *, bias: bool = True, init_std: float | None = None
     if config.sequence_parallel:
         raise ValueError("attach_value_head does not support sequence_parallel=True; disable it")
     head = ValueHead(config.hidden_size, bias=bias, dtype=config.params_dtype)
-    device = next(model.parameters()).device
+    device = next(gpt.parameters()).device
     with torch.no_grad():
         generator = torch.Generator().manual_seed(seed)
         std = config.init_method_std if init_std is None else init_std
         head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
         if bias:
             head.bias.zero_()
-    model.output_layer = head.to(device)
+    gpt.output_layer = head.to(device)
     return model

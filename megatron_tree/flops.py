@@ -30,7 +30,12 @@ class GPTShape:
 
     @classmethod
     def from_config(cls, config, vocab: int) -> "GPTShape":
-        """From a Megatron ``TransformerConfig`` and the vocabulary size."""
+        """From a Megatron ``TransformerConfig`` and the vocabulary size (dense models only)."""
+        if getattr(config, "num_moe_experts", None):
+            raise ValueError(
+                "GPTShape models dense MLPs only; this config has num_moe_experts="
+                f"{config.num_moe_experts} (count active expert FLOPs yourself)"
+            )
         return cls(
             hidden=config.hidden_size,
             layers=config.num_layers,

@@ -126,6 +126,7 @@ def layout_tree(
         (input_ids [N], position_ids [N], subtree_end int32 [N], parent_index [N], token_index [T],
         num_tree_tokens).
     """
+    rows, lengths = rows.to(torch.int64), lengths.to(torch.int64)
     num_seq, width = rows.shape
     device = rows.device
     lcp = _neighbour_lcp(rows, lengths) if share_prefixes else torch.zeros_like(lengths)
@@ -136,7 +137,10 @@ def layout_tree(
     if padded_length is None:
         padded_length = max(-(-num_tree_tokens // align), 1) * align
     if num_tree_tokens > padded_length:
-        raise AssertionError(f"tree of {num_tree_tokens} tokens does not fit {padded_length}")
+        raise ValueError(
+            f"padded_length={padded_length} is smaller than the tree's {num_tree_tokens} unique "
+            "tokens; pass at least that many (or leave padded_length=None)"
+        )
 
     depth = torch.arange(width, device=device)[None, :]  # [1, L]
     seq = torch.arange(num_seq, device=device)[:, None]  # [S, 1]
@@ -190,6 +194,12 @@ def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int
         raise ValueError("the batch is empty: data['input_ids'] has no sequences")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"data['input_ids'] must hold integer token ids, got {input_ids.dtype}")
+    for reserved in ("position_ids", "tree"):
+        if reserved in data:
+            raise ValueError(
+                f"data[{reserved!r}] is reserved: each micro-batch gets its own (position ids are "
+                "the token depths in the tree); drop it from data"
+            )
     for name, value in data.items():
         if name in ("input_ids", "attention_mask"):
             continue

@@ -53,7 +53,7 @@ def unpacked_reference_step(
             logprobs[:-1] = logp[torch.arange(n - 1, device=device), seq[1:]]
             outputs = {"logprobs": logprobs, "entropy": -(logp.exp() * logp).sum(-1)}
         total = total + (loss_fn(outputs, row).double() * row["loss_mask"]).sum()
-    loss = total / batch["loss_mask"].sum().to(device)
+    loss = total / (batch["loss_mask"] * batch["attention_mask"]).sum().to(device)
     if backward:
         loss.backward()
     return loss.detach().float()

@@ -72,27 +72,30 @@ def loss_weights(
     """Per-token weights [B, L] such that ``sum(weight * per_token_loss)`` is the batch loss.
 
     ``"token"``: mean over every unmasked token of the global batch (all data-parallel ranks).
-    ``"sequence"``: mean over sequences of each sequence's token mean (empty sequences count 0).
-    With ``dp_group`` and ``dp_grad_average`` (Megatron DDP averages gradients over data-parallel
-    ranks) the weights are scaled by the DP size so the averaged gradient is the global loss's.
+    ``"sequence"``: mean over the sequences that have loss tokens (a nonzero mask) of each one's
+    token mean; sequences with an all-zero mask take no part. With ``dp_group`` and
+    ``dp_grad_average`` (Megatron DDP averages gradients over data-parallel ranks) the weights are
+    scaled by the DP size so the averaged gradient is the global loss's.
     """
     if normalization not in _NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} must be one of {_NORMALIZATIONS}")
     mask = loss_mask.to(torch.float64)
     if normalization == "token":
-        totals = mask.sum().reshape(1)
+        total = mask.sum()
     else:
         per_seq = mask.sum(dim=1, keepdim=True)
-        mask = torch.where(per_seq > 0, mask / per_seq.clamp(min=1), mask)
-        totals = torch.tensor([float(mask.shape[0])], dtype=torch.float64)
+        has_loss = per_seq != 0
+        mask = mask / torch.where(has_loss, per_seq, torch.ones_like(per_seq))
+        total = has_loss.sum().to(torch.float64)
     scale = 1.0
     if dp_group is not None:
         device = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
-        totals = totals.to(device)
-        dist.all_reduce(totals, group=dp_group)
+        reduced = total.reshape(1).to(device)
+        dist.all_reduce(reduced, group=dp_group)
+        total = reduced.to(mask.device)[0]
         if dp_grad_average:
             scale = dist.get_world_size(dp_group)
-    return (mask * scale / totals.cpu().clamp(min=1e-30)).to(torch.float32)
+    return (mask * scale / total.clamp(min=1e-30)).to(torch.float32)
 
 
 def ppo_clipped_loss(
@@ -140,7 +143,7 @@ def tree_forward_backward(
     """Pack ``batch`` into trees and run forward (and backward) through Megatron's schedule.
 
     Args:
-        model: a Megatron model (or list of virtual-pipeline chunks) built with tree attention and
+        model: a Megatron model (or a one-element list of it) built with tree attention and
             depth RoPE (``TreeGPTModel`` with ``tree_attention_spec``, or mbridge under
             ``patch_bridge_for_tree_training``). Actor: its last stage returns vocab-parallel logits
             [1, N, V/tp]. Critic: values [1, N] or [1, N, 1].
@@ -178,6 +181,14 @@ def tree_forward_backward(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if isinstance(model, list) and len(model) > 1 or (
+        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    ) > 1:
+        raise ValueError(
+            "tree_forward_backward does not support virtual pipeline parallelism (interleaved "
+            "schedule); pass one model chunk per pipeline stage"
+        )
+
     if pad_to_max is None:
         pad_to_max = pp_size > 1
     if pp_size > 1 and not pad_to_max:
@@ -191,7 +202,8 @@ def tree_forward_backward(
         loss_mask = batch["attention_mask"].to(torch.float32)
         if not critic:  # the last token of a sequence predicts nothing
             lengths = batch["attention_mask"].sum(dim=1)
-            loss_mask = loss_mask * (torch.arange(loss_mask.shape[1])[None] < (lengths - 1)[:, None])
+            positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+            loss_mask = loss_mask * (positions[None] < (lengths - 1)[:, None])
     data = dict(batch)
     data[_WEIGHT] = loss_weights(
         loss_mask * batch["attention_mask"], normalization=normalization, dp_group=dp_group,

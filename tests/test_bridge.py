@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("mbridge")
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 

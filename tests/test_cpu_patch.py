@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 

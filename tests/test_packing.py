@@ -212,6 +212,7 @@ def _ok():
         (lambda b: b.pop("attention_mask"), {"max_tokens_per_mb": 16, "block_size": 8}, "must be a dict holding 'input_ids'"),
         (lambda b: b["input_ids"].__setitem__((0, 0), -5), {"max_tokens_per_mb": 16, "block_size": 8}, "negative token ids"),
         (lambda b: b.update(input_ids=b["input_ids"].float()), {"max_tokens_per_mb": 16, "block_size": 8}, "must hold integer token ids"),
+        (lambda b: b.update(position_ids=torch.zeros(2, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, r"data\['position_ids'\] is reserved"),
     ],
 )
 def test_errors(mutate, kwargs, match):
@@ -285,3 +286,12 @@ def test_unshared_layout_is_one_causal_chain_per_sequence(sequences):
         same = (owner[:, None] == owner[None, :]) & (owner[:, None] >= 0)
         expected = (same & (pos[None, :] <= pos[:, None])) | torch.eye(n, dtype=torch.bool)
         assert torch.equal(build_attention_mask_from_trie(tree), ~expected)
+
+
+def test_layout_tree_rejects_a_short_padded_length():
+    from megatron_tree.packing import layout_tree
+
+    rows = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"):
+        layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=2)
+    assert layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=4)[5] == 3

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
 
 from megatron_tree.parity import (  # noqa: E402
     build_gpt_model,
@@ -256,3 +255,31 @@ def test_step_errors(world):
         tree_forward_backward(
             tree, batch, lambda outputs, mb: outputs["logprobs"].sum(), max_tokens_per_mb=64, block_size=16
         )
+
+
+def test_loss_weights_by_hand():
+    from megatron_tree.train_step import loss_weights
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
+    token = loss_weights(mask, normalization="token")
+    assert torch.allclose(token, mask / 2.5)
+    # Sequence mean over the two sequences that have loss tokens; the empty one takes no part,
+    # and a fractional mask is normalized by its own sum.
+    seq = loss_weights(mask, normalization="sequence")
+    expected = torch.tensor([[0.25, 0.25, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
+    assert torch.allclose(seq, expected)
+
+
+def test_value_head_through_wrappers(world):
+    from megatron_tree.critic import ValueHead, attach_value_head
+
+    class Wrapper(torch.nn.Module):  # stands in for Float16Module / DDP: the model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    wrapped = Wrapper(_build("tree", critic=False))
+    assert attach_value_head(wrapped) is wrapped
+    assert isinstance(wrapped.module.output_layer, ValueHead)
+    with pytest.raises(ValueError, match="needs a GPTModel .optionally wrapped., got Linear"):
+        attach_value_head(torch.nn.Linear(2, 2))
