@@ -160,8 +160,9 @@ def tree_forward_backward(
             (constant shapes), else False.
         share_prefixes: False packs without sharing (the unshared baseline, same kernels).
         critic: run a value model instead of an actor.
-        normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of
-            per-sequence means), over the global batch.
+        normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of the
+            per-sequence means of the sequences with loss tokens), over the global batch; see
+            :func:`loss_weights`.
         temperature: divides the logits before the softmax (actor).
         tp_group: tensor-parallel group the logits' vocabulary is sharded over.
         dp_group: data-parallel group: trees are equalized across it and the normalization is global.
@@ -181,9 +182,8 @@ def tree_forward_backward(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if isinstance(model, list) and len(model) > 1 or (
-        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    ) > 1:
+    virtual_pp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if (isinstance(model, list) and len(model) > 1) or virtual_pp > 1:
         raise ValueError(
             "tree_forward_backward does not support virtual pipeline parallelism (interleaved "
             "schedule); pass one model chunk per pipeline stage"
@@ -216,7 +216,7 @@ def tree_forward_backward(
     )
     timings["pack"] = time.perf_counter() - t0
     num_mb = len(packed)
-    lengths = {mb["tree"].padded_length for mb in packed}
+    padded_lengths = {mb["tree"].padded_length for mb in packed}
     device = _model_device(model)
     collected: list[tuple[dict, object]] = []
 
@@ -256,7 +256,7 @@ def tree_forward_backward(
         data_iterator=iter(packed),
         model=model if isinstance(model, list) else [model],
         num_microbatches=num_mb,
-        seq_length=max(lengths),
+        seq_length=max(padded_lengths),
         micro_batch_size=1,
         forward_only=forward_only,
     )
