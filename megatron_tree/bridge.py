@@ -91,13 +91,13 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     original_provider = bridge._model_provider
     original_get_model = bridge.get_model
 
+    # megatron-core versions differ in whether the block spec takes vp_stage; ask once.
+    has_vp_stage = "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
+
     def get_transformer_layer_spec(vp_stage=None):
         if use_te:
             spec = original_spec(vp_stage)
         else:
-            has_vp_stage = (
-                "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
-            )
             bridge.has_vp_stage = has_vp_stage  # read by mbridge's provider
             extra = {"vp_stage": vp_stage} if has_vp_stage else {}
             spec = gpt_layer_specs.get_gpt_decoder_block_spec(
