@@ -1,76 +1,76 @@
 """megatron_tree: tree training (prefix-shared packed sequences) for Megatron-Core RL training.
 
-The pure-torch core (packing, masks, log-prob gathering) imports nothing from Megatron; the
-Megatron and mbridge integrations import it lazily (``TreeGPTModel`` and ``TreeCoreAttention`` are
-built on first access).
+Layout, by dependency:
+
+* ``megatron_tree.core``: pure torch (the trie record, packing, the mask and its plans, tree
+  attention, log-probs, losses). Imports no Megatron, mbridge or transformers.
+* ``megatron_tree.mcore``: Megatron-Core glue (core attention module, ``TreeGPTModel``, spec
+  rewrite, value head, the training step). Imports Megatron at the top.
+* ``megatron_tree.bridges``: HuggingFace bridges (mbridge).
+* ``megatron_tree.testing``: synthetic batches, small models, the unpacked reference, the spawned
+  world harness; for tests, demos and benchmarks.
+* ``megatron_tree.patches``: explicit runtime patches of code we do not own.
+
+``import megatron_tree`` imports the core only; the Megatron and bridge names below are imported on
+first access (this module's ``__getattr__``).
 """
 
-from .bridge import is_tree_training_bridge, patch_bridge_for_tree_training
-from .attention import clear_tree_mask_cache, tree_attention
-from .critic import ValueHead, attach_value_head
-from .flops import GPTShape, train_flops
-from .logprobs import (
+from .core.attention import tree_attention
+from .core.batch import PackedTreeBatch
+from .core.checks import set_debug_checks
+from .core.flops import GPTShape, train_flops
+from .core.heads import LogProbs, Values
+from .core.logprobs import (
     gather_packed_tree_logprobs,
     gather_packed_tree_logprobs_entropy,
     gather_packed_tree_logprobs_entropy_from_hidden,
-    gather_packed_tree_values,
-    gather_packed_tree_vocab_stats,
-    merge_packed_tree_results,
 )
-from .mask import (
+from .core.losses import loss_weights, ppo_clipped_loss, value_loss
+from .core.mask import (
+    TreeMask,
     build_attention_mask_from_trie,
     build_block_mask_from_trie,
+    tree_attention_mask,
     tree_block_layout,
     tree_mask_mod,
 )
-from .packing import PackedTreeBatch, build_packed_tree_batch
-from .spec import tree_attention_spec
-from .train_step import TreeStepResult, loss_weights, ppo_clipped_loss, tree_forward_backward, value_loss
-from .tree import PackedTree
+from .core.packing import build_packed_tree_batch
+from .core.results import gather_packed_tree_values, gather_packed_tree_vocab_stats, merge_packed_tree_results
+from .core.rope import depth_rotary_pos_emb
+from .core.tree import PackedTree
 
-from .rope import depth_rotary_pos_emb
-
-# Built on first access so that importing the package does not import Megatron.
-_LAZY = {"TreeGPTModel": ".rope", "TreeCoreAttention": ".attention"}
+# Names that import Megatron (or mbridge), resolved on first access.
+_LAZY = {
+    "TreeCoreAttention": ".mcore.core_attention",
+    "TreeGPTModel": ".mcore.model",
+    "tree_attention_spec": ".mcore.spec",
+    "ValueHead": ".mcore.value_head",
+    "attach_value_head": ".mcore.value_head",
+    "TreeStepResult": ".mcore.step",
+    "tree_forward_backward": ".mcore.step",
+    "patch_bridge_for_tree_training": ".bridges.mbridge",
+    "is_tree_training_bridge": ".bridges.mbridge",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "GPTShape",
-    "PackedTree",
-    "PackedTreeBatch",
-    "TreeCoreAttention",
-    "TreeGPTModel",
-    "TreeStepResult",
-    "ValueHead",
-    "attach_value_head",
-    "build_attention_mask_from_trie",
-    "build_block_mask_from_trie",
-    "build_packed_tree_batch",
-    "clear_tree_mask_cache",
-    "depth_rotary_pos_emb",
-    "gather_packed_tree_logprobs",
-    "gather_packed_tree_logprobs_entropy",
-    "gather_packed_tree_logprobs_entropy_from_hidden",
-    "gather_packed_tree_values",
-    "gather_packed_tree_vocab_stats",
-    "is_tree_training_bridge",
-    "loss_weights",
-    "merge_packed_tree_results",
-    "patch_bridge_for_tree_training",
-    "ppo_clipped_loss",
-    "train_flops",
-    "tree_attention",
-    "tree_attention_spec",
-    "tree_block_layout",
-    "tree_forward_backward",
-    "tree_mask_mod",
-    "value_loss",
-]
+__all__ = sorted(
+    [
+        "GPTShape", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "Values",
+        "build_attention_mask_from_trie", "build_block_mask_from_trie", "build_packed_tree_batch",
+        "depth_rotary_pos_emb", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
+        "gather_packed_tree_logprobs_entropy_from_hidden", "gather_packed_tree_values",
+        "gather_packed_tree_vocab_stats", "loss_weights", "merge_packed_tree_results",
+        "ppo_clipped_loss", "set_debug_checks", "train_flops", "tree_attention", "tree_attention_mask",
+        "tree_block_layout", "tree_mask_mod", "value_loss", *_LAZY,
+    ]
+)

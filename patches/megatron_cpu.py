@@ -22,6 +22,9 @@ patched symbol                                              CPU behaviour
 ``megatron.core.pipeline_parallel.schedules.torch``         ``torch`` with ``zeros(device="cuda")``
                                                             redirected to the CPU (the schedules'
                                                             token counters)
+``torch.nn.Module.cuda``                                    returns the module unchanged (model
+                                                            builders such as mbridge's
+                                                            ``get_model`` call it unconditionally)
 ==========================================================  =======================================
 
 Nothing happens at import. Use :func:`apply` / :func:`undo` or the :func:`megatron_cpu_patch`
@@ -30,8 +33,7 @@ for tests and demos: the CPU generator then plays the role of the CUDA generator
 and dropout inside ``get_cuda_rng_tracker().fork()`` draw from the CPU generator. Megatron logs
 "CPU RNG state changed within GPU RNG context" on each such draw; that is expected here, so
 :func:`apply` filters that one message out of Megatron's RNG logger and :func:`undo` removes the
-filter. :func:`module_cuda_noop` is a separate context manager for model builders that call
-``Module.cuda()`` unconditionally (mbridge).
+filter.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.fusions.fused_softmax", "get_sliding_window_causal_mask"),
     ("torch.cuda", "synchronize"),
     ("megatron.core.pipeline_parallel.schedules", "torch"),
+    ("torch.nn", "Module.cuda"),
 )
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
@@ -178,7 +181,13 @@ class _TorchWithCpuZeros:
         return torch.zeros(*args, device=device, **kwargs)
 
 
+def _module_cuda_noop(self, device: Any = None):
+    # No CUDA device exists: keep the module where it is (on the CPU).
+    return self
+
+
 _REPLACEMENTS: dict[str, Any] = {
+    "Module.cuda": _module_cuda_noop,
     "current_device": _cpu_current_device,
     "_get_cuda_rng_state": _cpu_get_rng_state,
     "_set_cuda_rng_state": _cpu_set_rng_state,
@@ -276,25 +285,3 @@ def megatron_cpu_patch() -> Iterator[bool]:
     finally:
         if applied_here and active:
             undo()
-
-
-@contextlib.contextmanager
-def module_cuda_noop() -> Iterator[None]:
-    """While active (and CUDA is unavailable), ``torch.nn.Module.cuda`` returns the module unchanged.
-
-    Model builders such as mbridge's ``get_model`` move every model to CUDA unconditionally; on a
-    CPU-only machine that call would fail. Restored on exit, also on exceptions.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.nn.Module.cuda
-
-    def cuda(self, device=None):
-        return self
-
-    torch.nn.Module.cuda = cuda
-    try:
-        yield
-    finally:
-        torch.nn.Module.cuda = original

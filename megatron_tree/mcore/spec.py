@@ -1,7 +1,7 @@
 """Rewrite a Megatron-Core layer/block spec so that every self-attention uses tree attention.
 
 The rewrite swaps ``SelfAttentionSubmodules.core_attention`` for
-:class:`megatron_tree.attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
+:class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
 ``AttnMaskType.arbitrary``; every other submodule (TE or local linear layers, norms, MLP/MoE) is
 kept. Attention it cannot rewrite (multi-latent attention, Mamba/hybrid layers, cross attention,
 unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
@@ -13,14 +13,23 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from ..core.attention import BACKENDS
+from ..core.checks import check_int
+from .core_attention import TreeCoreAttention
+
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
 # that TE's classes are recognized without importing transformer-engine.
 _KNOWN_CORE_ATTENTION = {"DotProductAttention", "TEDotProductAttention", "TreeCoreAttention"}
 
 
 def _module_class(spec_or_class: Any) -> Any:
-    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
-
     module = spec_or_class.module if isinstance(spec_or_class, ModuleSpec) else spec_or_class
     if isinstance(module, tuple):
         module = import_module(module)
@@ -32,12 +41,6 @@ def _class_name(module: Any) -> str:
 
 
 def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any:
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     layer_cls = _module_class(layer_spec)
     if not (
         isinstance(layer_spec, ModuleSpec)
@@ -98,15 +101,9 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
     Raises:
         ValueError: a layer whose attention cannot be rewritten (the message names the layer).
     """
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-
-    from .attention import BACKENDS, TreeCoreAttention
-
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    check_int("block_size", block_size, minimum=1)
     core = ModuleSpec(module=TreeCoreAttention, params={"backend": backend, "block_size": block_size})
     spec = copy.deepcopy(spec)
 

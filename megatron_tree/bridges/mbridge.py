@@ -2,8 +2,8 @@
 
 mbridge (0.15.1) builds a model in ``bridge.get_model()`` through ``LLMBridge._model_provider``,
 which calls ``self._get_transformer_layer_spec()`` (the TE block spec) and the module global
-``GPTModel`` of ``mbridge.core.llm_bridge``. ``AutoBridge.from_pretrained`` only creates the bridge
-(DESIGN.md section 5). So the patch binds to every bridge *instance* created inside the block:
+``GPTModel`` of ``mbridge.core.llm_bridge``. ``AutoBridge.from_pretrained`` only creates the bridge;
+no model exists yet. So the patch binds to every bridge *instance* created inside the block:
 
 * its layer spec is rewritten with :func:`megatron_tree.spec.tree_attention_spec`; without
   transformer-engine the local spec is used instead of the TE spec (TE cannot be imported on CPU),
@@ -12,12 +12,17 @@ which calls ``self._get_transformer_layer_spec()`` (the TE block spec) and the m
 * its models are :class:`megatron_tree.rope.TreeGPTModel` (depth RoPE);
 * with the local spec, its weight-name maps also know the local spec's ``input_layernorm.weight``
   and ``pre_mlp_layernorm.weight`` (TE fuses those norms into the linear layers), so
-  ``load_weights`` / ``export_weights`` map HuggingFace checkpoints correctly;
-* when CUDA is not available, ``torch.nn.Module.cuda`` is a no-op while its ``get_model`` runs.
+  ``load_weights`` / ``export_weights`` map HuggingFace checkpoints correctly.
 
-These instance bindings outlive the block, so ``get_model`` may be called after it. The only global
-change, the hook on ``mbridge.core.bridge.Bridge.__init__`` that binds new instances, is restored on
-exit, also on exceptions.
+These instance bindings outlive the block, so ``get_model`` may be called after it. Process-wide
+changes: while the block is open, a hook on ``mbridge.core.bridge.Bridge.__init__`` binds new
+instances (restored on exit, also on exceptions); and while a bound bridge's model provider runs
+(inside ``get_model``), the module global ``mbridge.core.llm_bridge.GPTModel`` is swapped for
+``TreeGPTModel`` and restored afterwards, so another thread building an mbridge model at that
+moment would get a ``TreeGPTModel`` too.
+
+On a CPU-only machine mbridge's ``get_model`` calls ``Module.cuda()``; apply the CPU runtime patch
+(``megatron_tree.patches.megatron_cpu``), which makes it a no-op there.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ import importlib.util
 import inspect
 import logging
 from typing import Any, Iterator
+
+from mbridge.core import bridge as bridge_module
+from mbridge.core import llm_bridge
+from megatron.core.models.gpt import gpt_layer_specs
+
+from ..core.attention import BACKENDS
+from ..mcore.model import TreeGPTModel
+from ..mcore.spec import tree_attention_spec
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +86,6 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     """Make ``bridge`` build tree-attention models from now on (idempotent)."""
     if getattr(bridge, _BOUND_ATTR, None) is not None:
         return
-    from megatron.core.models.gpt import gpt_layer_specs
-    from mbridge.core import llm_bridge
-
-    from .patches import megatron_cpu
-    from .rope import TreeGPTModel
-    from .spec import tree_attention_spec
-
     use_te = _transformer_engine_available()
     if not use_te:
         _extend_weight_maps_for_local_spec(bridge)
@@ -89,7 +95,6 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 
     original_spec = bridge._get_transformer_layer_spec
     original_provider = bridge._model_provider
-    original_get_model = bridge.get_model
 
     # megatron-core versions differ in whether the block spec takes vp_stage; ask once.
     has_vp_stage = "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
@@ -124,17 +129,8 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 
         return tree_provider
 
-    def get_model(*args, **kwargs):
-        import torch
-
-        if torch.cuda.is_available():
-            return original_get_model(*args, **kwargs)
-        with megatron_cpu.module_cuda_noop():
-            return original_get_model(*args, **kwargs)
-
     bridge._get_transformer_layer_spec = get_transformer_layer_spec
     bridge._model_provider = model_provider
-    bridge.get_model = functools.wraps(original_get_model)(get_model)
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
 
 
@@ -149,10 +145,10 @@ def patch_bridge_for_tree_training(
         with patch_bridge_for_tree_training():
             bridge = AutoBridge.from_pretrained(hf_path, dtype=torch.float32)
         model = bridge.get_model(weight_path=hf_path, bf16=False)   # inside or after the block
-        logits = model[0](input_ids, position_ids, attention_mask=tree.subtree_end)
+        logits = model[0](input_ids, position_ids, attention_mask=tree_attention_mask(tree))
 
-    On a CPU-only machine also apply ``megatron_tree.patches.megatron_cpu`` (Megatron itself calls
-    CUDA while building a model).
+    On a CPU-only machine also apply ``megatron_tree.patches.megatron_cpu`` (Megatron and mbridge
+    call CUDA while building a model).
 
     Args:
         enable: False makes the block a no-op (convenient for switching tree training off); a
@@ -164,16 +160,12 @@ def patch_bridge_for_tree_training(
     Raises:
         ValueError: unknown backend; or, at ``get_model``, a layer that cannot use tree attention.
     """
-    from .attention import BACKENDS
-
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     # One hook on Bridge.__init__, installed by the outermost enabled block; the innermost block's
     # settings (or its enable=False) decide what a bridge created at that point gets.
     install = enable and not _HOOK
     if install:
-        from mbridge.core import bridge as bridge_module
-
         original_init = bridge_module.Bridge.__init__
 
         @functools.wraps(original_init)

@@ -20,67 +20,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
+from .checks import check_int
+from .mask import padding_subtree_end
 from .tree import PackedTree
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PackedTreeBatch", "build_packed_tree_batch", "layout_tree"]
-
-
-class PackedTreeBatch(Sequence):
-    """The micro-batches of one packed batch, with the sharing statistics.
-
-    Each micro-batch is a dict with:
-        ``"input_ids"``: int64 [1, N]; ``"position_ids"``: int64 [1, N] (token depth);
-        ``"tree"``: :class:`PackedTree`; and every other per-token input tensor ``name`` of shape
-        [B, L, ...] as ``name``: [T, ...], the tree's sequences concatenated in tree order (aligned
-        with ``tree.token_index``; sequence i is rows ``tree.cu_seqlens[i]:tree.cu_seqlens[i + 1]``).
-
-    Attributes:
-        batch_size: B, the number of input sequences.
-        num_real_tokens: tokens of all sequences counted as if unpacked.
-        num_tree_tokens: unique tokens after prefix sharing (over all micro-batches).
-        num_padded_tokens: packed length including padding, over all micro-batches.
-        num_dummy_trees: all-padding trees appended to match other data-parallel ranks.
-    """
-
-    def __init__(self, micro_batches: list[dict], batch_size: int, num_real_tokens: int):
-        self.micro_batches = micro_batches
-        self.batch_size = batch_size
-        self.num_real_tokens = num_real_tokens
-        self.num_tree_tokens = sum(mb["tree"].num_tree_tokens for mb in micro_batches)
-        self.num_padded_tokens = sum(mb["tree"].padded_length for mb in micro_batches)
-        self.num_dummy_trees = sum(mb["tree"].is_dummy for mb in micro_batches)
-
-    @property
-    def tree_token_ratio(self) -> float:
-        """Unique tree tokens / real tokens (1.0 means nothing shared; lower is better)."""
-        return self.num_tree_tokens / max(self.num_real_tokens, 1)
-
-    @property
-    def trees(self) -> list[PackedTree]:
-        return [mb["tree"] for mb in self.micro_batches]
-
-    def __len__(self) -> int:
-        return len(self.micro_batches)
-
-    def __getitem__(self, i):
-        return self.micro_batches[i]
-
-    def __iter__(self) -> Iterator[dict]:
-        return iter(self.micro_batches)
-
-    def __repr__(self) -> str:
-        return (
-            f"PackedTreeBatch(micro_batches={len(self)}, sequences={self.batch_size}, "
-            f"real_tokens={self.num_real_tokens}, tree_tokens={self.num_tree_tokens}, "
-            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f})"
-        )
 
 
 def _neighbour_lcp(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -167,7 +118,7 @@ def layout_tree(
     dest = own_pos[owned]
     input_ids = torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device)
     position_ids = torch.zeros(padded_length, dtype=torch.int64, device=device)
-    subtree_end = torch.arange(1, padded_length + 1, dtype=torch.int64, device=device)
+    subtree_end = padding_subtree_end(0, padded_length, device)
     parent_index = torch.full((padded_length,), -1, dtype=torch.int64, device=device)
     input_ids[dest] = rows[owned]
     position_ids[dest] = depth.expand(num_seq, width)[owned]
@@ -177,7 +128,7 @@ def layout_tree(
     return input_ids, position_ids, subtree_end.to(torch.int32), parent_index, token_index, num_tree_tokens
 
 
-def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int):
+def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size):
     if not isinstance(data, dict) or "input_ids" not in data or "attention_mask" not in data:
         raise ValueError(
             "data must be a dict holding 'input_ids' [B, L] and 'attention_mask' [B, L] tensors"
@@ -194,7 +145,7 @@ def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int
         raise ValueError("the batch is empty: data['input_ids'] has no sequences")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"data['input_ids'] must hold integer token ids, got {input_ids.dtype}")
-    for reserved in ("position_ids", "tree"):
+    for reserved in RESERVED_KEYS[1:3]:
         if reserved in data:
             raise ValueError(
                 f"data[{reserved!r}] is reserved: each micro-batch gets its own (position ids are "
@@ -209,16 +160,20 @@ def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int
                 f"data[{name!r}] must be a tensor shaped [B, L, ...] = {tuple(input_ids.shape)} like "
                 f"input_ids, got {shape}; pass per-token tensors only"
             )
-    if block_size <= 0 or parallel_size <= 0:
-        raise ValueError(
-            f"block_size={block_size} and parallel_size={parallel_size} must be positive integers"
-        )
+    block_size = check_int("block_size", block_size, minimum=1)
+    parallel_size = check_int("parallel_size", parallel_size, minimum=1)
+    pad_token_id = check_int("pad_token_id", pad_token_id, minimum=0)
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+        if pad_token_id >= vocab_size:
+            raise ValueError(f"pad_token_id={pad_token_id} must be < vocab_size={vocab_size}")
     align = math.lcm(block_size, parallel_size)
     if max_tokens_per_mb is None:
         raise ValueError(
             f"max_tokens_per_mb is required: the token capacity of one micro-batch (a multiple of "
             f"lcm(block_size, parallel_size) = {align})"
         )
+    max_tokens_per_mb = check_int("max_tokens_per_mb", max_tokens_per_mb)
     if max_tokens_per_mb <= 0 or max_tokens_per_mb % align:
         raise ValueError(
             f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of "
@@ -246,7 +201,7 @@ def _validate(data: dict, max_tokens_per_mb, block_size: int, parallel_size: int
             f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb="
             f"{max_tokens_per_mb}; raise max_tokens_per_mb (a multiple of {align}) or truncate it"
         )
-    return lengths.to(torch.int64), align
+    return lengths.to(torch.int64), align, max_tokens_per_mb
 
 
 def _lexicographic_order(keys: torch.Tensor) -> torch.Tensor:
@@ -307,20 +262,13 @@ def _dummy_tree(padded_length: int, pad_token_id: int, device) -> PackedTree:
     return PackedTree(
         input_ids=torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device),
         position_ids=torch.zeros(padded_length, dtype=torch.int64, device=device),
-        subtree_end=torch.arange(1, padded_length + 1, dtype=torch.int32, device=device),
+        subtree_end=padding_subtree_end(0, padded_length, device).to(torch.int32),
         parent_index=torch.full((padded_length,), -1, dtype=torch.int64, device=device),
         sequence_ids=empty,
         cu_seqlens=torch.zeros(1, dtype=torch.int64, device=device),
         token_index=empty,
         num_tree_tokens=0,
     )
-
-
-def _micro_batch(tree: PackedTree, extras: dict[str, torch.Tensor], flat_index: torch.Tensor) -> dict:
-    mb = {"input_ids": tree.input_ids[None], "position_ids": tree.position_ids[None], "tree": tree}
-    for name, flat in extras.items():
-        mb[name] = flat[flat_index]
-    return mb
 
 
 def build_packed_tree_batch(
@@ -331,6 +279,7 @@ def build_packed_tree_batch(
     parallel_size: int = 1,
     pad_to_max: bool = True,
     pad_token_id: int = 0,
+    vocab_size: int | None = None,
     dp_group=None,
     share_prefixes: bool = True,
 ) -> PackedTreeBatch:
@@ -342,14 +291,16 @@ def build_packed_tree_batch(
 
     Args:
         data: ``input_ids`` [B, L] int, ``attention_mask`` [B, L] (1 for real tokens, right-padded),
-            and any other per-token tensors [B, L, ...] (loss mask, old log-probs, advantages...).
-        max_tokens_per_mb: unique-token capacity of one tree; a multiple of
+            and any other per-token tensors [B, L, ...] (loss mask, old log-probs, advantages...),
+            which the micro-batches carry in tree layout [T, ...].
+        max_tokens_per_mb: unique-token capacity of one tree (an int); a multiple of
             ``lcm(block_size, parallel_size)``.
         block_size: attention tile size the packed length is aligned to.
         parallel_size: another factor the packed length must be divisible by (e.g. TP x CP x 2).
         pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes, as pipeline parallelism
             needs); if False, pad each tree only to the next multiple of the alignment.
-        pad_token_id: token id written on padding positions.
+        pad_token_id: token id written on padding positions (>= 0).
+        vocab_size: if given, every token id and ``pad_token_id`` must be below it.
         dp_group: optional data-parallel process group; all its ranks then return the same number
             of micro-batches (all-padding dummy trees appended where needed).
         share_prefixes: False switches sharing off: every sequence becomes its own root chain, in
@@ -358,14 +309,20 @@ def build_packed_tree_batch(
     Returns:
         :class:`PackedTreeBatch`.
     """
-    lengths, align = _validate(data, max_tokens_per_mb, block_size, parallel_size)
+    lengths, align, max_tokens_per_mb = _validate(
+        data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
+    )
     input_ids, mask = data["input_ids"], data["attention_mask"].bool()
     device = input_ids.device
-    batch_size, width = input_ids.shape
     width = int(lengths.max())
     keys = input_ids[:, :width].to(torch.int64).masked_fill(~mask[:, :width], -1)
     if (keys < -1).any() or ((keys == -1) & mask[:, :width]).any():
         raise ValueError("data['input_ids'] holds negative token ids; token ids must be >= 0")
+    max_token_id = max(int(keys.max()), pad_token_id)
+    if vocab_size is not None and max_token_id >= vocab_size:
+        raise ValueError(
+            f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, {vocab_size})"
+        )
 
     order = _lexicographic_order(keys).to(device)
     sorted_keys, sorted_lengths = keys[order], lengths[order]
@@ -375,15 +332,9 @@ def build_packed_tree_batch(
     runs = _split_into_runs(lcp, sorted_lengths, max_tokens_per_mb)
     bins = _first_fit_decreasing(runs, max_tokens_per_mb)
 
-    # Extras flattened sequence-major in batch order, and where each sequence starts in that layout.
-    extras = {k: v[mask] for k, v in data.items() if k not in ("input_ids", "attention_mask")}
-    seq_start = torch.zeros(batch_size + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, dim=0, out=seq_start[1:])
-
     micro_batches = []
     for bin_runs in bins:
-        members = torch.cat([torch.arange(runs[r][0], runs[r][1]) for r in sorted(bin_runs)])
-        members = members.to(device)
+        members = torch.cat([torch.arange(runs[r][0], runs[r][1]) for r in sorted(bin_runs)]).to(device)
         tree_lengths = sorted_lengths[members]
         ids, pos, end, parent, token_index, unique = layout_tree(
             sorted_keys[members, : int(tree_lengths.max())],
@@ -395,21 +346,18 @@ def build_packed_tree_batch(
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
-        sequence_ids = order[members]
-        tree = PackedTree(ids, pos, end, parent, sequence_ids, cu_seqlens, token_index, unique)
-        # Index of each tree sequence token in the flattened extras.
-        flat_index = torch.repeat_interleave(
-            seq_start[sequence_ids] - cu_seqlens[:-1], tree_lengths
-        ) + torch.arange(int(cu_seqlens[-1]), device=device)
-        micro_batches.append(_micro_batch(tree, extras, flat_index))
+        tree = PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
+        micro_batches.append(micro_batch(tree))
 
     if dp_group is not None:
         target = _sync_num_micro_batches(len(micro_batches), dp_group)
         padded = max_tokens_per_mb if pad_to_max else align
-        empty_index = torch.zeros(0, dtype=torch.int64, device=device)
         while len(micro_batches) < target:
-            micro_batches.append(_micro_batch(_dummy_tree(padded, pad_token_id, device), extras, empty_index))
+            micro_batches.append(micro_batch(_dummy_tree(padded, pad_token_id, device)))
 
-    result = PackedTreeBatch(micro_batches, batch_size, int(lengths.sum()))
+    result = PackedTreeBatch(micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id)
+    for name, value in data.items():
+        if name not in ("input_ids", "attention_mask"):
+            result.attach(name, value)
     logger.debug("packed %s", result)
     return result

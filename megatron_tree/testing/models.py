@@ -1,7 +1,9 @@
-"""Test helpers: tiny random HuggingFace checkpoints, branching tries, references.
+"""Small models and tries for tests, demos and benchmarks.
 
-Weights are re-drawn larger than HF's default init (std 0.02) so that logits are far from uniform
-and attention far from flat: a wrong rotary angle or a leaked key then moves log-probs visibly.
+Tiny random HuggingFace checkpoints (weights re-drawn larger than HF's default init, std 0.02, so
+that logits are far from uniform and attention far from flat: a wrong rotary angle or a leaked key
+then moves log-probs visibly), small Megatron GPT configs and models, a branching trie, and
+HuggingFace / brute-force references.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import math
 
 import torch
 
-from megatron_tree.packing import build_packed_tree_batch
-from megatron_tree.synthetic import pad_sequences
+from ..core.packing import build_packed_tree_batch
+from .synthetic import pad_sequences
 
 VOCAB = 128
 
@@ -115,3 +117,65 @@ def attention_reference(q, k, v, masked):
     scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
     probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
     return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)
+
+
+def small_gpt_config(**overrides):
+    """A ``TransformerConfig`` for small test / benchmark GPTs that runs anywhere, CPU included.
+
+    Defaults: 2 layers, hidden 64, 4 heads in 2 query groups, FFN 128, RMSNorm, SwiGLU, no linear
+    biases, fp32, no dropout, CPU initialization (the same weights at any tensor-parallel size for
+    the same seed), and the unfused softmax (the fused kernel is CUDA-only). ``overrides`` replace
+    any of them or set other fields.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+        use_cpu_initialization=True, masked_softmax_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    config,
+    *,
+    tree: bool,
+    vocab_size: int,
+    critic: bool = False,
+    backend: str = "auto",
+    block_size: int = 128,
+    seed: int = 0,
+):
+    """A local-spec GPT for this pipeline stage: ``TreeGPTModel`` with tree attention, or the stock
+    ``GPTModel`` (the reference), with untied output weights and rope.
+
+    The same ``seed`` and config give the same weights for both kinds (tree attention has no
+    parameters of its own), so a reference can also load the tree model's state dict.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from ..mcore.model import TreeGPTModel
+    from ..mcore.spec import tree_attention_spec
+    from ..mcore.value_head import attach_value_head
+
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    cls = GPTModel
+    if tree:
+        spec, cls = tree_attention_spec(spec, backend=backend, block_size=block_size), TreeGPTModel
+    torch.manual_seed(seed)
+    model = cls(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=8192,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    return attach_value_head(model) if critic else model

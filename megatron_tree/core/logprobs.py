@@ -15,7 +15,7 @@ attention merges partial softmaxes. The backward is local (no collectives).
 Per-sequence outputs are flat tensors ``[T]`` aligned with ``tree.token_index``: entry
 ``cu_seqlens[i] + t`` is token ``t`` of the tree's ``i``-th sequence, whose batch row is
 ``tree.sequence_ids[i]`` (the layout of the packed micro-batch's extra keys).
-``merge_packed_tree_results`` turns them back into ``[B, L]``.
+``megatron_tree.core.results.merge_packed_tree_results`` turns them back into ``[B, L]``.
 
 Legend for shapes: N = padded packed length, U = real tree nodes (``tree.num_tree_tokens``),
 P = predicted (non-root) nodes, T = sequence tokens (``tree.num_sequence_tokens``), H = hidden size,
@@ -31,15 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_tree.tree import PackedTree
+from .checks import check_int, check_positive_number, debug_checks
+from .tree import PackedTree
 
 __all__ = [
     "gather_packed_tree_logprobs",
     "gather_packed_tree_logprobs_entropy",
     "gather_packed_tree_logprobs_entropy_from_hidden",
-    "gather_packed_tree_values",
-    "gather_packed_tree_vocab_stats",
-    "merge_packed_tree_results",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -51,6 +49,11 @@ _LN2 = math.log(2.0)
 _CHUNK_ELEMENTS_CPU = 2**20
 _FUSED_CHUNK_ELEMENTS_CPU = 2**24
 _CHUNK_ELEMENTS = 2**26
+
+
+# log2 p below this is p = 0 in fp32 and fp64 alike (2**-1075 rounds to 0); clamping a -inf logit's
+# log2 p here keeps p * log p at 0 instead of 0 * -inf = NaN, and changes no nonzero probability.
+_LOG2P_FLOOR = -2048.0
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,7 @@ def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def _check_temperature(temperature: float) -> None:
-    finite = isinstance(temperature, (int, float)) and math.isfinite(temperature)
-    if not (finite and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-
-
-def _rows_of(tensor: torch.Tensor, tree: PackedTree, name: str) -> torch.Tensor:
+def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str) -> torch.Tensor:
     """Views [N, X], [1, N, X] or [N, 1, X] (Megatron's [s, b, X] with b = 1) as [N, X]."""
     if tensor.dim() == 3 and 1 in tensor.shape[:2]:
         tensor = tensor.reshape(-1, tensor.shape[-1])
@@ -116,7 +113,8 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
     parent = tree.parent_index[:num_nodes].to(device)
     tokens = tree.input_ids[:num_nodes].to(device)
     vocab_size = vocab_local * tp_size
-    if num_nodes and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
+    # Packing checks token ids on the host; re-checking here would sync with the device.
+    if debug_checks() and num_nodes and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
         raise ValueError(f"tree tokens must lie in [0, {vocab_size}) (the logits' full vocab)")
     rows, nodes = torch.sort(parent, stable=True)  # roots (-1) first
     num_roots = int((parent < 0).sum())
@@ -134,9 +132,7 @@ def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, 
     if chunk_size is None:
         budget = cpu_elements if device.type == "cpu" else _CHUNK_ELEMENTS
         return max(1, budget // vocab_local)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
+    return check_int("chunk_size", chunk_size, minimum=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +163,8 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
         m = x.amax(-1, keepdim=True).to(dtype)  # [C, 1]
         row_max[a:b] = m.squeeze(-1)
         s1 = torch.sub(x, m, out=shifted[: b - a]).mul_(c)  # log2 of unnormalised p, <= 0
+        # A -inf logit (masked vocabulary) has p = 0 and adds 0 to the entropy, not 0 * -inf.
+        s1.clamp_(min=_LOG2P_FLOOR)
         e = torch.exp2(s1, out=exps[: b - a])
         sum_exp[a:b] = e.sum(-1)
         if with_entropy:
@@ -235,6 +233,7 @@ def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
     for a, b, pa, pb in pairs.chunks():
         x = get_chunk(a, b)  # [C, Vl]
         log2p = torch.sub(x, row_shift[a:b, None], out=log2p_buf[: b - a]).mul_(c)
+        log2p.clamp_(min=_LOG2P_FLOOR)  # p = 0 columns: keep p * log p at 0
         prob = torch.exp2(log2p, out=prob_buf[: b - a])
         dz = log2p if out is None else out[a:b]
         if slope is None:
@@ -346,14 +345,14 @@ def _rolled_per_sequence(node_values: torch.Tensor, tree: PackedTree) -> torch.T
 
 
 def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy):
-    _check_temperature(temperature)
-    logits = _rows_of(logits, tree, "logits")
+    temperature = check_positive_number("temperature", temperature)
+    logits = rows_of(logits, tree, "logits")
     tp_size, tp_rank = _tp_size_rank(tp_group)
     pairs = _tree_pairs(
         tree, vocab_local=logits.shape[1], tp_size=tp_size, tp_rank=tp_rank,
         chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device), device=logits.device,
     )
-    out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, float(temperature),
+    out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, temperature,
                                     with_entropy, tp_group)
     if not with_entropy:
         return _rolled_per_sequence(out, tree)
@@ -373,8 +372,9 @@ def gather_packed_tree_logprobs_entropy(
     """Rolled per-sequence log-probs and entropy of a packed tree's (vocab-parallel) logits.
 
     Differentiable with respect to ``logits``. Computed in fp32 (fp64 for fp64 logits) chunk by
-    chunk; the backward keeps only ``logits`` and two floats per tree node. Logits are assumed
-    finite.
+    chunk; for the backward it keeps ``logits`` itself, two floats per tree node (the softmax shift
+    and the entropy) and the (row, column) index pairs of the targets. Logits may hold ``-inf``
+    (masked vocabulary columns): those columns have probability 0 and add nothing to the entropy.
 
     Args:
         logits: [N, Vl], [1, N, Vl] or [N, 1, Vl], any float dtype; this rank's vocab shard.
@@ -430,8 +430,8 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     Returns:
         (logprobs [T], entropy [T]) as gather_packed_tree_logprobs_entropy.
     """
-    _check_temperature(temperature)
-    hidden = _rows_of(hidden, tree, "hidden")
+    temperature = check_positive_number("temperature", temperature)
+    hidden = rows_of(hidden, tree, "hidden")
     if output_weight.dim() != 2 or output_weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"output_weight must be [Vl, {hidden.shape[1]}], got {tuple(output_weight.shape)}"
@@ -445,111 +445,7 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
         device=hidden.device,
     )
     node_logprob, row_entropy = _TreeLogprobEntropyFromHidden.apply(
-        hidden, output_weight, pairs, tree.num_tree_tokens, float(temperature), tp_group
+        hidden, output_weight, pairs, tree.num_tree_tokens, temperature, tp_group
     )
     return (_rolled_per_sequence(node_logprob, tree),
             row_entropy[tree.token_index.to(hidden.device)])
-
-
-@torch.no_grad()
-def gather_packed_tree_vocab_stats(
-    logits: torch.Tensor, tree: PackedTree, *, tp_group: dist.ProcessGroup | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max logit over the full (sharded) vocabulary at every sequence token.
-
-    Args:
-        logits: as in gather_packed_tree_logprobs_entropy (raw, no temperature).
-        tree: the micro-batch's packed tree.
-        tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
-
-    Returns:
-        (vocab_min [T], vocab_max [T]) fp32, in ``tree.token_index`` order, not rolled: entry t
-        is the row of token t.
-    """
-    logits = _rows_of(logits, tree, "logits")
-    real = logits[: tree.num_tree_tokens]
-    # One collective: max of (max, -min).
-    stats = torch.stack([real.amax(-1), -real.amin(-1)]).float()  # [2, U]
-    if _tp_size_rank(tp_group)[0] > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=tp_group)
-    token_index = tree.token_index.to(logits.device)
-    return -stats[1][token_index], stats[0][token_index]
-
-
-def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree) -> torch.Tensor:
-    """A critic's per-position values read back per sequence ([T], differentiable, not rolled).
-
-    Args:
-        values: N values in any shape ([N], [1, N], [N, 1], [1, N, 1], ...).
-        tree: the micro-batch's packed tree.
-
-    Returns:
-        [T] in ``tree.token_index`` order: entry t of a sequence is the value at its token t.
-        A position shared by several sequences receives the sum of their gradients.
-    """
-    if values.numel() != tree.padded_length:
-        raise ValueError(
-            f"values has {values.numel()} elements, expected the tree's padded length "
-            f"{tree.padded_length}"
-        )
-    return values.reshape(-1)[tree.token_index.to(values.device)]
-
-
-def merge_packed_tree_results(
-    outputs: Iterable[tuple[torch.Tensor, PackedTree]],
-    batch_size: int,
-    *,
-    padding_value: float = 0.0,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """Per-micro-batch per-sequence results back into the original batch layout.
-
-    Args:
-        outputs: ``(result, tree)`` pairs, one per micro-batch in any order (dummy trees allowed);
-            ``result`` is [T_mb, ...] in ``tree.token_index`` order (what the gather functions
-            and the packed micro-batch's extra keys hold).
-        batch_size: B. Every batch row must appear in exactly one tree.
-        padding_value: fills positions past each sequence's length.
-        max_seq_len: L; defaults to the longest sequence.
-
-    Returns:
-        [B, L, ...]: row ``b`` holds sequence ``b`` at positions ``[0, len_b)``. Differentiable.
-
-    Raises:
-        ValueError: a result whose length is not its tree's T, a sequence id out of
-            [0, batch_size), duplicated or missing, or a sequence longer than ``max_seq_len``.
-    """
-    results, batch_rows, positions, seq_ids, seq_lens = [], [], [], [], []
-    for result, tree in outputs:
-        if result.shape[0] != tree.num_sequence_tokens:
-            raise ValueError(
-                f"a result has {result.shape[0]} entries but its tree has "
-                f"{tree.num_sequence_tokens} sequence tokens"
-            )
-        lengths = tree.sequence_lengths.to(result.device)
-        starts = tree.cu_seqlens[:-1].to(result.device).repeat_interleave(lengths)
-        ids = tree.sequence_ids.to(result.device)
-        results.append(result)
-        batch_rows.append(ids.repeat_interleave(lengths))
-        positions.append(torch.arange(result.shape[0], device=result.device) - starts)
-        seq_ids.append(ids)
-        seq_lens.append(lengths)
-    if not results:
-        raise ValueError("outputs is empty")
-    ids = torch.cat(seq_ids)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= batch_size):
-        raise ValueError(f"sequence ids must lie in [0, {batch_size}), got {ids.tolist()}")
-    counts = torch.bincount(ids, minlength=batch_size)
-    if bool((counts > 1).any()):
-        raise ValueError(f"duplicate sequence ids: {torch.nonzero(counts > 1).flatten().tolist()}")
-    if bool((counts == 0).any()):
-        raise ValueError(f"missing sequence ids: {torch.nonzero(counts == 0).flatten().tolist()}")
-    longest = int(torch.cat(seq_lens).max()) if ids.numel() else 0
-    if max_seq_len is None:
-        max_seq_len = longest
-    elif longest > max_seq_len:
-        raise ValueError(f"a sequence of length {longest} exceeds max_seq_len={max_seq_len}")
-    flat = torch.cat(results)
-    merged = flat.new_full((batch_size, max_seq_len, *flat.shape[1:]), padding_value)
-    merged[torch.cat(batch_rows), torch.cat(positions)] = flat
-    return merged

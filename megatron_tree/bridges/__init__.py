@@ -1,0 +1,1 @@
+"""HuggingFace <-> Megatron bridges made to build tree-attention models (mbridge)."""

@@ -1,0 +1,1 @@
+"""The pure-torch core of tree training: imports no Megatron, mbridge or transformers."""

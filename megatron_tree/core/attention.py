@@ -1,0 +1,219 @@
+"""Tree attention on Megatron's tensor layouts: the function and its backends (pure torch).
+
+Legend for shapes: N = packed length (sq = sk = N), b = micro-batch rows (1 for a packed tree),
+np / ng = query heads / key-value groups, hn = head dim, B = block size, nb = N / B.
+
+The mask comes in one of three forms:
+
+* a :class:`~megatron_tree.core.mask.TreeMask` (``tree_attention_mask(tree)``): the ``subtree_end``
+  encoding carrying its plan, so what a backend derives from it is built once per micro-batch;
+* a plain integer ``subtree_end`` [N], [1, N] or [b, N]: the same, derived again on every call;
+* a dense bool mask in Megatron's polarity (True = masked out), [N, N] or [b, 1, N, N]: converted
+  to the encoding on every call (used as given by ``"sdpa"``).
+
+Backends:
+
+* ``"sdpa"``: torch scaled_dot_product_attention with the dense allowed-mask. CPU and GPU, forward
+  and backward, dropout. O(N^2) mask memory and compute.
+* ``"flex"``: FlexAttention with a BlockMask built from ``subtree_end`` at block level, compiled on
+  CUDA with dynamic shapes (a new packed length does not recompile). torch has no FlexAttention
+  backward on CPU. No dropout.
+* ``"block_sparse"``: computes only the (query block, key block) tiles that hold an allowed pair,
+  as one batched SDPA per group of query blocks. CPU and GPU, forward and backward, dropout.
+* ``"auto"``: ``"flex"`` on CUDA without dropout, otherwise ``"block_sparse"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .mask import TreeMask, TreeMaskPlan, encoding_from_dense
+
+BACKENDS = ("auto", "sdpa", "flex", "block_sparse")
+
+_COMPILED_FLEX = None
+
+
+def compiled_flex_attention():
+    """torch.compile'd ``flex_attention`` with dynamic shapes, built once per process.
+
+    ``dynamic=True`` makes the packed length symbolic, so trees of new lengths reuse the graph
+    instead of compiling one per length (and hitting the recompile limit).
+    """
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX
+
+
+def _dense_form(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """Validated dense bool mask as [r, N, N] (True = masked)."""
+    shape = tuple(attention_mask.shape)
+    if attention_mask.dim() == 2:
+        dense = attention_mask.unsqueeze(0)
+    elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+        dense = attention_mask[:, 0]
+    else:
+        raise ValueError(f"dense tree attention_mask must be [N, N] or [b, 1, N, N], got shape {shape}")
+    if dense.shape[-2:] != (sq, sk):
+        raise ValueError(
+            f"dense tree attention_mask has shape {shape} but the packed sequence has {sq} query "
+            f"and {sk} key positions; build the mask for this micro-batch"
+        )
+    return dense
+
+
+def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int) -> tuple[TreeMaskPlan, torch.Tensor | None]:
+    """(plan, dense [r, N, N] or None) for any accepted mask form, validated."""
+    if attention_mask is None:
+        raise ValueError(
+            "tree attention needs the tree mask: pass attention_mask=tree_attention_mask(tree) "
+            "(or PackedTree.subtree_end, or a dense bool mask)"
+        )
+    if sq != sk:
+        raise ValueError(f"tree attention is self-attention; got {sq} queries and {sk} keys")
+    if attention_mask.dtype == torch.bool:
+        dense = _dense_form(attention_mask, sq, sk)
+        return TreeMaskPlan(encoding_from_dense(dense)), dense
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ValueError(
+            f"tree attention_mask must be an integer subtree_end or a bool mask, got dtype "
+            f"{attention_mask.dtype}"
+        )
+    shape = tuple(attention_mask.shape)
+    if attention_mask.dim() not in (1, 2) or shape[-1] != sq:
+        raise ValueError(
+            f"subtree_end attention_mask has shape {shape} but the packed sequence has {sq} "
+            "positions; pass tree_attention_mask(tree) of this micro-batch ([N] or [1, N])"
+        )
+    if isinstance(attention_mask, TreeMask):
+        return attention_mask.plan, None
+    return TreeMaskPlan(attention_mask.reshape(-1, sq)), None
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    backend: str = "auto",
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    block_size: int = 128,
+    compile_flex: bool | None = None,
+) -> torch.Tensor:
+    """Tree attention on Megatron's layouts, without the Megatron module around it.
+
+    Args:
+        query: [N, b, np, hn].
+        key: [N, b, ng, hn]; ``np`` must be a multiple of ``ng`` (grouped-query attention).
+        value: [N, b, ng, hn].
+        attention_mask: a TreeMask, ``subtree_end`` int [N] / [b, N], or bool [N, N] /
+            [b, 1, N, N] with True = masked out (see the module docstring).
+        backend: one of ``BACKENDS``.
+        softmax_scale: defaults to 1 / sqrt(hn).
+        dropout_p: attention-probability dropout (already 0 when not training).
+        block_size: tile size of the ``flex`` and ``block_sparse`` backends.
+        compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA only.
+
+    Returns:
+        [N, b, np * hn].
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    sq, b, num_heads, head_dim = query.shape
+    sk, _, num_groups, _ = key.shape
+    if num_heads % num_groups:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_groups} key/value groups")
+    plan, dense = _plan_of(attention_mask, sq, sk)
+    if plan.subtree_end.shape[0] not in (1, b):
+        raise ValueError(f"attention_mask has {plan.subtree_end.shape[0]} rows for a micro-batch of {b} rows")
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    if backend == "auto":
+        backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
+    if backend == "flex" and dropout_p > 0.0:
+        raise ValueError("the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'")
+
+    # [N, b, h, hn] -> [b, h, N, hn]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    gqa = num_heads != num_groups
+    if backend == "sdpa":
+        keep = (~dense).unsqueeze(1) if dense is not None else plan.dense_allowed()
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+    elif backend == "flex":
+        compile_flex = q.is_cuda if compile_flex is None else compile_flex
+        out = _flex(q, k, v, plan, scale=scale, gqa=gqa, block_size=block_size, compile_flex=compile_flex)
+    else:
+        rows = []
+        for row in range(b):
+            groups = plan.block_sparse(row if plan.subtree_end.shape[0] > 1 else 0, block_size)
+            rows.append(_block_sparse_row(q[row], k[row], v[row], groups, scale, dropout_p, gqa)[:, :sq])
+        out = torch.stack(rows)
+    # [b, np, N, hn] -> [N, b, np * hn]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * head_dim)
+
+
+def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex) -> torch.Tensor:
+    """[b=1, h, N, hn] inputs -> [1, np, N, hn]."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if plan.subtree_end.shape[0] != 1 or q.shape[0] != 1:
+        raise ValueError("the flex backend takes one tree per micro-batch (b = 1)")
+    sq = q.shape[2]
+    padded = -(-sq // block_size) * block_size
+    block_mask = plan.block_mask(block_size, padded)
+    if not q.is_cuda:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(
+                "the flex backend has no backward on CPU (a torch limitation); use "
+                "backend='block_sparse' or 'sdpa' for CPU training"
+            )
+        q, k, v = q.detach(), k.detach(), v.detach()  # torch rejects grad-requiring CPU inputs
+    if padded != sq:
+        pad = (0, 0, 0, padded - sq)
+        q, k, v = (F.pad(t, pad) for t in (q, k, v))
+    fn = compiled_flex_attention() if compile_flex else flex_attention
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
+
+
+def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
+    """One tree. q [np, N, hn], k/v [ng, N, hn] -> [np, padded, hn]."""
+    block_size = plan[0][2].shape[-2]
+    nb = sum(len(group[0]) for group in plan)
+    padded = nb * block_size
+    n = q.shape[1]
+    if padded != n:
+        pad = (0, 0, 0, padded - n)
+        q, k, v = (F.pad(t, pad) for t in (q, k, v))
+    num_heads, _, head_dim = q.shape
+    # [np, nb*B, hn] -> [nb, np, B, hn]
+    q_all = q.view(num_heads, nb, block_size, head_dim).transpose(0, 1)
+    outs, order = [], []
+    for q_blocks, kv_index, keep in plan:
+        g, span = kv_index.shape
+        flat = kv_index.reshape(-1)
+        # [ng, g*M*B, hn] -> [g, ng, M*B, hn]
+        k_blocks = k[:, flat].view(k.shape[0], g, span, head_dim).transpose(0, 1)
+        v_blocks = v[:, flat].view(v.shape[0], g, span, head_dim).transpose(0, 1)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_all[q_blocks], k_blocks, v_blocks, attn_mask=keep, dropout_p=dropout_p,
+                scale=scale, enable_gqa=gqa,
+            )
+        )
+        order.append(q_blocks)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [nb, np, B, hn] in group order
+    if len(outs) > 1:
+        out = out[torch.argsort(torch.cat(order))]
+    # [nb, np, B, hn] -> [np, nb*B, hn]
+    return out.transpose(0, 1).reshape(num_heads, padded, head_dim)

@@ -1,0 +1,131 @@
+"""A packed rollout batch: its micro-batches (one tree each), per-token inputs in tree layout.
+
+Pack a rollout batch once (:func:`megatron_tree.build_packed_tree_batch`), then attach what later
+passes produce (old and reference log-probs, advantages, values) in tree layout and step on it as
+often as needed; nothing goes back through [B, L].
+
+Legend: B batch size, L padded sequence length, N packed tree length, T the tree's sequence tokens
+(its sequences concatenated in tree order, aligned with ``tree.token_index``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Iterator
+
+import torch
+
+from .tree import PackedTree
+
+RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask")
+
+
+def micro_batch(tree: PackedTree) -> dict:
+    """A micro-batch dict for ``tree``: ``input_ids`` / ``position_ids`` [1, N] (views of the tree's)."""
+    return {"input_ids": tree.input_ids[None], "position_ids": tree.position_ids[None], "tree": tree}
+
+
+def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row [T], position in the row [T]) of every sequence token of ``tree``."""
+    lengths = tree.sequence_lengths
+    rows = tree.sequence_ids.repeat_interleave(lengths)
+    starts = tree.cu_seqlens[:-1].repeat_interleave(lengths)
+    return rows, torch.arange(tree.num_sequence_tokens, device=rows.device) - starts
+
+
+class PackedTreeBatch(Sequence):
+    """The micro-batches of one packed batch, with the sharing statistics.
+
+    Each micro-batch is a dict with ``"input_ids"``: int64 [1, N]; ``"position_ids"``: int64 [1, N]
+    (token depth); ``"tree"``: :class:`PackedTree`; and every attached per-token tensor ``name`` as
+    [T, ...] (sequence i of the tree is rows ``tree.cu_seqlens[i]:tree.cu_seqlens[i + 1]``).
+
+    Attributes:
+        batch_size: B, the number of input sequences.
+        num_real_tokens: tokens of all sequences counted as if unpacked.
+        num_tree_tokens: unique tokens after prefix sharing (over all micro-batches).
+        num_padded_tokens: packed length including padding, over all micro-batches.
+        num_dummy_trees: all-padding trees appended to match other data-parallel ranks.
+        max_token_id: the largest token id in the packed inputs (padding included), checked
+            against the model's vocabulary before a forward.
+    """
+
+    def __init__(self, micro_batches: list[dict], batch_size: int, num_real_tokens: int, max_token_id: int):
+        self.micro_batches = micro_batches
+        self.batch_size = batch_size
+        self.num_real_tokens = num_real_tokens
+        self.max_token_id = max_token_id
+        self.num_tree_tokens = sum(mb["tree"].num_tree_tokens for mb in micro_batches)
+        self.num_padded_tokens = sum(mb["tree"].padded_length for mb in micro_batches)
+        self.num_dummy_trees = sum(mb["tree"].is_dummy for mb in micro_batches)
+
+    @property
+    def tree_token_ratio(self) -> float:
+        """Unique tree tokens / real tokens (1.0 means nothing shared; lower is better)."""
+        return self.num_tree_tokens / max(self.num_real_tokens, 1)
+
+    @property
+    def trees(self) -> list[PackedTree]:
+        return [mb["tree"] for mb in self.micro_batches]
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __getitem__(self, i):
+        return self.micro_batches[i]
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.micro_batches)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedTreeBatch(micro_batches={len(self)}, sequences={self.batch_size}, "
+            f"real_tokens={self.num_real_tokens}, tree_tokens={self.num_tree_tokens}, "
+            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f})"
+        )
+
+    def attach(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> "PackedTreeBatch":
+        """Attach a per-token input to every micro-batch, in place; returns ``self``.
+
+        Args:
+            name: the key the micro-batches get (not one of ``RESERVED_KEYS``).
+            values: either one tensor [B, L, ...] in the padded batch layout (L at least the longest
+                sequence), or one tensor [T_mb, ...] per micro-batch in tree layout, e.g. a
+                forward-only step's ``result.tree_outputs["logprobs"]``.
+        """
+        if not isinstance(name, str) or name in RESERVED_KEYS:
+            raise ValueError(f"name={name!r} is reserved or not a string; reserved: {RESERVED_KEYS}")
+        if isinstance(values, torch.Tensor):
+            longest = max((int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0)
+            if values.dim() < 2 or values.shape[0] != self.batch_size or values.shape[1] < longest:
+                raise ValueError(
+                    f"{name}: a padded-layout tensor must be [B, L, ...] with B = {self.batch_size} and "
+                    f"L >= {longest} (the longest sequence), got {tuple(values.shape)}"
+                )
+            for mb in self.micro_batches:
+                rows, cols = batch_positions(mb["tree"])
+                mb[name] = values[rows.to(values.device), cols.to(values.device)]
+            return self
+        values = list(values)
+        if len(values) != len(self):
+            raise ValueError(f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches")
+        for i, (mb, value) in enumerate(zip(self.micro_batches, values)):
+            expected = mb["tree"].num_sequence_tokens
+            if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != expected:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"{name}: micro-batch {i} needs a tensor [T={expected}, ...] (its sequence tokens), "
+                    f"got {shape}"
+                )
+        for mb, value in zip(self.micro_batches, values):
+            mb[name] = value
+        return self
+
+    def to(self, device: torch.device | str) -> "PackedTreeBatch":
+        """A copy on ``device``: every tensor moved once (``input_ids`` / ``position_ids`` stay views)."""
+        moved = []
+        for mb in self.micro_batches:
+            new = micro_batch(mb["tree"].to(device))
+            new.update({k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "tree")})
+            moved.append(new)
+        return PackedTreeBatch(moved, self.batch_size, self.num_real_tokens, self.max_token_id)

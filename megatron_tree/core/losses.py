@@ -1,0 +1,61 @@
+"""Per-token losses and the weights that make a packed loss equal the unpacked batch's.
+
+Everything here is in tree layout: tensors [T] aligned with a tree's ``token_index`` (its sequences
+concatenated), with the tree's ``cu_seqlens`` [S + 1] marking the sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NORMALIZATIONS = ("token", "sequence")
+
+
+def loss_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normalization: str = "token"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalized per-token weights of one tree and what they count.
+
+    ``"token"``: the weight is the mask and the count is its sum, so ``sum(weight * loss) / count``
+    is the token mean. ``"sequence"``: each sequence's mask divided by its own sum, and the count is
+    the number of sequences with a nonzero mask (those without take no part), so the same ratio is
+    the mean over sequences of each one's token mean. Dividing by the count summed over every tree
+    (and every data-parallel rank) gives the loss of the unpacked global batch.
+
+    Args:
+        loss_mask: float [T] (fractional values allowed).
+        cu_seqlens: int64 [S + 1].
+
+    Returns:
+        (weights float64 [T], count float64 scalar).
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}")
+    mask = loss_mask.to(torch.float64)
+    if normalization == "token":
+        return mask, mask.sum()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(mask.device)
+    seq_of = torch.repeat_interleave(torch.arange(lengths.shape[0], device=mask.device), lengths)
+    per_seq = torch.zeros(lengths.shape[0], dtype=torch.float64, device=mask.device).index_add_(0, seq_of, mask)
+    has_loss = per_seq != 0
+    return mask / torch.where(has_loss, per_seq, 1.0)[seq_of], has_loss.sum().to(torch.float64)
+
+
+def ppo_clipped_loss(
+    outputs: dict, micro_batch: dict, *, clip_eps: float = 0.2, entropy_coef: float = 0.0
+) -> torch.Tensor:
+    """PPO/GRPO clipped surrogate per token [T] (a shipped example of ``loss_fn``).
+
+    Reads ``outputs["logprobs"]`` / ``outputs["entropy"]`` and the micro-batch's ``old_logprobs``
+    and ``advantages`` [T], all in the rolled convention (entry t is about token t + 1).
+    """
+    ratio = torch.exp(outputs["logprobs"] - micro_batch["old_logprobs"])
+    adv = micro_batch["advantages"]
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if entropy_coef:
+        loss = loss - entropy_coef * outputs["entropy"]
+    return loss
+
+
+def value_loss(outputs: dict, micro_batch: dict) -> torch.Tensor:
+    """Squared error of the critic's values against ``returns`` per token [T] (halved)."""
+    return 0.5 * (outputs["values"] - micro_batch["returns"]) ** 2

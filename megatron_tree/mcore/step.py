@@ -1,0 +1,317 @@
+"""One tree-packed forward (and backward) through Megatron's pipeline schedule, loss as if unpacked.
+
+Pack a rollout batch once, then step on it as often as the RL loop needs::
+
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=16384)
+    old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True)
+    packed.attach("old_logprobs", old.tree_outputs["logprobs"])       # tree layout, no [B, L]
+    for epoch in range(ppo_epochs):
+        tree_forward_backward(model, packed, ppo_clipped_loss)
+
+The step runs every tree through ``get_forward_backward_func()`` (pipeline parallelism included),
+reads per-token outputs with a head (:class:`~megatron_tree.core.heads.LogProbs` or
+:class:`~megatron_tree.core.heads.Values`) and weights every token so that the result is the loss of
+the unpacked global batch. Its loss function speaks Megatron's protocol: ``(loss, num_tokens,
+logs)``, with Megatron's per-token mode (``calculate_per_token_loss``), because trees hold
+different numbers of tokens and a mean per micro-batch would weight tokens unequally.
+
+Legend: B batch size, L padded length, N packed tree length, T tokens of a tree's sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from ..core.batch import PackedTreeBatch
+from ..core.heads import LogProbs, Values
+from ..core.losses import loss_weights
+from ..core.mask import tree_attention_mask
+from ..core.packing import build_packed_tree_batch
+from ..core.results import merge_packed_tree_results
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[dict, dict], torch.Tensor]
+
+
+@dataclass
+class TreeStepResult:
+    """What one step did.
+
+    ``loss`` is this rank's share of the global batch loss (the shares of all data-parallel ranks
+    add up to it); None on pipeline stages other than the last. ``tree_outputs`` (with
+    ``collect_outputs=True``, last stage only): each head output (``logprobs``, ``entropy`` or
+    ``values``) as one detached [T] tensor per micro-batch of ``packed``, ready for
+    ``packed.attach``; :meth:`merged_outputs` turns them into [B, L].
+    """
+
+    loss: torch.Tensor | None
+    packed: PackedTreeBatch
+    seconds: dict[str, float] = field(default_factory=dict)
+    tree_outputs: dict[str, list[torch.Tensor]] | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.packed.batch_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.packed)
+
+    @property
+    def tree_token_ratio(self) -> float:
+        return self.packed.tree_token_ratio
+
+    def merged_outputs(self, max_seq_len: int | None = None) -> dict[str, torch.Tensor]:
+        """``tree_outputs`` in the batch layout [B, L] (rolled for log-probs, 0 past each sequence)."""
+        if self.tree_outputs is None:
+            raise ValueError("no outputs were collected: pass collect_outputs=True (last pipeline stage)")
+        return {
+            name: merge_packed_tree_results(
+                list(zip(values, self.packed.trees)), self.packed.batch_size, max_seq_len=max_seq_len
+            )
+            for name, values in self.tree_outputs.items()
+        }
+
+    def log_line(self) -> str:
+        p = self.packed
+        times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
+        loss = "n/a" if self.loss is None else f"{float(self.loss):.6f}"
+        return (
+            f"tree step: loss={loss} sequences={p.batch_size} trees={len(p)} (dummy "
+            f"{p.num_dummy_trees}) tokens real={p.num_real_tokens} tree={p.num_tree_tokens} "
+            f"padded={p.num_padded_tokens} tree_token_ratio={p.tree_token_ratio:.4f} {times}"
+        )
+
+
+def _unwrap(model):
+    while not hasattr(model, "vocab_size") and hasattr(model, "module"):  # Float16Module, DDP
+        model = model.module
+    return model
+
+
+def _as_packed(batch, packing: dict, pp_size: int) -> PackedTreeBatch:
+    """The packed batch to step on: ``batch`` itself, or ``batch`` packed with ``packing``."""
+    if isinstance(batch, PackedTreeBatch):
+        given = sorted(k for k, v in packing.items() if v is not None)
+        if given:
+            raise ValueError(
+                f"{given} apply to packing a padded batch, but this batch is already packed; pass them "
+                "to build_packed_tree_batch instead"
+            )
+        if pp_size > 1 and len({t.padded_length for t in batch.trees}) > 1:
+            raise ValueError(
+                "the packed batch has trees of different lengths, which pipeline parallelism cannot "
+                "send between stages; pack with pad_to_max=True"
+            )
+        return batch
+    if packing["max_tokens_per_mb"] is None:
+        raise ValueError("max_tokens_per_mb is required to pack a padded batch (or pass a PackedTreeBatch)")
+    pad_to_max = pp_size > 1 if packing["pad_to_max"] is None else packing["pad_to_max"]
+    if pp_size > 1 and not pad_to_max:
+        raise ValueError(
+            "pad_to_max=False gives trees of different lengths, which pipeline parallelism cannot "
+            "send between stages; use pad_to_max=True (the default under pipeline parallelism)"
+        )
+    kwargs = {k: v for k, v in packing.items() if v is not None and k not in ("pad_to_max", "dp_group")}
+    return build_packed_tree_batch(batch, pad_to_max=pad_to_max, dp_group=packing["dp_group"], **kwargs)
+
+
+def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group) -> tuple[list, list, float]:
+    """Per micro-batch (weights float32 [T], loss-token count) and the global count (all DP ranks)."""
+    weights, counts = [], []
+    for i, mb in enumerate(packed):
+        tree = mb["tree"]
+        mask = mb["loss_mask"] if "loss_mask" in mb else gather.default_loss_mask(tree)
+        if mask.shape != (tree.num_sequence_tokens,):
+            raise ValueError(f"loss_mask of micro-batch {i} must be [{tree.num_sequence_tokens}], got {tuple(mask.shape)}")
+        if gather.rolled and tree.num_sequences and bool((mask[tree.cu_seqlens[1:] - 1] != 0).any()):
+            raise ValueError(
+                "loss_mask is nonzero at a sequence's last entry, which predicts no token (log-prob "
+                "entries are rolled: entry t is about token t + 1). Roll the mask too: "
+                "loss_mask[:, :-1] = response_mask[:, 1:], with the last entry 0"
+            )
+        w, count = loss_weights(mask, tree.cu_seqlens, normalization=normalization)
+        weights.append(w)
+        counts.append(float(count))
+    total = torch.tensor([sum(counts)], dtype=torch.float64)
+    if dp_group is not None:
+        total = total.to("cuda" if dist.get_backend(dp_group) == "nccl" else "cpu")
+        dist.all_reduce(total, group=dp_group)
+    return weights, counts, float(total[0])
+
+
+@contextlib.contextmanager
+def _per_token_loss_mode(config):
+    """Megatron's schedule in per-token mode: it does not divide the loss by tokens or micro-batches."""
+    original = config.calculate_per_token_loss
+    config.calculate_per_token_loss = True
+    try:
+        yield
+    finally:
+        config.calculate_per_token_loss = original
+
+
+def tree_forward_backward(
+    model,
+    batch: PackedTreeBatch | dict[str, torch.Tensor],
+    loss_fn: LossFn | None,
+    *,
+    gather: LogProbs | Values = LogProbs(),
+    normalization: str = "token",
+    tp_group=None,
+    dp_group=None,
+    dp_grad_average: bool = True,
+    forward_only: bool = False,
+    collect_outputs: bool = False,
+    max_tokens_per_mb: int | None = None,
+    block_size: int | None = None,
+    parallel_size: int | None = None,
+    pad_to_max: bool | None = None,
+    share_prefixes: bool | None = None,
+) -> TreeStepResult:
+    """Run a packed batch forward (and backward) through Megatron's schedule.
+
+    Args:
+        model: a Megatron model (or a one-element list of it) built with tree attention and depth
+            RoPE (``TreeGPTModel`` with ``tree_attention_spec``, or a bridge under
+            ``patch_bridge_for_tree_training``). Its last stage returns vocab-parallel logits
+            [1, N, V/tp] (for :class:`LogProbs`) or values [1, N, 1] (for :class:`Values`).
+        batch: a :class:`PackedTreeBatch` (pack once, step many), or a right-padded dict
+            (``input_ids`` / ``attention_mask`` [B, L] and per-token tensors [B, L]) that is packed
+            here with the packing arguments below. Per-token inputs: ``loss_mask`` (optional; for
+            log-probs it is rolled, entry t weights the loss about token t + 1) and what ``loss_fn``
+            reads (``old_logprobs``, ``advantages``, ``returns``, ...).
+        loss_fn: ``loss_fn(outputs, micro_batch) -> [T]`` per-token loss; ``outputs`` holds the head's
+            outputs [T], ``micro_batch`` the packed inputs [T]. None with ``forward_only=True``.
+        gather: what to read from the model's output: ``LogProbs(temperature=...)`` or ``Values()``.
+        normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of the
+            per-sequence means of the sequences with loss tokens), over the global batch.
+        tp_group: tensor-parallel group the logits' vocabulary is sharded over.
+        dp_group: data-parallel group: the normalization counts every rank's tokens (and, when packing
+            here, trees are equalized across it).
+        dp_grad_average: the caller's gradient reduction averages over DP ranks (Megatron DDP's
+            default). Ignored when Megatron divides the gradients itself (per-token mode with a
+            ``finalize_model_grads_func``; see the module docstring).
+        forward_only: no backward (old / reference log-probs, evaluation).
+        collect_outputs: keep the head's outputs (``result.tree_outputs``).
+        max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
+            ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
+            pipeline parallelism). Rejected with a packed ``batch``.
+
+    Returns:
+        :class:`TreeStepResult`; its loss equals the unpacked batch's.
+    """
+    if loss_fn is None and not forward_only:
+        raise ValueError("loss_fn is required for a training step; pass loss_fn or forward_only=True")
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) > 1 or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        raise ValueError(
+            "tree_forward_backward does not support virtual pipeline parallelism (interleaved "
+            "schedule); pass one model chunk per pipeline stage"
+        )
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
+                   pad_to_max=pad_to_max, share_prefixes=share_prefixes)
+    packed = _as_packed(batch, {**packing, "dp_group": dp_group} if not isinstance(batch, PackedTreeBatch)
+                        else packing, parallel_state.get_pipeline_model_parallel_world_size())
+    vocab_size = getattr(_unwrap(chunks[0]), "vocab_size", None)
+    if vocab_size is not None and packed.max_token_id >= vocab_size:
+        raise ValueError(
+            f"the batch holds token id {packed.max_token_id} (pad_token_id included), outside the "
+            f"model's vocabulary [0, {vocab_size})"
+        )
+    config = get_model_config(chunks[0])
+    weights, counts, total = _step_weights(packed, gather, normalization, dp_group)
+    megatron_divides = bool(config.calculate_per_token_loss and config.finalize_model_grads_func is not None)
+    if not forward_only and config.finalize_model_grads_func is not None and not config.calculate_per_token_loss:
+        raise ValueError(
+            "trees hold different numbers of tokens, so Megatron's per-micro-batch loss mean would weight "
+            "tokens unequally; set config.calculate_per_token_loss=True (Megatron DDP then sums "
+            "gradients and finalize_model_grads divides them by the global token count)"
+        )
+    scale = 1.0
+    if megatron_divides and any(c != round(c) for c in counts):
+        raise ValueError(
+            "Megatron counts loss tokens as integers, but the loss mask gives fractional counts; use a "
+            "0/1 loss_mask (with normalization='token') or run without finalize_model_grads_func"
+        )
+    if not megatron_divides:
+        dp_size = dist.get_world_size(dp_group) if dp_group is not None and dp_grad_average else 1
+        scale = dp_size / max(total, 1e-30)
+    device = next(chunks[0].parameters()).device
+    on_device = packed.to(device)
+    weights = [w.to(device=device, dtype=torch.float32) for w in weights]
+    timings["prepare"] = time.perf_counter() - t0
+
+    collected: list[dict] = []
+    forward_step = _forward_step_func(on_device, weights, scale, counts, gather, loss_fn, tp_group,
+                                      collected if collect_outputs else None)
+    t1 = time.perf_counter()
+    with _per_token_loss_mode(config):
+        logs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(enumerate(on_device)),
+            model=chunks,
+            num_microbatches=len(on_device),
+            seq_length=max(t.padded_length for t in on_device.trees),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
+    loss = None
+    if logs:
+        loss = (torch.stack([d["loss"][0] for d in logs]).sum() / max(total, 1e-30)).float()
+    tree_outputs = None
+    if collected:
+        tree_outputs = {name: [c[name] for c in collected] for name in collected[0]}
+    result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs)
+    logger.info(result.log_line())
+    return result
+
+
+def _forward_step_func(packed, weights, scale, counts, gather, loss_fn, tp_group, collected):
+    """Megatron's ``forward_step_func`` over ``enumerate(packed)``.
+
+    The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
+    weighted loss sum times ``scale`` (1 when Megatron divides by the global count itself),
+    ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair.
+    """
+
+    def forward_step(data_iterator, model_chunk):
+        i, mb = next(data_iterator)
+        tree = mb["tree"]
+        output = model_chunk(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))
+
+        def loss_func(output_tensor):
+            outputs = gather.gather(output_tensor, tree, tp_group)
+            if collected is not None:
+                collected.append({k: v.detach() for k, v in outputs.items()})
+            if loss_fn is None:
+                per_token = torch.zeros(tree.num_sequence_tokens, device=output_tensor.device)
+            else:
+                per_token = loss_fn(outputs, mb)
+            if per_token.shape != (tree.num_sequence_tokens,):
+                raise ValueError(
+                    f"loss_fn must return a per-token loss of shape [{tree.num_sequence_tokens}] "
+                    f"(the micro-batch's sequence tokens), got {tuple(per_token.shape)}"
+                )
+            total = (per_token.float() * weights[i]).sum()
+            count = torch.tensor(counts[i], dtype=torch.float64, device=total.device)
+            num_tokens = torch.tensor(round(counts[i]), dtype=torch.int, device=total.device)
+            return total * scale, num_tokens, {"loss": torch.stack([total.detach().double(), count])}
+
+        return output, loss_func
+
+    return forward_step

@@ -1,0 +1,99 @@
+"""Distributed worlds for tests, demos and benchmarks: one harness, gloo on CPU, no free-port race.
+
+``single_process_world()`` initializes a world of size 1 in the calling process (once) and
+Megatron's parallel_state at TP=1. ``run_spawned(fn, world_size, ...)`` spawns a fresh world whose
+ranks meet through a file in a private temporary directory (no TCP port to race for), optionally
+sets up Megatron's parallel_state with the CPU runtime patch, calls ``fn(rank, *args)`` on every
+rank and returns each rank's (picklable) result, in rank order; a worker's traceback is re-raised
+in the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _file_init_method(directory: str) -> str:
+    return "file://" + os.path.join(directory, "rendezvous")
+
+
+def single_process_world(seed: int = 1234) -> None:
+    """World size 1 on gloo, parallel_state at TP=1, CPU patch applied, model-parallel seed set."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from ..patches import megatron_cpu
+
+    megatron_cpu.apply()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=_file_init_method(tempfile.mkdtemp()), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    mp_random.model_parallel_cuda_manual_seed(seed)
+
+
+def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict | None) -> None:
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        dist.init_process_group("gloo", init_method=_file_init_method(directory), rank=rank,
+                                world_size=world_size)
+        if layout is not None:
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import random as mp_random
+
+            from ..patches import megatron_cpu
+
+            megatron_cpu.apply()
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"]
+            )
+            mp_random.model_parallel_cuda_manual_seed(1234)
+        result = ("ok", fn(rank, *args))
+    except BaseException:  # report the worker's traceback to the caller
+        result = ("error", traceback.format_exc())
+    finally:
+        torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
+        if layout is not None:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_spawned(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tp: int | None = None,
+    pp: int = 1,
+    megatron: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on a fresh gloo world of ``world_size`` processes; results by rank.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes.
+        tp, pp: Megatron layout, TP = ``tp`` (default: the whole world / ``pp``), PP = ``pp``,
+            DP = the rest.
+        megatron: set up Megatron's parallel_state (with the CPU runtime patch and the model-parallel
+            seed 1234); False gives a plain gloo world (``dist.group.WORLD``).
+    """
+    layout = {"tp": world_size // pp if tp is None else tp, "pp": pp} if megatron else None
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_worker, args=(world_size, directory, fn, args, layout), nprocs=world_size, join=True)
+        results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False)
+                   for r in range(world_size)]
+    errors = [f"rank {r}:\n{res[1]}" for r, res in enumerate(results) if res[0] == "error"]
+    if errors:
+        raise RuntimeError("spawned worker failed\n" + "\n".join(errors))
+    return [res[1] for res in results]
