@@ -23,7 +23,7 @@ def main(steps: int = 3) -> list[float]:
 
     from megatron_tree import TreeGPTModel, ppo_clipped_loss, tree_attention_spec, tree_forward_backward
     from megatron_tree.patches import megatron_cpu
-    from megatron_tree.synthetic import grpo_batch
+    from megatron_tree.testing.synthetic import grpo_batch
 
     megatron_cpu.apply()  # no-op where CUDA is available
     with socket.socket() as s:

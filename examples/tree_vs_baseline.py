@@ -122,7 +122,7 @@ def hf_logprobs(path: str, batch: dict, rows: list[int]) -> dict[int, torch.Tens
 
 def grpo_inputs(args, vocab: int) -> dict:
     """A GRPO batch with a rolled response loss mask and group-normalized advantages."""
-    from megatron_tree.synthetic import grpo_batch
+    from megatron_tree.testing.synthetic import grpo_batch
 
     batch = grpo_batch(
         num_prompts=args.prompts, samples_per_prompt=args.samples, prompt_len=args.prompt_len,
@@ -191,10 +191,10 @@ def main(argv=None) -> dict:
     from mbridge import AutoBridge
 
     from megatron_tree import patch_bridge_for_tree_training
-    from megatron_tree.flops import GPTShape, train_flops
-    from megatron_tree.packing import build_packed_tree_batch
+    from megatron_tree.core.flops import GPTShape, train_flops
+    from megatron_tree.core.packing import build_packed_tree_batch
     from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward
-    from megatron_tree.visualize import save_tree_mask_png
+    from megatron_tree.core.visualize import save_tree_mask_png
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     with tempfile.TemporaryDirectory() as ckpt:

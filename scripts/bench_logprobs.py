@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from megatron_tree.logprobs import gather_packed_tree_logprobs_entropy
-from megatron_tree.packing import build_packed_tree_batch
-from megatron_tree.synthetic import grpo_batch
+from megatron_tree.core.logprobs import gather_packed_tree_logprobs_entropy
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import grpo_batch
 
 
 def _tree(vocab: int):

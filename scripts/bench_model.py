@@ -64,9 +64,9 @@ def init_world():
 def build_model(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_tree.parity import small_gpt_config
-    from megatron_tree.rope import TreeGPTModel
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.testing.models import small_gpt_config
+    from megatron_tree.mcore.model import TreeGPTModel
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = small_gpt_config(
@@ -105,8 +105,8 @@ def batches(args):
 def packed_micro_batch(seqs, args, *, share_prefixes: bool) -> dict:
     """All of ``seqs`` in one micro-batch; ``share_prefixes=False`` is the unshared baseline
     (every sequence its own root chain, same packing code and kernels)."""
-    from megatron_tree.packing import build_packed_tree_batch
-    from megatron_tree.synthetic import pad_sequences
+    from megatron_tree.core.packing import build_packed_tree_batch
+    from megatron_tree.testing.synthetic import pad_sequences
 
     total = sum(len(s) for s in seqs)
     cap = -(-total // args.block_size) * args.block_size

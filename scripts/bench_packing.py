@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from megatron_tree.mask import build_block_mask_from_trie
-from megatron_tree.packing import build_packed_tree_batch
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch
+from megatron_tree.core.mask import build_block_mask_from_trie
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import grpo_batch, multi_turn_batch
 
 
 def _median_ms(fn, repeats: int) -> tuple[float, object]:

@@ -85,9 +85,9 @@ dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 mp_random.model_parallel_cuda_manual_seed(1234)
 
-from _models import ARCHS, VOCAB, attention_reference, branching_sequences, make_hf_checkpoint, pack
-from megatron_tree.attention import tree_attention
-from megatron_tree.mask import build_attention_mask_from_trie
+from megatron_tree.testing.models import ARCHS, VOCAB, attention_reference, branching_sequences, make_hf_checkpoint, pack
+from megatron_tree.core.attention import tree_attention
+from megatron_tree.core.mask import build_attention_mask_from_trie
 
 SEQS = branching_sequences()
 MICRO_BATCHES = pack(SEQS)
@@ -149,7 +149,7 @@ def max_err(a, b):
 def bridge_model(path, backend, dtype):
     from mbridge import AutoBridge
 
-    from megatron_tree.bridge import patch_bridge_for_tree_training
+    from megatron_tree.bridges.mbridge import patch_bridge_for_tree_training
 
     with patch_bridge_for_tree_training(backend=backend):
         bridge = AutoBridge.from_pretrained(path, dtype=dtype)
@@ -219,8 +219,8 @@ def model_gradient_check():
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tree.rope import TreeGPTModel
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.mcore.model import TreeGPTModel
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
                       {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}):

@@ -36,7 +36,7 @@ def parse_args():
 
 
 def config(args, tp: int, pp: int):
-    from megatron_tree.parity import small_gpt_config
+    from megatron_tree.testing.models import small_gpt_config
 
     return small_gpt_config(
         num_layers=args.layers, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
@@ -45,7 +45,7 @@ def config(args, tp: int, pp: int):
 
 
 def batch(vocab: int) -> dict:
-    from megatron_tree.synthetic import multi_turn_batch
+    from megatron_tree.testing.synthetic import multi_turn_batch
 
     b = multi_turn_batch(num_tasks=2, rollouts_per_task=3, turns=3, system_len=24, task_len=8,
                          observation_len=(3, 9), action_len=(4, 12), vocab_size=vocab, seed=5)

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from megatron_tree import attention as tree_attn
-from megatron_tree.attention import tree_attention
-from megatron_tree.mask import build_attention_mask_from_trie
+from megatron_tree.core import mask as tree_mask
+from megatron_tree.core.attention import tree_attention
+from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 
-from _models import attention_reference, branching_sequences, pack
+from megatron_tree.testing.models import attention_reference, branching_sequences, pack
 
 # fp64 on CPU: the backends differ from the reference only by summation order, ~1e-15.
 TOL = 1e-12
@@ -94,22 +94,52 @@ def test_dropout_is_applied_and_reproducible(backend):
 
 
 def test_derived_masks_are_built_once_per_micro_batch(monkeypatch):
+    """A TreeMask carries its plan: every layer of a micro-batch shares one; a plain subtree_end
+    (no plan to carry) derives it on every call; a new micro-batch's mask has its own."""
     tree = _tree()
     calls = []
-    original = tree_attn._block_sparse_plan
-    monkeypatch.setattr(tree_attn, "_block_sparse_plan", lambda *a: calls.append(1) or original(*a))
-    tree_attn.clear_tree_mask_cache()
+    original = tree_mask.block_sparse_plan
+    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a: calls.append(1) or original(*a))
     q, k, v = _qkv(tree.padded_length, grad=False)
-    for _ in range(4):  # four "layers" of one micro-batch
-        tree_attention(q, k, v, tree.subtree_end, backend="block_sparse")
+    mask = tree_attention_mask(tree)
+    outs = [tree_attention(q, k, v, mask, backend="block_sparse") for _ in range(4)]  # four "layers"
     assert len(calls) == 1
-    tree_attention(q, k, v, tree.subtree_end.clone(), backend="block_sparse")  # next micro-batch
+    tree_attention(q, k, v, mask.detach(), backend="block_sparse")  # what recomputation receives
+    assert len(calls) == 1
+    tree_attention(q, k, v, tree_attention_mask(tree), backend="block_sparse")  # next micro-batch
     assert len(calls) == 2
-    encoding = tree.subtree_end.clone()
-    tree_attention(q, k, v, encoding, backend="block_sparse")
-    encoding[-1] = encoding[-1]  # an in-place write invalidates the entry
-    tree_attention(q, k, v, encoding, backend="block_sparse")
+    for _ in range(2):
+        plain = tree_attention(q, k, v, tree.subtree_end, backend="block_sparse")
     assert len(calls) == 4
+    assert all(torch.equal(out, plain) for out in outs)
+
+
+@pytest.mark.parametrize("with_plan", [True, False])
+def test_flex_compiles_once_for_many_packed_lengths(with_plan):
+    """The compiled flex path takes the packed length as a dynamic dimension: ten different packed
+    lengths compile at most two graphs (one static first graph, then one dynamic), not ten."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from megatron_tree.core import attention as tree_attn
+    from megatron_tree.testing.models import attention_reference
+
+    torch._dynamo.reset()
+    tree_attn._COMPILED_FLEX = None
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for n_seq in range(10):
+        seqs = [torch.randint(1, 50, (int(torch.randint(5, 40, (), generator=g)),), generator=g)
+                for _ in range(n_seq + 2)]
+        tree = pack(seqs, block_size=16, max_tokens=1024)[0]["tree"]
+        q, k, v = (t.float() for t in _qkv(tree.padded_length, grad=False, seed=n_seq))
+        mask = tree_attention_mask(tree) if with_plan else tree.subtree_end
+        out = tree_attention(q, k, v, mask, backend="flex", block_size=16, compile_flex=True)
+        # fp32 compiled kernel vs brute force: reduction order only.
+        torch.testing.assert_close(out, attention_reference(q, k, v, build_attention_mask_from_trie(tree)),
+                                   atol=1e-5, rtol=1e-5)
+    lengths = counters["stats"]["unique_graphs"]
+    assert 1 <= lengths <= 2, dict(counters["stats"])
 
 
 def test_mask_errors_name_the_sizes():
@@ -143,8 +173,8 @@ def test_spec_rewrite_local_layer_and_block():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tree.attention import TreeCoreAttention
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     local = get_gpt_layer_local_spec()
     rewritten = tree_attention_spec(local, backend="block_sparse", block_size=64)
@@ -168,8 +198,8 @@ def test_spec_rewrite_te_spec_keeps_te_layers():
     pytest.importorskip("transformer_engine")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    from megatron_tree.attention import TreeCoreAttention
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     te = get_gpt_layer_with_transformer_engine_spec()
     rewritten = tree_attention_spec(te)
@@ -185,7 +215,7 @@ def test_spec_rewrite_rejects_what_it_cannot_rewrite():
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     with pytest.raises(ValueError, match="layer spec: cannot rewrite self-attention MLASelfAttention"):
         tree_attention_spec(get_gpt_layer_local_spec(multi_latent_attention=True))

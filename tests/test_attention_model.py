@@ -12,8 +12,8 @@ import torch
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 
-from _dist import single_process_world  # noqa: E402
-from _models import VOCAB, branching_sequences, max_err, pack, packed_logprobs  # noqa: E402
+from megatron_tree.testing.dist import single_process_world  # noqa: E402
+from megatron_tree.testing.models import VOCAB, branching_sequences, max_err, pack, packed_logprobs  # noqa: E402
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
@@ -38,7 +38,7 @@ def world():
 
 
 def _config(**overrides):
-    from megatron_tree.parity import small_gpt_config
+    from megatron_tree.testing.models import small_gpt_config
 
     return small_gpt_config(add_qkv_bias=True, init_method_std=0.15, **overrides)
 
@@ -49,8 +49,8 @@ def _model(kind: str, config=None, backend: str = "block_sparse"):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_tree.rope import TreeGPTModel
-    from megatron_tree.spec import tree_attention_spec
+    from megatron_tree.mcore.model import TreeGPTModel
+    from megatron_tree.mcore.spec import tree_attention_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if kind != "reference":
@@ -75,7 +75,7 @@ def _reference_logprobs(model, seqs) -> dict[int, torch.Tensor]:
 
 
 def _tree_logprobs(model, micro_batches, mask_form: str = "subtree_end") -> dict[int, torch.Tensor]:
-    from megatron_tree.mask import build_attention_mask_from_trie
+    from megatron_tree.core.mask import build_attention_mask_from_trie
 
     out = {}
     for mb in micro_batches:
@@ -170,7 +170,7 @@ def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch):
 def test_core_attention_module_errors():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_tree.attention import TreeCoreAttention
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
 
     config = _config()
     with pytest.raises(ValueError, match="layer 3: tree attention needs attn_mask_type=AttnMaskType.arbitrary"):

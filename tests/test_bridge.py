@@ -9,8 +9,8 @@ import torch
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 
-from _dist import run_spawned, single_process_world  # noqa: E402
-from _models import (  # noqa: E402
+from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa: E402
+from megatron_tree.testing.models import (  # noqa: E402
     ARCHS,
     branching_sequences,
     hf_logprobs,
@@ -58,7 +58,7 @@ def world():
 def _load(path: str, **patch_kwargs):
     from mbridge import AutoBridge
 
-    from megatron_tree.bridge import patch_bridge_for_tree_training
+    from megatron_tree.bridges.mbridge import patch_bridge_for_tree_training
 
     with patch_bridge_for_tree_training(**patch_kwargs):
         bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
@@ -82,7 +82,7 @@ def tree_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
-    from megatron_tree.rope import TreeGPTModel
+    from megatron_tree.mcore.model import TreeGPTModel
 
     bridge, model = _load(checkpoints[arch])
     assert isinstance(model, TreeGPTModel)
@@ -94,8 +94,8 @@ def test_patch_restores_everything_and_binds_instances(checkpoints):
     from mbridge import AutoBridge
     from mbridge.core import bridge as bridge_module
 
-    from megatron_tree.bridge import is_tree_training_bridge, patch_bridge_for_tree_training
-    from megatron_tree.rope import TreeGPTModel
+    from megatron_tree.bridges.mbridge import is_tree_training_bridge, patch_bridge_for_tree_training
+    from megatron_tree.mcore.model import TreeGPTModel
 
     path = checkpoints["qwen2"]
     init = bridge_module.Bridge.__init__

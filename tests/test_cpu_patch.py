@@ -8,7 +8,7 @@ import torch
 
 from megatron_tree.patches import megatron_cpu  # noqa: E402
 
-from _dist import run_spawned, single_process_world  # noqa: E402
+from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU patch is a no-op on CUDA machines"
@@ -27,7 +27,7 @@ def _tiny_gpt(tp_size: int = 1, **config_overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_tree.parity import small_gpt_config
+    from megatron_tree.testing.models import small_gpt_config
 
     config = small_gpt_config(tensor_model_parallel_size=tp_size, **config_overrides)
     return GPTModel(

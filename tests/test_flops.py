@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_tree.flops import GPTShape, attention_pairs, train_flops
-from megatron_tree.mask import build_attention_mask_from_trie
-from megatron_tree.packing import build_packed_tree_batch
-from megatron_tree.synthetic import grpo_batch
+from megatron_tree.core.flops import GPTShape, attention_pairs, train_flops
+from megatron_tree.core.mask import build_attention_mask_from_trie
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import grpo_batch
 
 
 def test_attention_pairs_count_the_dense_mask():
@@ -30,10 +30,10 @@ def test_unshared_flops_of_a_causal_chain():
 
 
 def test_linear_params_match_a_built_megatron_model():
-    from _dist import single_process_world
+    from megatron_tree.testing.dist import single_process_world
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tree.parity import build_gpt_model
+    from megatron_tree.testing.models import build_gpt_model
     from megatron_tree.patches import megatron_cpu
 
     single_process_world()

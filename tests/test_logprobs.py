@@ -8,25 +8,25 @@ take labels from the original sequences.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from megatron_tree.logprobs import (
+from megatron_tree.core.logprobs import (
     gather_packed_tree_logprobs,
     gather_packed_tree_logprobs_entropy,
     gather_packed_tree_logprobs_entropy_from_hidden,
+)
+from megatron_tree.core.results import (
     gather_packed_tree_values,
     gather_packed_tree_vocab_stats,
     merge_packed_tree_results,
 )
-from megatron_tree.tree import PackedTree
+from megatron_tree.core.checks import set_debug_checks
+from megatron_tree.testing.dist import run_spawned
+from megatron_tree.core.tree import PackedTree
 
 VOCAB = 48  # divisible by 2 and 4 for the TP tests
 
@@ -269,6 +269,46 @@ def test_dummy_tree():
     assert vmin.shape == vmax.shape == (0,)
 
 
+def test_temperature_accepts_numpy_and_torch_scalars():
+    import numpy as np
+
+    seqs, tree, logits = random_case(0)
+    want = gather_packed_tree_logprobs(logits, tree, temperature=0.75)
+    for t in (np.float32(0.75), torch.tensor(0.75), np.float64(0.75)):
+        torch.testing.assert_close(gather_packed_tree_logprobs(logits, tree, temperature=t), want)
+
+
+def test_entropy_of_rows_with_masked_vocabulary_is_finite_and_exact():
+    """-inf logits (masked or padded vocabulary columns) have p = 0 and add nothing to the entropy;
+    the reference drops those columns altogether."""
+    seqs, tree, logits = random_case(3)
+    logits = logits.double()
+    masked = torch.zeros_like(logits, dtype=torch.bool)
+    masked[:, -7:] = True  # padded vocabulary columns
+    masked[::3, 5] = True  # a column masked on some rows
+    tokens = tree.input_ids
+    child = torch.nonzero(tree.parent_index >= 0).squeeze(1)
+    masked[tree.parent_index[child], tokens[child]] = False  # keep every target visible
+    x = logits.masked_fill(masked, float("-inf")).requires_grad_()
+    lp, ent = gather_packed_tree_logprobs_entropy(x, tree, chunk_size=5)
+    ((lp * 0.3).sum() + ent.sum()).backward()
+    assert torch.isfinite(ent).all() and torch.isfinite(x.grad).all()
+    ref_x = logits.clone().requires_grad_()
+    logp = torch.log_softmax(ref_x.masked_fill(masked, float("-inf")), -1)
+    ref_ent_rows = -(logp.exp() * logp.masked_fill(masked, 0)).sum(-1)
+    token_rows = tree.token_index
+    torch.testing.assert_close(ent, ref_ent_rows[token_rows], rtol=0, atol=1e-12)
+    ref_lp = torch.zeros_like(lp)
+    nxt = torch.roll(token_rows, -1)
+    last = tree.cu_seqlens[1:] - 1
+    keep = torch.ones_like(lp, dtype=torch.bool)
+    keep[last] = False
+    ref_lp[keep] = logp[token_rows[keep], tokens[nxt[keep]]]
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)
+    ((ref_lp * 0.3).sum() + ref_ent_rows[token_rows].sum()).backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-12)
+
+
 def test_input_errors():
     seqs, tree, logits = random_case(0)
     with pytest.raises(ValueError, match="padded length"):
@@ -278,8 +318,17 @@ def test_input_errors():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="temperature"):
             gather_packed_tree_logprobs(logits, tree, temperature=bad)
-    with pytest.raises(ValueError, match="vocab"):
-        gather_packed_tree_logprobs(logits[:, : VOCAB // 4], tree)  # tokens beyond the vocab
+    # Token ids are checked at packing time; inside the gather only with debug checks (a host sync).
+    set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match="vocab"):
+            gather_packed_tree_logprobs(logits[:, : VOCAB // 4], tree)  # tokens beyond the vocab
+    finally:
+        set_debug_checks(False)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got True"):
+        gather_packed_tree_logprobs(logits, tree, temperature=True)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got a tensor of shape"):
+        gather_packed_tree_logprobs(logits, tree, temperature=torch.tensor([0.7, 0.8]))
     with pytest.raises(ValueError, match="floating"):
         gather_packed_tree_logprobs(logits.long(), tree)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -402,10 +451,7 @@ TP_SIZES = (2, 4)
 TP_WORLD = 4
 
 
-def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=TP_WORLD)
+def _tp_worker(rank: int) -> dict:
     groups = {4: dist.group.WORLD}
     for members in ([0, 1], [2, 3]):
         group = dist.new_group(members)  # every rank creates every group
@@ -450,18 +496,12 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
         errors[(tp, "fp64", "fused")] = max(
             (part[0] - full[0]).abs().max().item(), (part[1] - full[1]).abs().max().item(),
             (part[2] - full[2]).abs().max().item(), (part[3] - full[3][cols]).abs().max().item())
-    torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return errors
 
 
 @pytest.fixture(scope="module")
 def tp_errors():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_tp_worker, args=(port, out_dir), nprocs=TP_WORLD, join=True)
-        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(TP_WORLD)]
+    per_rank = run_spawned(_tp_worker, TP_WORLD, megatron=False)
     return {key: max(errs[key] for errs in per_rank) for key in per_rank[0]}
 
 
@@ -564,7 +604,7 @@ def test_merge_errors():
 
 
 def test_merge_round_trip_through_packing():
-    from megatron_tree.packing import build_packed_tree_batch
+    from megatron_tree.core.packing import build_packed_tree_batch
 
     seqs, input_ids, mask = _batch(seed=6, batch=16, num_groups=6)
     batch, max_len = input_ids.shape

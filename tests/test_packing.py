@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron_tree.mask import build_attention_mask_from_trie
-from megatron_tree.packing import build_packed_tree_batch
-from megatron_tree.synthetic import grpo_batch, multi_turn_batch, pad_sequences
+from megatron_tree.core.mask import build_attention_mask_from_trie
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import grpo_batch, multi_turn_batch, pad_sequences
 
 
 def make_batch(sequences: list[list[int]], seed: int = 0) -> dict:
@@ -202,7 +202,13 @@ def _ok():
         (None, {"max_tokens_per_mb": 0}, "max_tokens_per_mb=0 must be a positive multiple"),
         (None, {"max_tokens_per_mb": 100, "block_size": 8}, r"max_tokens_per_mb=100 .* lcm\(block_size=8"),
         (None, {"max_tokens_per_mb": 32, "block_size": 16, "parallel_size": 6}, r"lcm\(block_size=16, parallel_size=6\) = 48; e.g. 48"),
-        (None, {"max_tokens_per_mb": 8, "block_size": 0}, "block_size=0 and parallel_size=1 must be positive"),
+        (None, {"max_tokens_per_mb": 8, "block_size": 0}, "block_size must be an integer >= 1, got 0"),
+        (None, {"max_tokens_per_mb": 128.0}, r"max_tokens_per_mb must be an integer, got 128.0 \(float\)"),
+        (None, {"max_tokens_per_mb": True}, "max_tokens_per_mb must be an integer, got the bool True"),
+        (None, {"max_tokens_per_mb": 128, "block_size": 16.0}, r"block_size must be an integer, got 16.0"),
+        (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": -1}, "pad_token_id must be an integer >= 0, got -1"),
+        (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": 9, "vocab_size": 9}, "pad_token_id=9 must be < vocab_size=9"),
+        (None, {"max_tokens_per_mb": 16, "block_size": 8, "vocab_size": 3}, r"input_ids'\] holds token id \d+, outside the vocabulary \[0, 3\)"),
         (lambda b: b.update(input_ids=torch.ones(2, 20, dtype=torch.int64), attention_mask=torch.ones(2, 20), advantages=torch.ones(2, 20), old_logprobs=torch.ones(2, 20)), {"max_tokens_per_mb": 16, "block_size": 8}, "sequence 0 has 20 tokens, more than max_tokens_per_mb=16"),
         (lambda b: b["attention_mask"].__setitem__((0, 0), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"rows \[0\] are not right-padded"),
         (lambda b: b["attention_mask"].__setitem__((1, slice(None)), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"sequences \[1\] are empty"),
@@ -226,38 +232,27 @@ def test_errors(mutate, kwargs, match):
 # ----------------------------------------------------------------------------- data parallel
 
 
-def _dp_worker(rank: int, port: int, out_dir: str) -> None:
-    import os
-
+def _dp_worker(rank: int) -> dict:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        # Rank 0: 3 disjoint groups of 40 tokens (3 trees of capacity 64); rank 1: one small tree.
-        seqs = [[g] * 40 for g in range(3)] if rank == 0 else [[5, 6, 7], [5, 6, 8]]
-        packed = build_packed_tree_batch(
-            make_batch(seqs), max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD
-        )
-        torch.save(
-            {
-                "num": len(packed),
-                "dummies": packed.num_dummy_trees,
-                "shapes": [tuple(mb["input_ids"].shape) for mb in packed],
-                "dummy_masks": [build_attention_mask_from_trie(mb["tree"]) for mb in packed if mb["tree"].is_dummy],
-                "dummy_extras": [mb["advantages"].shape for mb in packed if mb["tree"].is_dummy],
-            },
-            os.path.join(out_dir, f"{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
+    # Rank 0: 3 disjoint groups of 40 tokens (3 trees of capacity 64); rank 1: one small tree.
+    seqs = [[g] * 40 for g in range(3)] if rank == 0 else [[5, 6, 7], [5, 6, 8]]
+    batch = make_batch(seqs)
+    batch["advantages"] = torch.ones(batch["input_ids"].shape)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD)
+    return {
+        "num": len(packed),
+        "dummies": packed.num_dummy_trees,
+        "shapes": [tuple(mb["input_ids"].shape) for mb in packed],
+        "dummy_masks": [build_attention_mask_from_trie(mb["tree"]) for mb in packed if mb["tree"].is_dummy],
+        "dummy_extras": [mb["advantages"].shape for mb in packed if mb["tree"].is_dummy],
+    }
 
 
-def test_data_parallel_ranks_get_the_same_number_of_trees(tmp_path):
-    import torch.multiprocessing as mp
-    from _dist import free_port
+def test_data_parallel_ranks_get_the_same_number_of_trees():
+    from megatron_tree.testing.dist import run_spawned
 
-    mp.spawn(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    r0, r1 = run_spawned(_dp_worker, 2, megatron=False)
     assert r0["num"] == r1["num"] == 3
     assert (r0["dummies"], r1["dummies"]) == (0, 2)
     assert r0["shapes"] == r1["shapes"] == [(1, 64)] * 3
@@ -289,7 +284,7 @@ def test_unshared_layout_is_one_causal_chain_per_sequence(sequences):
 
 
 def test_layout_tree_rejects_a_short_padded_length():
-    from megatron_tree.packing import layout_tree
+    from megatron_tree.core.packing import layout_tree
 
     rows = torch.tensor([[1, 2, 3]], dtype=torch.int32)
     with pytest.raises(ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"):

@@ -19,11 +19,11 @@ from megatron_tree.parity import (  # noqa: E402
     unpacked_reference_step,
 )
 from megatron_tree.patches import megatron_cpu  # noqa: E402
-from megatron_tree.synthetic import pad_sequences  # noqa: E402
+from megatron_tree.testing.synthetic import pad_sequences  # noqa: E402
 from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward, value_loss  # noqa: E402
 
-from _dist import run_spawned, single_process_world  # noqa: E402
-from _models import VOCAB, branching_sequences  # noqa: E402
+from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa: E402
+from megatron_tree.testing.models import VOCAB, branching_sequences  # noqa: E402
 
 # fp32 on CPU: packed and unpacked runs differ only in summation order; relative to each
 # parameter's gradient norm that is ~1e-6 here, while a wrong mask, position or normalization
@@ -271,7 +271,7 @@ def test_loss_weights_by_hand():
 
 
 def test_value_head_through_wrappers(world):
-    from megatron_tree.critic import ValueHead, attach_value_head
+    from megatron_tree.mcore.value_head import ValueHead, attach_value_head
 
     class Wrapper(torch.nn.Module):  # stands in for Float16Module / DDP: the model under .module
         def __init__(self, module):

@@ -17,6 +17,7 @@ B tile (block) size, nb = N / B, M key blocks a query block sees.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -83,14 +84,18 @@ def encoding_from_dense(masked: torch.Tensor) -> torch.Tensor:
     return (torch.arange(masked.shape[-1], device=masked.device) + seen_by).to(torch.int32)
 
 
+def _mask_mod(subtree_end: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
+    return allowed(subtree_end, q_idx, kv_idx)
+
+
 def tree_mask_mod(subtree_end: torch.Tensor):
-    """A FlexAttention ``mask_mod`` (True = attend) reading ``subtree_end`` [N]."""
-    subtree_end = _subtree_end_of(subtree_end)
+    """A FlexAttention ``mask_mod`` (True = attend) reading ``subtree_end`` [N].
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return allowed(subtree_end, q_idx, kv_idx)
-
-    return mask_mod
+    A ``functools.partial`` rather than a closure: torch.compile (2.13) then treats the encoding as
+    an input whose length is dynamic like the sequence's, while a closure-captured encoding fails
+    to compile on CPU once the length becomes dynamic.
+    """
+    return functools.partial(_mask_mod, _subtree_end_of(subtree_end))
 
 
 def tree_block_layout(
@@ -225,7 +230,7 @@ class TreeMaskPlan:
         """bool [r, 1, N, N], True = attend (torch SDPA's polarity)."""
         def build():
             pos = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
-            return allowed(self.subtree_end[:, None, :], pos[:, None], pos[None, :]).unsqueeze(1)
+            return torch.stack([allowed(row, pos[:, None], pos[None, :]) for row in self.subtree_end]).unsqueeze(1)
 
         return self._get("dense", build)
 
