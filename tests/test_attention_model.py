@@ -75,12 +75,12 @@ def _reference_logprobs(model, seqs) -> dict[int, torch.Tensor]:
 
 
 def _tree_logprobs(model, micro_batches, mask_form: str = "subtree_end") -> dict[int, torch.Tensor]:
-    from megatron_tree.core.mask import build_attention_mask_from_trie
+    from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 
     out = {}
     for mb in micro_batches:
         tree = mb["tree"]
-        mask = tree.subtree_end if mask_form == "subtree_end" else build_attention_mask_from_trie(tree)
+        mask = tree_attention_mask(tree) if mask_form == "subtree_end" else build_attention_mask_from_trie(tree)
         logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mask)
         out.update(packed_logprobs(logits, mb))
     return out
@@ -151,20 +151,40 @@ def test_tree_gradients_equal_unpacked_gradients(recompute, backend, mask_form):
         assert rel <= GRAD_RTOL, (name, rel)
 
 
-def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch):
-    from megatron_tree import attention as tree_attn
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch, recompute):
+    """Two micro-batches in flight, as under a pipeline schedule: forward 1, forward 2, then the
+    backward of 1 (which recomputes its layers) and of 2. Each micro-batch derives its block-sparse
+    plan once (2 layers forward + 2 recomputed share it), and each backward uses its own plan:
+    the gradients equal those of running the micro-batches one after the other."""
+    from megatron_tree.core import mask as tree_mask
+    from megatron_tree.core.mask import tree_attention_mask
 
+    settings = {
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    }[recompute]
     calls = []
-    original = tree_attn._block_sparse_plan
-    monkeypatch.setattr(tree_attn, "_block_sparse_plan", lambda *a: calls.append(1) or original(*a))
-    micro_batch = pack(branching_sequences())[0]
-    model = _model(
-        "tree", _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    ).train()
-    tree_attn.clear_tree_mask_cache()
-    logits = model(micro_batch["input_ids"], micro_batch["position_ids"], attention_mask=micro_batch["tree"].subtree_end)
-    logits.square().mean().backward()
-    assert len(calls) == 1  # 2 layers forward + 2 recomputed in backward share one plan
+    original = tree_mask.block_sparse_plan
+    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a: calls.append(1) or original(*a))
+    micro_batches = pack(branching_sequences(), max_tokens=64)[:2]
+    assert len(micro_batches) == 2 and micro_batches[0]["tree"].padded_length == micro_batches[1]["tree"].padded_length
+    model = _model("tree", _config(**settings)).train()
+
+    def forward(mb):
+        logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+        return logits.log_softmax(-1)[..., 3].sum()
+
+    in_flight = [forward(mb) for mb in micro_batches]
+    for loss in in_flight:
+        loss.backward()
+    interleaved = _grads(model)
+    assert len(calls) == 2
+    model.zero_grad()
+    for mb in micro_batches:
+        forward(mb).backward()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(interleaved[name], grad, rtol=0, atol=1e-6)
 
 
 def test_core_attention_module_errors():
@@ -184,3 +204,30 @@ def test_core_attention_module_errors():
         module(q, kv, kv, torch.zeros(16, 16, dtype=torch.bool))
     with pytest.raises(ValueError, match="packed_seq_params"):
         module(q, kv, kv, torch.arange(1, 33), packed_seq_params=object())
+    with pytest.raises(ValueError, match="context parallelism"):
+        TreeCoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.arbitrary, "self")
+
+
+def test_attention_dropout_draws_from_the_model_parallel_rng():
+    """With attention dropout the module forks Megatron's model-parallel RNG tracker (the heads on
+    each TP rank must drop independently): the default generator is left untouched, and reseeding
+    the tracker reproduces the output."""
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_tree.core.mask import tree_attention_mask
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+
+    tree = pack(branching_sequences())[0]["tree"]
+    n = tree.padded_length
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(n, 1, 4, 16, generator=g), torch.randn(n, 1, 2, 16, generator=g)
+    module = TreeCoreAttention(_config(attention_dropout=0.5), 1, AttnMaskType.arbitrary, "self",
+                               backend="block_sparse", block_size=16).train()
+    mp_random.model_parallel_cuda_manual_seed(77)
+    default_state = torch.get_rng_state()
+    first = module(q, kv, kv, tree_attention_mask(tree))
+    assert torch.equal(torch.get_rng_state(), default_state)
+    mp_random.model_parallel_cuda_manual_seed(77)
+    assert torch.equal(module(q, kv, kv, tree_attention_mask(tree)), first)
+    assert not torch.equal(module.eval()(q, kv, kv, tree_attention_mask(tree)), first)

@@ -11,19 +11,17 @@ import pytest
 import torch
 
 
-from megatron_tree.parity import (  # noqa: E402
-    build_gpt_model,
-    gradient_errors,
-    small_gpt_config,
-    stage_parameter_name,
-    unpacked_reference_step,
-)
-from megatron_tree.patches import megatron_cpu  # noqa: E402
-from megatron_tree.testing.synthetic import pad_sequences  # noqa: E402
-from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward, value_loss  # noqa: E402
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.step import tree_forward_backward
+from megatron_tree.patches import megatron_cpu
+from megatron_tree.testing.models import build_gpt_model, small_gpt_config
+from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
+from megatron_tree.testing.synthetic import pad_sequences
 
-from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa: E402
-from megatron_tree.testing.models import VOCAB, branching_sequences  # noqa: E402
+from megatron_tree.testing.dist import run_spawned, single_process_world
+from megatron_tree.testing.models import VOCAB, branching_sequences
 
 # fp32 on CPU: packed and unpacked runs differ only in summation order; relative to each
 # parameter's gradient norm that is ~1e-6 here, while a wrong mask, position or normalization
@@ -91,14 +89,15 @@ def _reference_step(model, batch: dict, critic: bool) -> torch.Tensor:
 def _tree_step(model, batch: dict, critic: bool, **kwargs):
     from megatron.core import parallel_state as ps
 
+    packing = {} if not isinstance(batch, dict) else dict(max_tokens_per_mb=64, block_size=16)
+    packing.update({k: kwargs.pop(k) for k in ("pad_to_max",) if k in kwargs})
     return tree_forward_backward(
         model,
         batch,
         _loss_fn(critic),
-        critic=critic,
-        max_tokens_per_mb=64,  # several trees, so micro-batch normalization is exercised
-        block_size=16,
+        gather=Values() if critic else LogProbs(),
         tp_group=ps.get_tensor_model_parallel_group(),
+        **packing,  # max_tokens_per_mb=64: several trees, so micro-batch normalization is exercised
         **kwargs,
     )
 
@@ -161,19 +160,42 @@ def test_sequence_normalization_and_forward_only(world):
 # ----------------------------------------------------------------------------- spawned worlds
 
 
+def _dropout_output(rank: int) -> torch.Tensor:
+    """Tree core attention with dropout on the same inputs on every TP rank."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_tree.core.mask import tree_attention_mask
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+    from megatron_tree.testing.models import pack
+
+    tree = pack(branching_sequences())[0]["tree"]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tree.padded_length, 1, 2, 16, generator=g)
+    kv = torch.randn(tree.padded_length, 1, 1, 16, generator=g)
+    config = small_gpt_config(tensor_model_parallel_size=2, attention_dropout=0.5)
+    module = TreeCoreAttention(config, 1, AttnMaskType.arbitrary, "self", backend="block_sparse", block_size=16)
+    return module.train()(q, kv, kv, tree_attention_mask(tree))
+
+
 def _tp_worker(rank: int) -> dict:
     out = {}
     for critic, recompute in [(False, "none"), (False, "selective"), (True, "full")]:
         got_loss, want_loss, got, want = _compare_tree_to_reference(critic, recompute)
         out[(critic, recompute)] = (got_loss, want_loss, got, want)
+    out["dropout"] = _dropout_output(rank)
     return out
 
 
 def test_tensor_parallel_2_equals_unpacked():
-    for rank_result in run_spawned(_tp_worker, 2):
+    ranks = run_spawned(_tp_worker, 2)
+    dropout = [rank_result.pop("dropout") for rank_result in ranks]
+    for rank_result in ranks:
         for key, (got_loss, want_loss, got, want) in rank_result.items():
             assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL), key
             _assert_grads_close(got, want)
+    # The TP ranks hold different heads, so their attention dropout must differ: each draws from
+    # its own model-parallel RNG state (seed + 2718 + tp_rank), not the shared default generator.
+    assert not torch.equal(dropout[0], dropout[1])
 
 
 def _dp_worker(rank: int, state_path: str) -> dict:
@@ -192,7 +214,7 @@ def _dp_worker(rank: int, state_path: str) -> dict:
         dist.all_reduce(g, op=dist.ReduceOp.AVG, group=dp_group)
     loss = result.loss.clone()
     dist.all_reduce(loss, group=dp_group)
-    return {"trees": result.num_micro_batches, "dummies": result.num_dummy_trees, "loss": float(loss), "grads": grads}
+    return {"trees": result.num_micro_batches, "dummies": result.packed.num_dummy_trees, "loss": float(loss), "grads": grads}
 
 
 def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
@@ -255,19 +277,139 @@ def test_step_errors(world):
         tree_forward_backward(
             tree, batch, lambda outputs, mb: outputs["logprobs"].sum(), max_tokens_per_mb=64, block_size=16
         )
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16)
+    with pytest.raises(ValueError, match=r"\['max_tokens_per_mb'\] apply to packing a padded batch"):
+        tree_forward_backward(tree, packed, _loss_fn(False), max_tokens_per_mb=64)
+
+
+def test_bad_inputs_fail_before_the_forward(world):
+    """Each bad input gets a ValueError naming it, before the model runs."""
+    model = _build("tree", critic=False)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    batch = _batch(branching_sequences())
+
+    def step(b, **kw):
+        return tree_forward_backward(model, b, _loss_fn(False), max_tokens_per_mb=64, block_size=16, **kw)
+
+    with pytest.raises(ValueError, match=r"data\['loss_mask'\] must be a tensor shaped \[B, L, ...\]"):
+        step({**batch, "loss_mask": batch["loss_mask"][:, :-1]})
+    too_big = batch["input_ids"].clone()
+    too_big[3, 2] = VOCAB
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} .* outside the model's vocabulary \[0, {VOCAB}\)"):
+        step({**batch, "input_ids": too_big})
+    with pytest.raises(ValueError, match=rf"token id {VOCAB} .*pad_token_id included"):
+        tree_forward_backward(model, build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16,
+                                                             pad_token_id=VOCAB), _loss_fn(False))
+    # A rolled loss mask is 0 at each sequence's last entry (it predicts no token); a 1 there is
+    # what an unrolled mask looks like.
+    unrolled = batch["loss_mask"].clone()
+    lengths = batch["attention_mask"].sum(1)
+    unrolled[torch.arange(len(lengths)), lengths - 1] = 1
+    with pytest.raises(ValueError, match="loss_mask is nonzero at a sequence's last entry"):
+        step({**batch, "loss_mask": unrolled})
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got True"):
+        LogProbs(temperature=True)
+    assert calls == []
+
+
+def test_pack_once_step_many_equals_padded_steps(world):
+    """The RL flow on one packed batch (old log-probs attached in tree layout, then two steps)
+    gives the padded-batch path's loss and gradients, and the forward-only outputs match their
+    [B, L] merge."""
+    batch = _batch(branching_sequences())
+    model = _build("tree", critic=False)
+    packed = build_packed_tree_batch({k: v for k, v in batch.items() if k != "old_logprobs"},
+                                     max_tokens_per_mb=64, block_size=16)
+    old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True)
+    packed.attach("old_logprobs", [lp - 0.05 for lp in old.tree_outputs["logprobs"]])
+    merged = old.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]
+    padded = {**batch, "old_logprobs": merged - 0.05}
+    for _ in range(2):
+        model.zero_grad()
+        got = _tree_step(model, packed, False)
+        got_grads = _grads(model)
+        model.zero_grad()
+        want = _tree_step(model, padded, False)
+        assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+        _assert_grads_close(got_grads, _grads(model))
+
+
+def test_megatron_divides_in_per_token_mode(world):
+    """With calculate_per_token_loss and a finalize_model_grads_func (Megatron DDP's setup) the step
+    returns loss sums and token counts and Megatron's finalize divides the gradients: still the
+    unpacked batch's gradients. Without per-token mode such a setup is refused."""
+    batch = _batch(branching_sequences())
+    reference = _build("reference", False)
+    _reference_step(reference, batch, False)
+    model = _build("tree", False, state=reference.state_dict())
+    seen = []
+
+    def finalize(chunks, num_tokens, *args, **kwargs):  # what Megatron's finalize_model_grads does
+        seen.append(int(num_tokens))
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.grad /= num_tokens
+
+    model.config.finalize_model_grads_func = finalize
+    try:
+        with pytest.raises(ValueError, match="set config.calculate_per_token_loss=True"):
+            _tree_step(model, batch, False)
+        model.config.calculate_per_token_loss = True
+        result = _tree_step(model, batch, False)
+    finally:
+        model.config.finalize_model_grads_func = None
+        model.config.calculate_per_token_loss = False
+    assert seen == [int(batch["loss_mask"].sum())]
+    _assert_grads_close(_grads(model), _grads(reference))
+    assert float(result.loss) == pytest.approx(float(unpacked_reference_step(
+        reference, batch, _loss_fn(False), backward=False)), rel=LOSS_RTOL)
+
+
+def test_unpacked_reference_is_independent_of_the_tree_code(world, monkeypatch):
+    """The reference must not call packing, masks, tree attention or the tree gathers."""
+    import megatron_tree.core.attention as attention
+    import megatron_tree.core.logprobs as logprobs
+    import megatron_tree.core.mask as mask
+    import megatron_tree.core.packing as packing
+    import megatron_tree.core.results as results
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the unpacked reference called tree code")
+
+    for module, names in [
+        (packing, ["build_packed_tree_batch", "layout_tree"]),
+        (mask, ["allowed", "build_attention_mask_from_trie", "tree_attention_mask", "block_sparse_plan",
+                "build_block_mask_from_trie"]),
+        (attention, ["tree_attention"]),
+        (logprobs, ["gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy"]),
+        (results, ["gather_packed_tree_values", "merge_packed_tree_results"]),
+    ]:
+        for name in names:
+            monkeypatch.setattr(module, name, forbidden)
+    batch = _batch(branching_sequences())
+    for critic in (False, True):
+        loss = _reference_step(_build("reference", critic), batch, critic)
+        assert torch.isfinite(loss)
+    with pytest.raises(AssertionError, match="called tree code"):  # the patches do bite
+        _tree_step(_build("tree", False), batch, False)
 
 
 def test_loss_weights_by_hand():
-    from megatron_tree.train_step import loss_weights
+    from megatron_tree.core.losses import loss_weights
 
-    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
-    token = loss_weights(mask, normalization="token")
-    assert torch.allclose(token, mask / 2.5)
+    # Three sequences of lengths 3, 3, 3 in tree layout.
+    cu_seqlens = torch.tensor([0, 3, 6, 9])
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0])
+    token, count = loss_weights(mask, cu_seqlens, normalization="token")
+    assert torch.equal(token, mask.double()) and float(count) == 2.5
     # Sequence mean over the two sequences that have loss tokens; the empty one takes no part,
     # and a fractional mask is normalized by its own sum.
-    seq = loss_weights(mask, normalization="sequence")
-    expected = torch.tensor([[0.25, 0.25, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]])
-    assert torch.allclose(seq, expected)
+    seq, count = loss_weights(mask, cu_seqlens, normalization="sequence")
+    assert torch.allclose(seq, torch.tensor([0.5, 0.5, 0, 0, 0, 0, 1.0, 0, 0], dtype=torch.float64))
+    assert float(count) == 2.0
+    with pytest.raises(ValueError, match="normalization='batch' must be one of"):
+        loss_weights(mask, cu_seqlens, normalization="batch")
 
 
 def test_value_head_through_wrappers(world):
