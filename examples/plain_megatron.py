@@ -21,7 +21,13 @@ def main(steps: int = 3) -> list[float]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tree import TreeGPTModel, ppo_clipped_loss, tree_attention_spec, tree_forward_backward
+    from megatron_tree import (
+        TreeGPTModel,
+        build_packed_tree_batch,
+        ppo_clipped_loss,
+        tree_attention_spec,
+        tree_forward_backward,
+    )
     from megatron_tree.patches import megatron_cpu
     from megatron_tree.testing.synthetic import grpo_batch
 
@@ -53,14 +59,15 @@ def main(steps: int = 3) -> list[float]:
     batch["loss_mask"][:, :-1] = response[:, 1:]  # rolled: entry t is about token t + 1
     batch["advantages"] = torch.randn(batch["input_ids"].shape[0], 1).expand_as(response).contiguous()
 
-    common = dict(max_tokens_per_mb=1024, block_size=64)
-    # The behaviour policy's log-probs, from a forward-only pass over the same trees.
-    old = tree_forward_backward(model, batch, None, forward_only=True, collect_outputs=True, **common)
-    batch["old_logprobs"] = old.outputs["logprobs"]
+    # Pack the rollout batch once; every pass below steps on the same trees.
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=1024, block_size=64, vocab_size=1024)
+    # The behaviour policy's log-probs, from a forward-only pass, attached in tree layout.
+    old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True)
+    packed.attach("old_logprobs", old.tree_outputs["logprobs"])
     losses = []
     for step in range(steps):  # PPO epochs on one batch
         optimizer.zero_grad(set_to_none=True)
-        result = tree_forward_backward(model, batch, ppo_clipped_loss, **common)
+        result = tree_forward_backward(model, packed, ppo_clipped_loss)
         optimizer.step()
         losses.append(float(result.loss))
         print(f"step {step}: {result.log_line()}")

@@ -181,6 +181,69 @@ def peak_activation_bytes(fn, model) -> int:
     return usage["peak"]
 
 
+def build_model(args, ckpt: str):
+    """The tiny Qwen3 through mbridge under patch_bridge_for_tree_training; (model, GPTShape)."""
+    from mbridge import AutoBridge
+
+    from megatron_tree import GPTShape, patch_bridge_for_tree_training
+
+    with patch_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
+        bridge = AutoBridge.from_pretrained(ckpt, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
+    model.train()
+    gpt = getattr(model, "module", model)  # bf16 models come wrapped in Float16Module
+    return model, GPTShape.from_config(model.config, gpt.vocab_size)
+
+
+def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int], reference=None):
+    """Max |log-prob - HF| over ``rows`` (rank 0 computes the HF reference once and passes it back)."""
+    reference = reference if reference is not None else hf_logprobs(ckpt, batch, rows)
+    err = max(float((merged_logprobs[row, : len(want)].float().cpu() - want).abs().max())
+              for row, want in reference.items())
+    return err, reference
+
+
+def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict]:
+    """One run of each batch: (results, peak memory in bytes)."""
+    results, peaks = {}, {}
+    for name, packed in batches.items():
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            results[name] = step(packed)
+            peaks[name] = torch.cuda.max_memory_allocated()
+        else:
+            peaks[name] = peak_activation_bytes(lambda p=packed, n=name: results.__setitem__(n, step(p)), model)
+    return results, peaks
+
+
+def timed(batches: dict, reps: int, step) -> dict:
+    """``reps`` interleaved runs of each batch: seconds per run, by batch."""
+    times = {name: [] for name in batches}
+    for _ in range(reps):
+        for name, packed in batches.items():
+            t0 = time.perf_counter()
+            step(packed)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(row: dict, memory_kind: str, picture) -> None:
+    mib = 2**20
+    print()
+    print(f"{'parity: max |logp tree - logp HF| (unpacked)':<48} {row['parity_max_abs_logprob_err']:.2e}")
+    print(f"{'parity of the unshared baseline vs HF':<48} {row['baseline_parity_max_abs_logprob_err']:.2e}")
+    print(f"{'tree vs baseline loss, relative difference':<48} {row['tree_vs_baseline_loss_rel_err']:.2e}")
+    print(f"{'tree_token_ratio (unique / real tokens)':<48} {row['tree_token_ratio']:.3f}")
+    print(f"{'micro-batches: tree / baseline':<48} {row['trees']} / {row['baseline_micro_batches']}")
+    print(f"{'baseline step (median)':<48} {row['baseline_s']:.3f} s")
+    print(f"{'tree step (median)':<48} {row['tree_s']:.3f} s")
+    print(f"{'speed-up':<48} {row['speedup']:.2f}x")
+    print(f"{'ideal speed-up (FLOP model)':<48} {row['ideal_speedup']:.2f}x ({row['fraction_of_ideal']:.0%} reached)")
+    print(f"{memory_kind + ': tree / baseline':<48} {row['tree_memory_bytes'] / mib:.0f} / "
+          f"{row['baseline_memory_bytes'] / mib:.0f} MiB")
+    print(f"{'mask picture':<48} {picture}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -188,12 +251,8 @@ def main(argv=None) -> dict:
     progress = Progress(rank)
 
     from megatron.core import parallel_state
-    from mbridge import AutoBridge
 
-    from megatron_tree import patch_bridge_for_tree_training
-    from megatron_tree.core.flops import GPTShape, train_flops
-    from megatron_tree.core.packing import build_packed_tree_batch
-    from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward
+    from megatron_tree import build_packed_tree_batch, ppo_clipped_loss, train_flops, tree_forward_backward
     from megatron_tree.core.visualize import save_tree_mask_png
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -204,77 +263,51 @@ def main(argv=None) -> dict:
         dist.broadcast_object_list(ckpt_path, src=0)  # torchrun ranks share rank 0's temp dir
         ckpt = ckpt_path[0]
         progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+        model, shape = build_model(args, ckpt)
+        progress(f"built {type(getattr(model, 'module', model)).__name__} through mbridge: hidden "
+                 f"{shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, TP {args.tp}, backend "
+                 f"{args.backend}, {args.device}")
 
-        with patch_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
-            bridge = AutoBridge.from_pretrained(ckpt, dtype=torch.bfloat16 if args.bf16 else torch.float32)
-        model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
-        model.train()
-        gpt = getattr(model, "module", model)  # bf16 models come wrapped in Float16Module
-        vocab = gpt.vocab_size
-        shape = GPTShape.from_config(model.config, vocab)
-        progress(
-            f"built {type(gpt).__name__} through mbridge: hidden {shape.hidden}, {shape.layers} layers, "
-            f"vocab {vocab}, TP {args.tp}, backend {args.backend}, {args.device}"
-        )
+        # Pack the rollout batch once (and once more without sharing, for the baseline).
+        batch = grpo_inputs(args, shape.vocab)
+        packing = dict(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp,
+                       vocab_size=shape.vocab)
+        packed = build_packed_tree_batch(batch, **packing)
+        unshared = build_packed_tree_batch(batch, share_prefixes=False, **packing)
+        old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True, tp_group=tp_group)
+        base_old = tree_forward_backward(model, unshared, None, forward_only=True, collect_outputs=True,
+                                         tp_group=tp_group)
+        width = batch["input_ids"].shape[1]
+        old_logprobs = old.merged_outputs(max_seq_len=width)["logprobs"]
+        packed.attach("old_logprobs", old.tree_outputs["logprobs"])  # tree layout: no round trip
+        unshared.attach("old_logprobs", old_logprobs)  # the baseline uses the same old policy
+        progress(f"batch: {packed.batch_size} sequences, {packed.num_real_tokens} tokens -> "
+                 f"{packed.num_tree_tokens} tree tokens in {len(packed)} trees, packed once; old "
+                 f"log-probs from a forward-only tree pass")
 
-        batch = grpo_inputs(args, vocab)
-        common = dict(
-            max_tokens_per_mb=args.max_tokens, block_size=args.block_size, tp_group=tp_group,
-            parallel_size=args.tp,
-        )
-        old = tree_forward_backward(
-            model, batch, None, forward_only=True, collect_outputs=True, **common
-        )
-        batch["old_logprobs"] = old.outputs["logprobs"].cpu()
-        progress(
-            f"batch: {old.num_sequences} sequences, {old.real_tokens} tokens -> {old.tree_tokens} tree tokens "
-            f"in {old.num_micro_batches} trees; old log-probs from a forward-only tree pass"
-        )
-
-        rows = list(range(min(args.parity_sequences, old.num_sequences)))
-        parity = 0.0
+        rows = list(range(min(args.parity_sequences, packed.batch_size)))
+        tree_err = base_err = 0.0
         if rank == 0:
-            reference = hf_logprobs(ckpt, batch, rows)
-            for row, want in reference.items():
-                got = batch["old_logprobs"][row, : len(want)]
-                parity = max(parity, float((got - want).abs().max()))
-        progress(f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = {parity:.2e}")
+            tree_err, reference = parity(ckpt, batch, old_logprobs, rows)
+            base_err, _ = parity(ckpt, batch, base_old.merged_outputs(max_seq_len=width)["logprobs"], rows, reference)
+        progress(f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = {tree_err:.2e} "
+                 f"(unshared baseline {base_err:.2e})")
 
-    def step(share: bool):
+    def step(batch_packed):
         model.zero_grad(set_to_none=True)
-        from megatron_tree.attention import clear_tree_mask_cache
-
-        clear_tree_mask_cache()
-        result = tree_forward_backward(model, batch, ppo_clipped_loss, share_prefixes=share, **common)
+        result = tree_forward_backward(model, batch_packed, ppo_clipped_loss, tp_group=tp_group)
         if args.device == "cuda":
             torch.cuda.synchronize()
         return result
 
-    # Warm-up runs: the loss comparison and the memory measurement.
-    results, peaks = {}, {}
-    for name, share in (("tree", True), ("base", False)):
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            results[name] = step(share)
-            peaks[name] = torch.cuda.max_memory_allocated()
-        else:
-            peaks[name] = peak_activation_bytes(lambda s=share, n=name: results.__setitem__(n, step(s)), model)
-    memory_kind = "peak CUDA memory" if args.device == "cuda" else "peak activation memory"
+    batches = {"tree": packed, "base": unshared}
+    results, peaks = warm_up(model, batches, args.device, step)
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
-    loss_gap = abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30)
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
-
-    times = {"tree": [], "base": []}
-    for _ in range(args.reps):
-        for name, share in (("tree", True), ("base", False)):
-            t0 = time.perf_counter()
-            step(share)
-            times[name].append(time.perf_counter() - t0)
+    times = timed(batches, args.reps, step)
     t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
     progress(f"timed {args.reps} interleaved steps of each")
 
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp)
-    unshared = build_packed_tree_batch(batch, max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp, share_prefixes=False)
     ideal = train_flops(unshared.trees, shape) / train_flops(packed.trees, shape)
     picture = None
     if rank == 0:
@@ -284,8 +317,9 @@ def main(argv=None) -> dict:
 
     speedup = t_base / t_tree
     row = {
-        "parity_max_abs_logprob_err": parity,
-        "tree_vs_baseline_loss_rel_err": loss_gap,
+        "parity_max_abs_logprob_err": tree_err,
+        "baseline_parity_max_abs_logprob_err": base_err,
+        "tree_vs_baseline_loss_rel_err": abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30),
         "tree_token_ratio": packed.tree_token_ratio,
         "trees": len(packed),
         "baseline_micro_batches": len(unshared),
@@ -298,18 +332,7 @@ def main(argv=None) -> dict:
         "baseline_memory_bytes": peaks["base"],
     }
     if rank == 0:
-        mib = 2**20
-        print()
-        print(f"{'parity: max |logp tree - logp HF| (unpacked)':<48} {parity:.2e}")
-        print(f"{'tree vs baseline loss, relative difference':<48} {loss_gap:.2e}")
-        print(f"{'tree_token_ratio (unique / real tokens)':<48} {packed.tree_token_ratio:.3f}")
-        print(f"{'micro-batches: tree / baseline':<48} {len(packed)} / {len(unshared)}")
-        print(f"{'baseline step (median)':<48} {t_base:.3f} s")
-        print(f"{'tree step (median)':<48} {t_tree:.3f} s")
-        print(f"{'speed-up':<48} {speedup:.2f}x")
-        print(f"{'ideal speed-up (FLOP model)':<48} {ideal:.2f}x ({speedup / ideal:.0%} reached)")
-        print(f"{memory_kind + ': tree / baseline':<48} {peaks['tree'] / mib:.0f} / {peaks['base'] / mib:.0f} MiB")
-        print(f"{'mask picture':<48} {picture}")
+        report(row, "peak CUDA memory" if args.device == "cuda" else "peak activation memory", picture)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return row

@@ -70,12 +70,14 @@ def tree_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
     """Per-sequence log-probs from the packed forward; vocab-parallel logits gathered at TP > 1."""
     from megatron.core import tensor_parallel
 
+    from megatron_tree.core.mask import tree_attention_mask
+
     model.eval()
     out = {}
     with torch.no_grad():
         for mb in micro_batches:
             tree = mb["tree"]
-            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree.subtree_end)
+            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))
             out.update(packed_logprobs(tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb))
     return out
 
@@ -142,11 +144,11 @@ def _tp2_worker(rank: int, checkpoints: dict) -> dict:
 
 def test_bridge_tp2_matches_tp1_and_hf(checkpoints, references):
     """One spawned TP=2 gloo world loads all three checkpoints (sequence parallelism off: the local
-    spec's torch norms do not support it)."""
-    rank0, rank1 = run_spawned(_tp2_worker, 2, checkpoints)
+    spec's torch norms do not support it). Each rank's gathered log-probs must match TP=1 and HF."""
+    ranks = run_spawned(_tp2_worker, 2, checkpoints)
     micro_batches = pack(branching_sequences())
     for arch, path in checkpoints.items():
         tp1 = tree_logprobs(_load(path)[1], micro_batches)
-        assert max_err(rank0[arch], rank1[arch]) == 0.0
-        assert max_err(rank0[arch], tp1) <= LOGP_TOL, arch
-        assert max_err(rank0[arch], references[arch]) <= LOGP_TOL, arch
+        for rank in ranks:
+            assert max_err(rank[arch], tp1) <= LOGP_TOL, arch
+            assert max_err(rank[arch], references[arch]) <= LOGP_TOL, arch

@@ -56,9 +56,12 @@ def test_multi_turn_example_reads_back(tmp_path):
     assert (tmp_path / "outputs" / "multi_turn_mask.png").exists()
 
 
-def test_main_job_bf16_runs(tmp_path):
-    # A smoke test of the README's bf16 command on CPU (mbridge wraps bf16 models in
-    # Float16Module); the bf16 parity bar itself is checked on CUDA by scripts/gpu_check.sh.
-    out = _run("tree_vs_baseline.py", "--small", "--bf16", "--parity-sequences", "1", "--out", str(tmp_path))
-    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
-    assert parity == parity and parity < 1.0  # finite; bf16 log-probs of ~-8 carry ~3e-2 rounding
+def test_main_job_bf16_parity(tmp_path):
+    """The README's bf16 command on CPU (mbridge wraps bf16 models in Float16Module). Bar, as the
+    standards set it: the tree's bf16 log-probs are at most 2x as far from HF fp32 as the same bf16
+    model's unshared run (each sequence alone in its own chain)."""
+    out = _run("tree_vs_baseline.py", "--small", "--bf16", "--parity-sequences", "3", "--out", str(tmp_path))
+    tree = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    base = float(re.search(r"parity of the unshared baseline vs HF\s+(\S+)", out).group(1))
+    assert 0 < base < 0.5  # bf16 rounding of log-probs around -8: a few 1e-2
+    assert tree <= 2 * base

@@ -229,12 +229,12 @@ def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
         _assert_grads_close(r["grads"], _grads(reference))
 
 
-def _pp_worker(rank: int, state_path: str, critic: bool) -> dict:
+def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> dict:
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
     per_stage = NUM_LAYERS // ps.get_pipeline_model_parallel_world_size()
-    model = _build("tree", critic)
+    model = _build("tree", critic, recompute)
     full = torch.load(state_path)
     mine = {n: full[stage_parameter_name(n, stage * per_stage)] for n in model.state_dict()}
     model.load_state_dict(mine)
@@ -243,12 +243,14 @@ def _pp_worker(rank: int, state_path: str, critic: bool) -> dict:
     return {"loss": None if result.loss is None else float(result.loss), "grads": grads}
 
 
-@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
-def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic):
+# The actor runs with full recompute: 1F1B keeps several micro-batches in flight, and each
+# recomputation must use its own micro-batch's mask plan.
+@pytest.mark.parametrize("critic,recompute", [(False, "full"), (True, "none")], ids=["actor", "critic"])
+def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute):
     reference = _build("reference", critic)
     want_loss = _reference_step(reference, _batch(branching_sequences()), critic)
     torch.save(reference.state_dict(), tmp_path / "state.pt")
-    first, last = run_spawned(_pp_worker, 2, str(tmp_path / "state.pt"), critic, pp=2, tp=1)
+    first, last = run_spawned(_pp_worker, 2, str(tmp_path / "state.pt"), critic, recompute, pp=2, tp=1)
     assert first["loss"] is None
     assert last["loss"] == pytest.approx(float(want_loss), rel=LOSS_RTOL)
     want = _grads(reference)
