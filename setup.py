@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # Versions verified together on a CPU-only Python 3.11 machine; megatron-core >= 0.17 requires
 # Python >= 3.12. transformers 5 dropped `hf_config.rope_theta`, which mbridge 0.15.1 reads.
@@ -19,8 +19,8 @@ setup(
     description="Tree training (prefix-shared packed sequences) for Megatron-Core RL training",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    packages=["megatron_tree", "megatron_tree.patches"],
-    package_dir={"megatron_tree": "megatron_tree", "megatron_tree.patches": "patches"},
+    # megatron_tree/patches is a symbolic link to patches/ (importable from a plain checkout too).
+    packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
     extras_require={"megatron": MEGATRON, "test": TEST, "all": MEGATRON + TEST},

@@ -2,8 +2,9 @@
 
 Same model, same tree attention kernels; the baseline packs the same sequences with sharing switched
 off (every sequence its own root: positions 0..L-1, each token sees its own sequence's prefix).
-The speed-up is reported next to the ideal from a FLOP model (linear layers scale with packed
-tokens, attention with the number of allowed (query, key) pairs, read off ``subtree_end``).
+The speed-up is reported next to the ideal from the package's FLOP model
+(``megatron_tree.core.flops``: linear layers scale with packed tokens, attention with the number of
+allowed (query, key) pairs, read off ``subtree_end``).
 
 Two batches are timed: a GRPO batch (one prompt, n responses: everything shared) and a batch of n
 unrelated sequences of the same lengths (nothing shared, where tree packing must cost nothing).
@@ -134,7 +135,7 @@ def step_inputs(mb, device):
     return (
         mb["input_ids"].to(device),
         mb["position_ids"].to(device),
-        tree.subtree_end.to(device),
+        tree.subtree_end.to(device),  # a fresh TreeMask per step: its plan is built inside the step
         positions.to(device),
         targets.to(device),
     )
@@ -144,11 +145,10 @@ def make_step(model, inputs):
     input_ids, position_ids, mask, positions, targets = inputs
 
     def step():
-        from megatron_tree.attention import clear_tree_mask_cache
+        from megatron_tree.core.mask import tree_attention_mask
 
-        clear_tree_mask_cache()  # count building the mask plan as part of every step
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids, position_ids, attention_mask=mask)[0]
+        logits = model(input_ids, position_ids, attention_mask=tree_attention_mask(mask))[0]
         logp = torch.log_softmax(logits[positions].float(), dim=-1)
         loss = -logp.gather(1, targets[:, None]).mean()
         loss.backward()
@@ -174,23 +174,14 @@ def time_steps(steps: dict, reps: int, device: str) -> dict:
     return {name: min(t) for name, t in times.items()}
 
 
-def flops(mb, args) -> float:
-    """Forward+backward FLOPs: 3x forward; forward = 2 * matmul params per token + attention."""
-    tree = mb["tree"]
-    u = tree.num_tree_tokens
-    kv = args.hidden // args.heads * args.groups
-    per_layer = args.hidden * (args.hidden + 2 * kv) + args.hidden * args.hidden + 3 * args.hidden * args.ffn
-    linear = 2 * u * (args.layers * per_layer + args.hidden * args.vocab)
-    pairs = int((tree.subtree_end[:u].to(torch.int64) - torch.arange(u)).sum())  # allowed (q, k)
-    attention = args.layers * 4 * args.hidden * pairs
-    return 3.0 * (linear + attention)
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     init_world()
+    from megatron_tree.core.flops import GPTShape, train_flops
+
     model = build_model(args).train()
+    shape = GPTShape.from_config(model.config, args.vocab)
     shared, unrelated = batches(args)
     rows = {}
     for name, seqs in (("shared (GRPO)", shared), ("nothing shared", unrelated)):
@@ -205,7 +196,7 @@ def main(argv=None) -> dict:
             args.device,
         )
         t_tree, t_base = times["tree"], times["base"]
-        ideal = flops(base_mb, args) / flops(tree_mb, args)
+        ideal = train_flops([base_mb["tree"]], shape) / train_flops([tree_mb["tree"]], shape)
         rows[name] = dict(
             tokens_tree=tree_mb["tree"].num_tree_tokens,
             tokens_base=base_mb["tree"].num_tree_tokens,

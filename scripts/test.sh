@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Set up (or reuse) .venv and run the default test suite. Extra arguments go to pytest, e.g.
-#   scripts/test.sh -m slow        # the slow cases
+# Set up (or reuse) .venv and run the test suite. Extra arguments go to pytest, e.g.
 #   scripts/test.sh tests/test_packing.py -x
+#   scripts/test.sh -m gpu          # the GPU tests (skipped without CUDA; see scripts/gpu_check.sh)
 # Fails when pytest fails or when it collected no test (pytest exit code 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -65,9 +65,10 @@ def main() -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_tree.parity import build_gpt_model, gradient_errors, stage_parameter_name, unpacked_reference_step
+    from megatron_tree.testing.models import build_gpt_model
+    from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
     from megatron_tree.patches import megatron_cpu
-    from megatron_tree.train_step import ppo_clipped_loss, tree_forward_backward, value_loss
+    from megatron_tree import LogProbs, Values, ppo_clipped_loss, tree_forward_backward, value_loss
 
     if device == "cpu":
         megatron_cpu.apply()
@@ -98,7 +99,7 @@ def main() -> int:
                             backend=args.backend, block_size=16).to(device)
     model.load_state_dict({n: state[stage_parameter_name(n, first)] for n in model.state_dict()})
     result = tree_forward_backward(
-        model, data, loss_fn, critic=args.critic, max_tokens_per_mb=128, block_size=16,
+        model, data, loss_fn, gather=Values() if args.critic else LogProbs(), max_tokens_per_mb=128, block_size=16,
         tp_group=ps.get_tensor_model_parallel_group(), pad_to_max=args.pp > 1,
     )
     got = {stage_parameter_name(n, first): p.grad for n, p in model.named_parameters()}

@@ -1,0 +1,79 @@
+"""The package's layout holds by construction: a pure-torch core, glue that imports Megatron, bridges
+that do not lean on the CPU test patch, and patches importable as ``megatron_tree.patches``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_tree"
+HEAVY = ("megatron", "mbridge", "transformers", "megatron_tree.patches")
+
+
+def _imported_after(code: str) -> list[str]:
+    """Top-level packages of HEAVY present in sys.modules after running ``code`` in a fresh process."""
+    probe = (
+        f"import sys\n{code}\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY[:3]!r} or m.startswith({HEAVY[3]!r}))\n"
+        "print('\\n'.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    return out.stdout.split()
+
+
+def test_package_and_core_import_no_megatron():
+    core = sorted(f"megatron_tree.core.{p.stem}" for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    code = "import megatron_tree\n" + "\n".join(f"import {m}" for m in core)
+    assert _imported_after(code) == []
+
+
+def test_core_imports_only_torch_numpy_and_itself():
+    """Static check of every core module's imports (so a lazy import inside a function cannot slip in)."""
+    allowed = {"torch", "numpy", "__future__"} | set(sys.stdlib_module_names)
+    for path in (PACKAGE / "core").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue  # relative imports stay inside the core
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_bridge_does_not_use_the_cpu_patch():
+    loaded = _imported_after("import megatron_tree.bridges.mbridge, megatron_tree.mcore.step")
+    assert any(m.startswith("mbridge") for m in loaded) and any(m.startswith("megatron.core") for m in loaded)
+    assert not [m for m in loaded if m.startswith("megatron_tree.patches")]
+
+
+def test_lazy_names_resolve_to_module_level_classes():
+    import megatron_tree
+    from megatron_tree.mcore import core_attention, model
+
+    assert megatron_tree.TreeGPTModel is model.TreeGPTModel
+    assert megatron_tree.TreeCoreAttention is core_attention.TreeCoreAttention
+    for name in megatron_tree.__all__:
+        assert getattr(megatron_tree, name) is not None, name
+
+
+def test_patches_are_the_repository_folder():
+    import megatron_tree.patches
+
+    assert Path(megatron_tree.patches.__path__[0]).resolve() == (ROOT / "patches").resolve()
+
+
+def test_functions_stay_short():
+    """No function body over 80 lines (docstrings not counted) in the library."""
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) else node.body
+                if body and body[-1].end_lineno - body[0].lineno + 1 > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name}")
+    assert long == []
