@@ -1,4 +1,4 @@
-"""Tests of megatron_tree.logprobs against per-sequence, unpacked float64 references.
+"""Tests of megatron_tree.core.logprobs against per-sequence, unpacked float64 references.
 
 Trees are built here by an independent dict-based trie (pre-order DFS); the references use nothing
 of a tree but ``token_index``, to read each sequence's logits rows out of the packed logits, and

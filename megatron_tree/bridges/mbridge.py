@@ -5,11 +5,11 @@ which calls ``self._get_transformer_layer_spec()`` (the TE block spec) and the m
 ``GPTModel`` of ``mbridge.core.llm_bridge``. ``AutoBridge.from_pretrained`` only creates the bridge;
 no model exists yet. So the patch binds to every bridge *instance* created inside the block:
 
-* its layer spec is rewritten with :func:`megatron_tree.spec.tree_attention_spec`; without
+* its layer spec is rewritten with :func:`megatron_tree.mcore.spec.tree_attention_spec`; without
   transformer-engine the local spec is used instead of the TE spec (TE cannot be imported on CPU),
   with ``normalization`` from the config and ``sequence_parallel`` switched off (the local spec's
   torch norms do not support it);
-* its models are :class:`megatron_tree.rope.TreeGPTModel` (depth RoPE);
+* its models are :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE);
 * with the local spec, its weight-name maps also know the local spec's ``input_layernorm.weight``
   and ``pre_mlp_layernorm.weight`` (TE fuses those norms into the linear layers), so
   ``load_weights`` / ``export_weights`` map HuggingFace checkpoints correctly.
