@@ -290,3 +290,36 @@ def test_layout_tree_rejects_a_short_padded_length():
     with pytest.raises(ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"):
         layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=2)
     assert layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=4)[5] == 3
+
+
+def test_attach_and_move_once():
+    """Per-token inputs attach in either layout and land where packing puts extras; moving a packed
+    batch moves every tensor once (input_ids / position_ids stay views of the moved tree's)."""
+    sequences = [[1, 2, 3, 4], [1, 2, 5], [7, 8], [1, 2, 3, 9, 9]]
+    batch = make_batch(sequences)
+    values = torch.arange(batch["input_ids"].numel(), dtype=torch.float32).view(batch["input_ids"].shape)
+    packed = build_packed_tree_batch({**batch, "v": values}, max_tokens_per_mb=8, block_size=8)
+    assert len(packed) > 1
+    attached = build_packed_tree_batch(batch, max_tokens_per_mb=8, block_size=8).attach("v", values)
+    attached.attach("w", [mb["v"] * 2 for mb in attached])
+    for mb, want in zip(attached, packed):
+        tree = mb["tree"]
+        for i, sid in enumerate(tree.sequence_ids.tolist()):
+            rows = slice(int(tree.cu_seqlens[i]), int(tree.cu_seqlens[i + 1]))
+            assert mb["v"][rows].tolist() == values[sid, : len(sequences[sid])].tolist()
+        assert torch.equal(mb["v"], want["v"]) and torch.equal(mb["w"], 2 * want["v"])
+    with pytest.raises(ValueError, match=r"name='tree' is reserved"):
+        attached.attach("tree", values)
+    with pytest.raises(ValueError, match=r"v2: a padded-layout tensor must be \[B, L, ...\] with B = 4"):
+        attached.attach("v2", values[:3])
+    with pytest.raises(ValueError, match=r"v3: micro-batch 0 needs a tensor \[T=\d+, ...\]"):
+        attached.attach("v3", [mb["v"][:-1] for mb in attached])
+    with pytest.raises(ValueError, match="got 1 tree-layout tensors for"):
+        attached.attach("v4", [attached[0]["v"]])
+
+    moved = attached.to("meta")
+    for mb in moved:
+        assert all(t.is_meta for t in (mb["v"], mb["w"], mb["tree"].subtree_end, mb["tree"].token_index))
+        assert mb["input_ids"]._base is mb["tree"].input_ids
+        assert mb["position_ids"]._base is mb["tree"].position_ids
+    assert (moved.batch_size, moved.num_tree_tokens, moved.max_token_id) == (4, attached.num_tree_tokens, 9)
