@@ -9,7 +9,7 @@ process (gloo); on a CPU-only machine the CPU runtime patch is applied.
 
 from __future__ import annotations
 
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,8 @@ def main(steps: int = 3) -> list[float]:
     from megatron_tree.testing.synthetic import grpo_batch
 
     megatron_cpu.apply()  # no-op where CUDA is available
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init = f"file://{tempfile.mkdtemp()}/rendezvous"  # a one-process world: no port to race for
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     model_parallel_cuda_manual_seed(1234)
 

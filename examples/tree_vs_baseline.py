@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -82,10 +81,8 @@ def init_parallel(args) -> int:
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group(backend)
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        init = f"file://{tempfile.mkdtemp()}/rendezvous"  # a one-process world: no port to race for
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
     return dist.get_rank()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -53,10 +53,8 @@ def init_world():
 
     megatron_cpu.apply()  # no-op on CUDA machines
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        init = f"file://{tempfile.mkdtemp()}/rendezvous"  # a one-process world: no port to race for
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     mp_random.model_parallel_cuda_manual_seed(1234)
