@@ -13,8 +13,6 @@ from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa
 from megatron_tree.testing.models import (  # noqa: E402
     ARCHS,
     branching_sequences,
-    hf_logprobs,
-    make_hf_checkpoint,
     max_err,
     pack,
     packed_logprobs,
@@ -30,22 +28,6 @@ pytestmark = pytest.mark.skipif(
 # different orders, ~3e-6 on these models; a wrong rotary angle or a leaked key moves log-probs by
 # >= 1e-3 (see test_attention_model.test_depth_rope_is_needed_for_branches).
 LOGP_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    paths = {}
-    for arch in ARCHS:
-        path = tmp_path_factory.mktemp(arch)
-        make_hf_checkpoint(arch, str(path))
-        paths[arch] = str(path)
-    return paths
-
-
-@pytest.fixture(scope="module")
-def references(checkpoints):
-    seqs = branching_sequences()
-    return {arch: hf_logprobs(path, seqs) for arch, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module", autouse=True)

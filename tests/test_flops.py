@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from megatron_tree.core.flops import GPTShape, attention_pairs, train_flops
 from megatron_tree.core.mask import build_attention_mask_from_trie
 from megatron_tree.core.packing import build_packed_tree_batch

@@ -7,12 +7,10 @@ take labels from the original sequences.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_tree.core.logprobs import (
     gather_packed_tree_logprobs,

@@ -16,7 +16,7 @@ from megatron_tree.core.mask import (
     tree_mask_mod,
 )
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.testing.synthetic import grpo_batch, pad_sequences
+from megatron_tree.testing.synthetic import pad_sequences
 
 
 def dense_block_reduction(allowed: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ V = vocab size, Vl = V / tp (local shard), C = rows in a chunk.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

@@ -53,6 +53,17 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def make_hf_checkpoints(root) -> dict[str, str]:
+    """One tiny checkpoint per architecture in ``ARCHS``, under ``root``: {arch: path}."""
+    from pathlib import Path
+
+    paths = {}
+    for arch in ARCHS:
+        paths[arch] = str(Path(root) / arch)
+        make_hf_checkpoint(arch, paths[arch])
+    return paths
+
+
 def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
     """A shared prompt with 6 responses, a multi-turn chain branching at several depths, and
     sequences that are prefixes of others (including an exact duplicate)."""

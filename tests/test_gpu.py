@@ -1,0 +1,225 @@
+"""CUDA checks of tree attention, run by scripts/gpu_check.sh on a GPU machine (skipped elsewhere).
+
+* tiny Qwen2/Qwen3/Llama HF checkpoints loaded through ``patch_bridge_for_tree_training`` + mbridge:
+  per-sequence log-probs of branching tries against HuggingFace fp32, in bf16 for every backend and
+  in fp32 with flex;
+* the flex kernel forward and backward against an fp64 brute force;
+* packed-vs-unpacked parameter gradients of a ``TreeGPTModel`` with flex, with and without recompute.
+
+Each test records its measured ``value`` and its ``bar`` with ``record_property`` (the runner prints
+them from the junit XML).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tree.core.attention import tree_attention
+from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
+from megatron_tree.testing.models import (
+    ARCHS,
+    VOCAB,
+    attention_reference,
+    branching_sequences,
+    max_err,
+    pack,
+    packed_logprobs,
+    small_gpt_config,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)"),
+]
+
+DEV = torch.device("cuda", 0)
+BACKENDS = ("flex", "block_sparse", "sdpa")
+# bf16: the tree forward rounds like the same bf16 model on each sequence alone, only in another
+# summation order (packed shapes, masked tiles), so its error against HF fp32 is of the same size;
+# 2x leaves room for the different rounding while a systematic error (leaked key, wrong rotary
+# angle) adds to it. Small bugs are the fp32 tests' job (1e-4 bar).
+BF16_FACTOR = 2.0
+# fp32 without TF32: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence)
+# differ only in summation order, ~1e-6 on log-probs of these models; a bug is >= 1e-3.
+FP32_TOL = 1e-4
+# fp32 kernel outputs and gradients vs fp64: rounding of sums over at most N = 256 keys, ~1e-6
+# (measured with block_sparse on CPU: <= 3e-6); a masking or scaling bug is O(1e-1).
+KERNEL_FP32_TOL = 1e-4
+# Gradients sum over many tokens and sequences; relative to each parameter's gradient norm the
+# fp32 reordering error is ~1e-6.
+GRAD_RTOL = 1e-4
+RECOMPUTE = {
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world(tmp_path_factory):
+    """A 1-process NCCL world (file rendezvous, no TCP port) and Megatron parallel_state at TP=1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.cuda.set_device(DEV)
+    # In a full-suite run an earlier module (single_process_world) may have left its gloo world.
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init = "file://" + str(tmp_path_factory.mktemp("dist") / "rendezvous")
+    dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    mp_random.model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _cpu(logprobs: dict) -> dict:
+    return {i: v.detach().float().cpu() for i, v in logprobs.items()}
+
+
+def _tree_logprobs(model, micro_batches) -> dict:
+    """Per-sequence log-probs (on DEV) of packed forwards, one per micro-batch."""
+    out = {}
+    for mb in micro_batches:
+        tree = mb["tree"].to(DEV)
+        logits = model(mb["input_ids"].to(DEV), mb["position_ids"].to(DEV), attention_mask=tree_attention_mask(tree))
+        out.update(packed_logprobs(logits, {"tree": tree}))
+    return out
+
+
+def _unpacked_logprobs(model, seqs, *, chain: bool) -> dict:
+    """Per-sequence log-probs (on DEV) of the model on each sequence alone. ``chain``: a tree model
+    given a one-sequence chain (subtree_end = L everywhere); otherwise Megatron's causal mask."""
+    out = {}
+    for i, s in enumerate(seqs):
+        s, n = s.to(DEV), len(s)
+        mask = tree_attention_mask(torch.full((n,), n, dtype=torch.int32, device=DEV)) if chain else None
+        logits = model(s[None], torch.arange(n, device=DEV)[None], attention_mask=mask)
+        out[i] = torch.log_softmax(logits[0].float(), -1)[:-1].gather(1, s[1:, None])[:, 0]
+    return out
+
+
+def _bridge_model(path: str, backend: str, dtype: torch.dtype):
+    from mbridge import AutoBridge
+
+    from megatron_tree.bridges.mbridge import patch_bridge_for_tree_training
+
+    with patch_bridge_for_tree_training(backend=backend):
+        bridge = AutoBridge.from_pretrained(path, dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    return bridge.get_model(weight_path=path, bf16=bf16, wrap_with_ddp=False)[0].eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_tree_logprobs_vs_hf(arch, backend, checkpoints, references, record_property):
+    seqs = branching_sequences()
+    model = _bridge_model(checkpoints[arch], backend, torch.bfloat16)
+    with torch.no_grad():
+        tree = max_err(_cpu(_tree_logprobs(model, pack(seqs))), references[arch])
+        unpacked = max_err(_cpu(_unpacked_logprobs(model, seqs, chain=True)), references[arch])
+    record_property("value", f"{tree:.3e}")
+    record_property("bar", f"<= {BF16_FACTOR:g}x unpacked bf16 {unpacked:.3e}")
+    assert tree <= BF16_FACTOR * unpacked, (tree, unpacked)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_flex_tree_logprobs_vs_hf(arch, checkpoints, references, record_property):
+    model = _bridge_model(checkpoints[arch], "flex", torch.float32)
+    with torch.no_grad():
+        tree = max_err(_cpu(_tree_logprobs(model, pack(branching_sequences()))), references[arch])
+    record_property("value", f"{tree:.3e}")
+    record_property("bar", f"<= {FP32_TOL:g}")
+    assert tree <= FP32_TOL, tree
+
+
+@pytest.fixture(scope="module")
+def flex_kernel():
+    """(out, dq, dk, dv) in fp64 of: the fp64 and bf16 brute force and flex in bf16 and fp32, on the
+    tree of the branching trie taken 3 times (the copies share everything: N = 256, two 128-token
+    blocks), 8 heads, 2 KV groups, head dim 64."""
+    tree = pack(branching_sequences() * 3, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
+    n = tree.padded_length
+    masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(n, 1, 8, 64), (n, 1, 2, 64), (n, 1, 2, 64)]
+    base = [torch.randn(s, generator=g, device=DEV, dtype=torch.float64) for s in shapes]
+    grad_out = torch.randn(n, 1, 8 * 64, generator=g, device=DEV, dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in base]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+        return [out.detach().double()] + [x.double() for x in grads]
+
+    def brute(q, k, v):
+        return attention_reference(q, k, v, masked)
+
+    def flex(q, k, v):
+        return tree_attention(q, k, v, mask, backend="flex")
+
+    return {
+        "n": n,
+        "fp64": run(brute, torch.float64),
+        "naive_bf16": run(brute, torch.bfloat16),
+        "bf16": run(flex, torch.bfloat16),
+        "fp32": run(flex, torch.float32),
+    }
+
+
+@pytest.mark.parametrize("tensor", ["out", "dq", "dk", "dv"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_flex_kernel_vs_fp64(dtype, tensor, flex_kernel, record_property):
+    i = ("out", "dq", "dk", "dv").index(tensor)
+    ref = flex_kernel["fp64"][i]
+    err = float((flex_kernel[dtype][i] - ref).abs().max())
+    if dtype == "bf16":
+        # bf16 rounding of inputs, probabilities and outputs dominates; the brute force computed in
+        # bf16 has that error too, and flex (fp32 accumulation inside) may not be worse than 2x it.
+        bar = BF16_FACTOR * float((flex_kernel["naive_bf16"][i] - ref).abs().max())
+        bar_text = f"<= {BF16_FACTOR:g}x naive bf16 {bar / BF16_FACTOR:.3e}"
+    else:
+        bar, bar_text = KERNEL_FP32_TOL, f"<= {KERNEL_FP32_TOL:g}"
+    record_property("value", f"{err:.3e} (N={flex_kernel['n']})")
+    record_property("bar", bar_text)
+    assert err <= bar, (err, bar)
+
+
+def _weighted_loss(logprobs: dict, weights: dict) -> torch.Tensor:
+    return -sum((logprobs[i] * weights[i]).sum() for i in logprobs)
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
+    """One tree-packed step (flex, fp32) vs the sum of per-sequence steps of Megatron's own GPTModel
+    (local spec, causal mask), same per-token loss weights: gradients of every parameter."""
+    from megatron_tree.testing.models import build_gpt_model
+
+    seqs = branching_sequences()
+    g = torch.Generator().manual_seed(7)
+    weights = {i: torch.rand(len(s) - 1, generator=g).to(DEV) for i, s in enumerate(seqs)}
+
+    reference = build_gpt_model(small_gpt_config(init_method_std=0.15), tree=False, vocab_size=VOCAB)
+    reference = reference.to(DEV).train()
+    _weighted_loss(_unpacked_logprobs(reference, seqs, chain=False), weights).backward()
+
+    config = small_gpt_config(init_method_std=0.15, **RECOMPUTE[recompute])
+    tree_model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="flex").to(DEV).train()
+    tree_model.load_state_dict(reference.state_dict())
+    _weighted_loss(_tree_logprobs(tree_model, pack(seqs)), weights).backward()
+
+    want = dict(reference.named_parameters())
+    got = dict(tree_model.named_parameters())
+    assert got.keys() == want.keys()
+    rel = {n: float((got[n].grad - want[n].grad).norm() / want[n].grad.norm()) for n in want}
+    worst = max(rel, key=rel.get)
+    record_property("value", f"{rel[worst]:.3e} ({worst})")
+    record_property("bar", f"<= {GRAD_RTOL:g}")
+    assert rel[worst] <= GRAD_RTOL, (worst, rel[worst])
