@@ -267,8 +267,9 @@ def main(argv=None) -> dict:
 
         # Pack the rollout batch once (and once more without sharing, for the baseline).
         batch = grpo_inputs(args, shape.vocab)
+        # No pipeline parallelism here: pad each tree only to the block alignment, not to capacity.
         packing = dict(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp,
-                       vocab_size=shape.vocab)
+                       vocab_size=shape.vocab, pad_to_max=False)
         packed = build_packed_tree_batch(batch, **packing)
         unshared = build_packed_tree_batch(batch, share_prefixes=False, **packing)
         old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True, tp_group=tp_group)

@@ -231,3 +231,22 @@ def test_attention_dropout_draws_from_the_model_parallel_rng():
     mp_random.model_parallel_cuda_manual_seed(77)
     assert torch.equal(module(q, kv, kv, tree_attention_mask(tree)), first)
     assert not torch.equal(module.eval()(q, kv, kv, tree_attention_mask(tree)), first)
+
+
+def test_position_range_is_checked_only_in_debug_mode():
+    """Depth RoPE reads the position range only with debug checks on (it costs a host sync); the
+    error then names position_ids and the real range, negative values included."""
+    from megatron_tree.core.checks import set_debug_checks
+    from megatron_tree.core.rope import depth_rotary_pos_emb
+
+    table = torch.randn(8, 1, 1, 4)
+    bad = torch.tensor([[0, 1, -1, 2]])
+    assert depth_rotary_pos_emb(table, torch.tensor([[0, 1, 1, 2]])).shape == (4, 1, 1, 4)
+    set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 8\) .* got values in \[-1, 2\]"):
+            depth_rotary_pos_emb(table, bad)
+        with pytest.raises(ValueError, match=r"got values in \[0, 9\]"):
+            depth_rotary_pos_emb(table, torch.tensor([[0, 9]]))
+    finally:
+        set_debug_checks(False)

@@ -100,7 +100,7 @@ def _unwrap(model):
     return model
 
 
-def _as_packed(batch, packing: dict, pp_size: int) -> PackedTreeBatch:
+def _as_packed(batch, packing: dict, dp_group, pp_size: int) -> PackedTreeBatch:
     """The packed batch to step on: ``batch`` itself, or ``batch`` packed with ``packing``."""
     if isinstance(batch, PackedTreeBatch):
         given = sorted(k for k, v in packing.items() if v is not None)
@@ -123,8 +123,8 @@ def _as_packed(batch, packing: dict, pp_size: int) -> PackedTreeBatch:
             "pad_to_max=False gives trees of different lengths, which pipeline parallelism cannot "
             "send between stages; use pad_to_max=True (the default under pipeline parallelism)"
         )
-    kwargs = {k: v for k, v in packing.items() if v is not None and k not in ("pad_to_max", "dp_group")}
-    return build_packed_tree_batch(batch, pad_to_max=pad_to_max, dp_group=packing["dp_group"], **kwargs)
+    kwargs = {k: v for k, v in packing.items() if v is not None and k != "pad_to_max"}
+    return build_packed_tree_batch(batch, pad_to_max=pad_to_max, dp_group=dp_group, **kwargs)
 
 
 def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group) -> tuple[list, list, float]:
@@ -224,8 +224,7 @@ def tree_forward_backward(
     t0 = time.perf_counter()
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
                    pad_to_max=pad_to_max, share_prefixes=share_prefixes)
-    packed = _as_packed(batch, {**packing, "dp_group": dp_group} if not isinstance(batch, PackedTreeBatch)
-                        else packing, parallel_state.get_pipeline_model_parallel_world_size())
+    packed = _as_packed(batch, packing, dp_group, parallel_state.get_pipeline_model_parallel_world_size())
     vocab_size = getattr(_unwrap(chunks[0]), "vocab_size", None)
     if vocab_size is not None and packed.max_token_id >= vocab_size:
         raise ValueError(
