@@ -113,6 +113,31 @@ def test_patch_restores_everything_and_binds_instances(checkpoints):
             pass
 
 
+def test_mbridge_compat_on_megatron_core_without_encoder_and_decoder(checkpoints, monkeypatch):
+    """megatron-core >= 0.17 removed ModelType.encoder_and_decoder, which mbridge 0.15.1 reads in
+    get_model. Simulated here on 0.16.1: a plain bridge fails as upstream does; a tree bridge builds
+    (the compat patch holds while its get_model runs) and leaves the class as it found it."""
+    from mbridge import AutoBridge
+    from megatron.core.transformer.enums import ModelType
+
+    from megatron_tree.bridges.mbridge import patch_bridge_for_tree_training
+    from megatron_tree.mcore.model import TreeGPTModel
+    from megatron_tree.patches import mbridge_compat
+
+    path = checkpoints["qwen3"]
+    monkeypatch.delattr(ModelType, "encoder_and_decoder", raising=False)  # absent already on >= 0.17
+    real_version = mbridge_compat._version
+    monkeypatch.setattr(mbridge_compat, "_version",
+                        lambda package: (0, 19) if package == "megatron-core" else real_version(package))
+    plain = AutoBridge.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(AttributeError, match="encoder_and_decoder"):
+        plain.get_model(bf16=False, wrap_with_ddp=False)
+    with patch_bridge_for_tree_training():
+        bridge = AutoBridge.from_pretrained(path, dtype=torch.float32)
+    assert isinstance(bridge.get_model(bf16=False, wrap_with_ddp=False)[0], TreeGPTModel)
+    assert not hasattr(ModelType, "encoder_and_decoder")
+
+
 def _tp2_worker(rank: int, checkpoints: dict) -> dict:
     micro_batches = pack(branching_sequences())
     out = {}

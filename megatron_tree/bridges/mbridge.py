@@ -19,7 +19,9 @@ changes: while the block is open, a hook on ``mbridge.core.bridge.Bridge.__init_
 instances (restored on exit, also on exceptions); and while a bound bridge's model provider runs
 (inside ``get_model``), the module global ``mbridge.core.llm_bridge.GPTModel`` is swapped for
 ``TreeGPTModel`` and restored afterwards, so another thread building an mbridge model at that
-moment would get a ``TreeGPTModel`` too.
+moment would get a ``TreeGPTModel`` too. On megatron-core >= 0.17 the same holds for the
+``ModelType.encoder_and_decoder`` property that mbridge 0.15.1 needs there
+(``megatron_tree.patches.mbridge_compat``), put back while a bound bridge's ``get_model`` runs.
 
 On a CPU-only machine mbridge's ``get_model`` calls ``Module.cuda()``; apply the CPU runtime patch
 (``megatron_tree.patches.megatron_cpu``), which makes it a no-op there.
@@ -40,6 +42,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
+from ..patches import mbridge_compat
 from ..mcore.spec import tree_attention_spec
 
 logger = logging.getLogger(__name__)
@@ -129,8 +132,16 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 
         return tree_provider
 
+    original_get_model = bridge.get_model
+
+    @functools.wraps(original_get_model)
+    def get_model(*args, **kwargs):
+        with mbridge_compat.mbridge_compat():  # no-op unless megatron-core >= 0.17 needs it
+            return original_get_model(*args, **kwargs)
+
     bridge._get_transformer_layer_spec = get_transformer_layer_spec
     bridge._model_provider = model_provider
+    bridge.get_model = get_model
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
 
 
