@@ -1,6 +1,6 @@
 """Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
 
-Megatron-Core 0.16.1 calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
+Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
 (model construction, the model-parallel RNG tracker, activation recompute, the default causal mask).
 This module redirects exactly those calls to the CPU:
 
@@ -46,7 +46,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-TARGET_MEGATRON_CORE = "0.16.1"
+# megatron-core minor series on which every target resolves and the suite passes on a CPU.
+VERIFIED_MEGATRON_CORE = ("0.16", "0.17", "0.19")
 
 # (module path, attribute path inside the module). Attribute paths may be dotted (class.method).
 _TARGETS: tuple[tuple[str, str], ...] = (
@@ -229,7 +230,7 @@ def apply() -> bool:
 
     Raises:
         RuntimeError: a symbol this patch replaces does not exist in the installed megatron-core
-            (the patch targets megatron-core ``TARGET_MEGATRON_CORE``).
+            (verified on megatron-core ``VERIFIED_MEGATRON_CORE``).
     """
     if torch.cuda.is_available():
         return False
@@ -243,14 +244,14 @@ def apply() -> bool:
             missing.append(f"{module_name}.{attr_path}")
     if missing:
         raise RuntimeError(
-            f"megatron_tree.patches.megatron_cpu targets megatron-core {TARGET_MEGATRON_CORE}, but "
+            f"megatron_tree.patches.megatron_cpu is verified on megatron-core {VERIFIED_MEGATRON_CORE}, but "
             f"the installed megatron-core {_megatron_version()} lacks: {', '.join(missing)}. "
-            "Install megatron-core==0.16.1 or update patches/megatron_cpu.py."
+            "Install a verified version or update patches/megatron_cpu.py."
         )
     version = _megatron_version()
-    if not version.startswith(TARGET_MEGATRON_CORE.rsplit(".", 1)[0]):
+    if ".".join(version.split(".")[:2]) not in VERIFIED_MEGATRON_CORE:
         warnings.warn(
-            f"megatron_cpu patch targets megatron-core {TARGET_MEGATRON_CORE}, found {version}",
+            f"megatron_cpu patch is verified on megatron-core {VERIFIED_MEGATRON_CORE}, found {version}",
             stacklevel=2,
         )
     for owner, name, attr_path in resolved:
