@@ -2,10 +2,12 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# Versions verified together on a CPU-only Python 3.11 machine; megatron-core >= 0.17 requires
-# Python >= 3.12. transformers 5 dropped `hf_config.rope_theta`, which mbridge 0.15.1 reads.
+# Stacks verified on CPU: Python 3.10/3.11 with megatron-core 0.16.1; Python 3.12 with megatron-core
+# 0.17.0 and 0.19.2 (megatron-core >= 0.17 requires Python >= 3.12). transformers 5 dropped
+# `hf_config.rope_theta`, which mbridge 0.15.1 reads.
 MEGATRON = [
-    "megatron-core>=0.16.1,<0.17",
+    'megatron-core>=0.16.1,<0.17; python_version < "3.12"',
+    'megatron-core>=0.17,<0.20; python_version >= "3.12"',
     "mbridge==0.15.1",
     "transformers>=4.51,<5",
     "safetensors",

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment in .venv and install megatron_tree with the
-# Megatron stack and the test tools. Safe to run repeatedly: a stamp file skips the install when
-# setup.py has not changed since the last successful run.
+# Create (or reuse) the project's virtual environment and install megatron_tree with the Megatron
+# stack and the test tools. Safe to run repeatedly: a stamp file skips the install when nothing it
+# depends on has changed. The stack follows the interpreter (see scripts/_env.sh):
+#   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
+# Both with mbridge 0.15.1 and transformers < 5.
 #
-# torch is installed first and pinned, so pip never resolves an unpinned `torch` to a multi-GB CUDA
-# build on a CPU machine. On a GPU machine set MEGATRON_TREE_TORCH to the torch requirement you want
-# (e.g. "torch==2.13.0" from a CUDA index) or to "skip" to keep the torch already in the venv.
+# torch is installed first and pinned, so pip never resolves an unpinned `torch` again later. Where
+# pip finds a CPU wheel (as on our CPU machines for Python 3.11) that is what it installs; PyPI's
+# default Linux wheel is the CUDA build (several GB; it runs on a CPU too), which is what Python 3.12
+# gets. Set MEGATRON_TREE_TORCH to the torch requirement you want (e.g. "torch==2.13.0" from a CUDA
+# index) or to "skip" to keep the torch already in the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-VENV="${MEGATRON_TREE_VENV:-.venv}"
-PYTHON="${PYTHON:-python3}"
+source scripts/_env.sh
 TORCH_REQ="${MEGATRON_TREE_TORCH:-torch==2.13.0}"
 
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating virtual environment $VENV"
+  echo "[setup] creating virtual environment $VENV from $PYTHON ($("$PYTHON" --version 2>&1))"
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
 
 stamp="$VENV/.megatron_tree_stamp"
-want="$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ"
+want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatron_tree" 2>/dev/null; then
   echo "[setup] $VENV is up to date"
   exit 0
@@ -31,7 +33,7 @@ if [ "$TORCH_REQ" != "skip" ]; then
   echo "[setup] installing $TORCH_REQ"
   "$PY" -m pip install --quiet "$TORCH_REQ"
 fi
-echo "[setup] installing megatron_tree[megatron,test] (editable)"
-"$PY" -m pip install --quiet -e ".[megatron,test]"
+echo "[setup] installing megatron_tree[megatron,test] (editable) ${MCORE_REQ}"
+"$PY" -m pip install --quiet -e ".[megatron,test]" $MCORE_REQ
 echo "$want" > "$stamp"
-echo "[setup] done: $("$PY" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
+echo "[setup] done: $("$PY" -c 'import sys, torch, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)' 2>/dev/null)"

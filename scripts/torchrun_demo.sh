@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+source scripts/_env.sh
 tp="${1:-2}"; shift || true
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/torchrun --nproc-per-node "$tp" --master-port "${MASTER_PORT:-29512}" \
+exec "$VENV/bin/torchrun" --nproc-per-node "$tp" --master-port "${MASTER_PORT:-29512}" \
   examples/tree_vs_baseline.py --tp "$tp" "$@"

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-TORCHRUN=".venv/bin/torchrun"
+source scripts/_env.sh
+TORCHRUN="$VENV/bin/torchrun"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 for layout in "2 --tp 2" "2 --pp 2" "2 --pp 2 --critic" "2 --tp 2 --critic" "4 --tp 2 --pp 2"; do
   set -- $layout

@@ -1,0 +1,15 @@
+# find_python312: print a Python 3.12 interpreter's path, or nothing. Tries python3.12 on PATH, then
+# the newest 3.12.x that pyenv manages (pyenv's shim alone refuses unless that version is selected).
+find_python312() {
+  if python3.12 -c "" >/dev/null 2>&1; then
+    command -v python3.12
+    return
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local version
+    version="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1)"
+    if [ -n "$version" ] && [ -x "$(pyenv prefix "$version")/bin/python3.12" ]; then
+      echo "$(pyenv prefix "$version")/bin/python3.12"
+    fi
+  fi
+}
