@@ -18,9 +18,9 @@ elsewhere.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-from typing import Iterator
+
+from ._scoped import scoped
 
 TARGET_MBRIDGE = "0.15"
 _NAME = "encoder_and_decoder"
@@ -66,13 +66,11 @@ def undo() -> None:
         delattr(_applied.pop(), _NAME)
 
 
-@contextlib.contextmanager
-def mbridge_compat() -> Iterator[bool]:
+def is_applied() -> bool:
+    """True while :func:`apply` is in effect."""
+    return bool(_applied)
+
+
+def mbridge_compat():
     """:func:`apply` for the duration of the block (only the block that applied it undoes it)."""
-    applied_here = not _applied
-    active = apply()
-    try:
-        yield active
-    finally:
-        if applied_here and active:
-            undo()
+    return scoped(apply, undo, is_applied)

@@ -38,13 +38,14 @@ filter.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
+
+from ._scoped import scoped
 
 # megatron-core minor series on which every target resolves and the suite passes on a CPU.
 VERIFIED_MEGATRON_CORE = ("0.16", "0.17", "0.19")
@@ -272,17 +273,9 @@ def undo() -> None:
     logging.getLogger(_RNG_LOGGER).removeFilter(_rng_filter)
 
 
-@contextlib.contextmanager
-def megatron_cpu_patch() -> Iterator[bool]:
-    """Context manager form of :func:`apply` / :func:`undo`.
+def megatron_cpu_patch():
+    """Context manager form of :func:`apply` / :func:`undo`; yields whether the patch is in effect.
 
-    Yields whether the patch is in effect. Only the outermost block that actually applied the patch
-    undoes it, so nesting (or entering while :func:`apply` is active) is safe.
+    Only the outermost block that actually applied the patch undoes it.
     """
-    applied_here = not is_applied()
-    active = apply()
-    try:
-        yield active
-    finally:
-        if applied_here and active:
-            undo()
+    return scoped(apply, undo, is_applied)
