@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
+    p.add_argument("--bridge", default="mbridge", choices=["mbridge", "megatron-bridge"],
+                   help="HF bridge that builds the model (megatron-bridge: Python 3.12 stack)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=2, help="timed steps of each kind (median)")
     p.add_argument("--parity-sequences", type=int, default=8, help="sequences checked against HF")
@@ -179,14 +181,29 @@ def peak_activation_bytes(fn, model) -> int:
 
 
 def build_model(args, ckpt: str):
-    """The tiny Qwen3 through mbridge under patch_bridge_for_tree_training; (model, GPTShape)."""
-    from mbridge import AutoBridge
+    """The tiny Qwen3 through mbridge (or Megatron-Bridge) under the tree-training patch; (model, GPTShape)."""
+    from megatron_tree import GPTShape
 
-    from megatron_tree import GPTShape, patch_bridge_for_tree_training
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.bridge == "megatron-bridge":
+        # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs.
+        from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+        from megatron.bridge import AutoBridge
 
-    with patch_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
-        bridge = AutoBridge.from_pretrained(ckpt, dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
+        with patch_megatron_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
+            bridge = AutoBridge.from_hf_pretrained(ckpt, dtype=dtype)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        provider.tensor_model_parallel_size = args.tp
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=args.bf16, fp16=False)[0]
+    else:
+        from mbridge import AutoBridge
+
+        from megatron_tree import patch_bridge_for_tree_training
+
+        with patch_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
+            bridge = AutoBridge.from_pretrained(ckpt, dtype=dtype)
+        model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
     model.train()
     gpt = getattr(model, "module", model)  # bf16 models come wrapped in Float16Module
     return model, GPTShape.from_config(model.config, gpt.vocab_size)
@@ -261,7 +278,7 @@ def main(argv=None) -> dict:
         ckpt = ckpt_path[0]
         progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
         model, shape = build_model(args, ckpt)
-        progress(f"built {type(getattr(model, 'module', model)).__name__} through mbridge: hidden "
+        progress(f"built {type(getattr(model, 'module', model)).__name__} through {args.bridge}: hidden "
                  f"{shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, TP {args.tp}, backend "
                  f"{args.backend}, {args.device}")
 

@@ -22,7 +22,7 @@ fi
 PY="$VENV/bin/python"
 
 stamp="$VENV/.megatron_tree_stamp"
-want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ"
+want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ $BRIDGE"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatron_tree" 2>/dev/null; then
   echo "[setup] $VENV is up to date"
   exit 0
@@ -35,5 +35,19 @@ if [ "$TORCH_REQ" != "skip" ]; then
 fi
 echo "[setup] installing megatron_tree[megatron,test] (editable) ${MCORE_REQ}"
 "$PY" -m pip install --quiet -e ".[megatron,test]" $MCORE_REQ
+if [ "$BRIDGE" = "megatron-bridge" ]; then
+  # Megatron-Bridge 0.6.2 declares a large GPU dependency set (flashinfer, nvidia-resiliency-ext,
+  # wandb, ...); building, loading and exporting GPT models imports only these. Keep torch and
+  # megatron-core as installed.
+  echo "[setup] installing megatron-bridge 0.6.2 (--no-deps), transformers 5.8-5.12, omegaconf"
+  constraints="$(mktemp)"
+  "$PY" -m pip freeze | grep -iE '^(torch|megatron-core)==' >"$constraints" || true
+  "$PY" -m pip install --quiet --no-deps "megatron-bridge==0.6.2"
+  "$PY" -m pip install --quiet -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
+  rm -f "$constraints"
+elif [ -n "$BRIDGE" ]; then
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge" >&2
+  exit 2
+fi
 echo "$want" > "$stamp"
 echo "[setup] done: $("$PY" -c 'import sys, torch, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)' 2>/dev/null)"

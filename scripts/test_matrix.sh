@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite on every supported stack and print one table:
 #   default interpreter (Python 3.10/3.11: megatron-core 0.16.1), and, when a Python 3.12 interpreter
-#   is present, Python 3.12 with megatron-core 0.17.0 and with 0.19.2 (mbridge 0.15.1 everywhere).
+#   is present, Python 3.12 with megatron-core 0.17.0 and with 0.19.2 (mbridge 0.15.1 everywhere), and
+#   the Megatron-Bridge stack (Python 3.12, megatron-core 0.19.2, megatron-bridge 0.6.2, transformers
+#   5: mbridge does not work there, so it runs the Megatron-Bridge tests).
 # Each stack has its own venv (scripts/_env.sh); logs go to a temporary folder. Extra arguments go
 # to pytest. Exit status 0 iff every stack passed.
 set -uo pipefail
@@ -9,27 +11,32 @@ cd "$(dirname "$0")/.."
 source scripts/_python312.sh
 LOGS="$(mktemp -d)"
 py312="$(find_python312)"
-stacks=("default|python3|")
+stacks=("default|python3||")
 if [ -n "$py312" ]; then
-  stacks+=("py3.12 + megatron-core 0.17.0|$py312|megatron-core==0.17.0")
-  stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2")
+  stacks+=("py3.12 + megatron-core 0.17.0|$py312|megatron-core==0.17.0|")
+  stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2|")
+  stacks+=("py3.12 + 0.19.2 + Megatron-Bridge|$py312|megatron-core==0.19.2|megatron-bridge")
 else
   echo "[matrix] no Python 3.12 interpreter found: only the default stack runs"
 fi
 rows=() status=0 i=0
 for stack in "${stacks[@]}"; do
-  IFS="|" read -r name python mcore <<<"$stack"
+  IFS="|" read -r name python mcore bridge <<<"$stack"
   i=$((i + 1)); log="$LOGS/stack$i.log"; t0=$SECONDS
   echo "[matrix] $name (log: $log)"
   if [ -z "$mcore" ]; then
     bash scripts/test.sh -q "$@" >"$log" 2>&1
+  elif [ -n "$bridge" ]; then
+    MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
+      bash scripts/test.sh -q tests/test_megatron_bridge.py "$@" >"$log" 2>&1
   else
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" bash scripts/test.sh -q "$@" >"$log" 2>&1
   fi
   rc=$?; [ $rc = 0 ] || status=1
   summary="$(grep -E '^=*\s*[0-9]+ (passed|failed|skipped|error)' "$log" | tail -n 1)"
   count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '[0-9]+' || echo 0; }
-  venv="$(MEGATRON_TREE_PYTHON="${mcore:+$python}" MEGATRON_TREE_MCORE="$mcore" bash -c 'source scripts/_env.sh; echo "$VENV"')"
+  venv="$(MEGATRON_TREE_PYTHON="${mcore:+$python}" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
+    bash -c 'source scripts/_env.sh; echo "$VENV"')"
   version="$("$venv/bin/python" -c 'import sys, torch, megatron.core as m; print("python", sys.version.split()[0], "torch", torch.__version__, "mcore", m.__version__)' 2>/dev/null)"
   rows+=("$name|${version:-?}|$(count passed)|$(count failed)|$(count skipped)|$((SECONDS - t0))|$rc")
 done

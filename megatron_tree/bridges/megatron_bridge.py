@@ -1,0 +1,176 @@
+"""``patch_megatron_bridge_for_tree_training``: NVIDIA Megatron-Bridge builds tree-attention models.
+
+The sibling of :func:`megatron_tree.bridges.mbridge.patch_bridge_for_tree_training`, with the same
+contract. Megatron-Bridge (0.6.2) builds a model from a ``GPTModelProvider`` that
+``AutoBridge.to_megatron_provider()`` returns (``to_megatron_model()`` goes through it too); the
+provider calls its ``transformer_layer_spec`` (a ModuleSpec or a callable) and the module global
+``megatron.bridge.models.gpt_provider.MCoreGPTModel`` in ``provide()``. So the patch binds to every
+``AutoBridge`` *instance* created inside the block, and makes each provider it returns a tree
+provider (:func:`make_tree_provider`):
+
+* its layer spec is rewritten with :func:`megatron_tree.mcore.spec.tree_attention_spec`; without
+  transformer-engine, the bridge's default TE specs become Megatron-Bridge's own local spec, and the
+  provider's TE-only fusions (rope fusion, persistent layer norm, masked-softmax and
+  gradient-accumulation fusion, sequence parallelism) are switched off;
+* its ``provide()`` builds :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE): the module
+  global is swapped while it runs (process-wide for that moment) and restored; the built model is
+  checked to have tree attention in every layer (``attention_backend=local`` would make
+  Megatron-Bridge overwrite ``core_attention``; it is set to ``auto``).
+
+No weight-map change is needed: Megatron-Bridge's mapping registry already knows the local spec's
+separate norm weights. Importing this module applies ``megatron_tree.patches.megatron_bridge_te``
+where transformer-engine is missing (Megatron-Bridge cannot be imported otherwise). On a CPU-only
+machine also apply ``megatron_tree.patches.megatron_cpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import inspect
+from typing import Any, Iterator
+
+from ..patches import megatron_bridge_te
+
+megatron_bridge_te.apply()
+
+from megatron.bridge.models import gpt_provider  # noqa: E402
+from megatron.bridge.models.conversion.auto_bridge import AutoBridge  # noqa: E402
+from megatron.core.transformer.enums import AttnBackend  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from ..core.attention import BACKENDS  # noqa: E402
+from ..mcore.core_attention import TreeCoreAttention  # noqa: E402
+from ..mcore.model import TreeGPTModel  # noqa: E402
+from ..mcore.spec import tree_attention_spec  # noqa: E402
+
+_BOUND_ATTR = "_megatron_tree_tree_training"
+_TE_SPECS = {
+    gpt_provider.default_layer_spec,
+    gpt_provider.transformer_engine_layer_spec,
+    gpt_provider.transformer_engine_full_layer_spec,
+}
+# Provider flags that need transformer-engine or apex (finalize() or the torch norms raise).
+_TE_ONLY_FLAGS = ("apply_rope_fusion", "persist_layer_norm", "masked_softmax_fusion",
+                  "gradient_accumulation_fusion", "sequence_parallel")
+
+
+def _transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _resolve_spec(spec: Any, config: Any, vp_stage: int | None) -> Any:
+    if isinstance(spec, ModuleSpec) or not callable(spec):
+        return spec
+    if "vp_stage" in inspect.signature(spec).parameters:
+        return spec(config, vp_stage=vp_stage)
+    return spec(config)
+
+
+def _check_tree_model(model: Any) -> None:
+    if not isinstance(model, TreeGPTModel):
+        raise ValueError(f"the provider built {type(model).__name__}, not a TreeGPTModel")
+    for i, layer in enumerate(model.decoder.layers):
+        core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+        if not isinstance(core, TreeCoreAttention):
+            raise ValueError(f"decoder layer {i} has {type(core).__name__}, not TreeCoreAttention")
+
+
+def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int = 128) -> Any:
+    """Make a Megatron-Bridge ``GPTModelProvider`` build tree models (in place, idempotent).
+
+    Raises:
+        ValueError: not a GPT provider, or multi-token prediction (not a tree operation).
+    """
+    if getattr(provider, _BOUND_ATTR, None) is not None:
+        return provider
+    if not isinstance(provider, gpt_provider.GPTModelProvider):
+        raise ValueError(f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT models")
+    if getattr(provider, "mtp_num_layers", None):
+        raise ValueError("tree training does not support multi-token prediction; set mtp_num_layers=None")
+    if provider.attention_backend == AttnBackend.local:
+        provider.attention_backend = AttnBackend.auto  # local would overwrite core_attention
+    use_te = _transformer_engine_available()
+    base_spec = provider.transformer_layer_spec
+    if not use_te:
+        if base_spec in _TE_SPECS:
+            base_spec = gpt_provider.local_layer_spec
+        for flag in _TE_ONLY_FLAGS:
+            setattr(provider, flag, False)
+
+    def tree_layer_spec(config, vp_stage=None):
+        return tree_attention_spec(_resolve_spec(base_spec, config, vp_stage), backend=backend,
+                                   block_size=block_size)
+
+    original_provide = provider.provide
+
+    @functools.wraps(original_provide)
+    def provide(*args, **kwargs):
+        original_cls = gpt_provider.MCoreGPTModel
+        gpt_provider.MCoreGPTModel = TreeGPTModel
+        try:
+            model = original_provide(*args, **kwargs)
+        finally:
+            gpt_provider.MCoreGPTModel = original_cls
+        _check_tree_model(model)
+        return model
+
+    provider.transformer_layer_spec = tree_layer_spec
+    provider.provide = provide
+    setattr(provider, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
+    return provider
+
+
+def _bind(bridge: Any, backend: str, block_size: int) -> None:
+    if getattr(bridge, _BOUND_ATTR, None) is not None:
+        return
+    original = bridge.to_megatron_provider
+
+    @functools.wraps(original)
+    def to_megatron_provider(*args, **kwargs):
+        return make_tree_provider(original(*args, **kwargs), backend=backend, block_size=block_size)
+
+    bridge.to_megatron_provider = to_megatron_provider
+    setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size})
+
+
+@contextlib.contextmanager
+def patch_megatron_bridge_for_tree_training(
+    enable: bool = True, *, backend: str = "auto", block_size: int = 128
+) -> Iterator[None]:
+    """``AutoBridge`` instances created inside this block build tree-attention models with depth RoPE.
+
+    Usage::
+
+        with patch_megatron_bridge_for_tree_training():
+            bridge = AutoBridge.from_hf_pretrained(hf_path, dtype=torch.float32)
+        models = bridge.to_megatron_model(load_weights=True, wrap_with_ddp=False)  # inside or after
+
+    Args:
+        enable: False makes the block a no-op.
+        backend: TreeCoreAttention backend for the models these bridges build.
+        block_size: tile size of the flex / block-sparse backends.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if not enable:
+        yield
+        return
+    original_init = AutoBridge.__init__
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _bind(self, backend, block_size)
+
+    AutoBridge.__init__ = init
+    try:
+        yield
+    finally:
+        AutoBridge.__init__ = original_init
+
+
+def is_tree_training_bridge(bridge: Any) -> bool:
+    """True if ``bridge`` was created inside :func:`patch_megatron_bridge_for_tree_training`."""
+    return getattr(bridge, _BOUND_ATTR, None) is not None

@@ -1,0 +1,131 @@
+"""NVIDIA Megatron-Bridge + ``patch_megatron_bridge_for_tree_training``: HF checkpoints load into tree
+models that give every sequence of a branching trie the log-probs HuggingFace gives it alone, at
+TP=1 and TP=2. Runs in the Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``, Python
+3.12); skipped elsewhere, with the reason shown."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_tree.patches import megatron_cpu
+from megatron_tree.testing.dist import run_spawned, single_process_world
+from megatron_tree.testing.models import ARCHS, branching_sequences, max_err, pack, packed_logprobs
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
+                       reason="megatron-bridge is not installed (MEGATRON_TREE_BRIDGE=megatron-bridge stack)"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+]
+
+# fp32 on CPU: Megatron (fused QKV, packed rows) and HF (one sequence) sum in different orders,
+# ~3e-6 here; a wrong rotary angle or a leaked key moves log-probs by >= 1e-3.
+LOGP_TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    single_process_world()
+    yield
+    megatron_cpu.undo()
+
+
+def _tree_model(path: str, tp: int = 1, **patch_kwargs):
+    # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs here.
+    from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+    from megatron.bridge import AutoBridge
+
+    with patch_megatron_bridge_for_tree_training(**patch_kwargs):
+        bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)  # after the block: still bound
+    provider.tensor_model_parallel_size = tp
+    provider.finalize()
+    return bridge, provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0].eval()
+
+
+def _tree_logprobs(model) -> dict[int, torch.Tensor]:
+    from megatron.core import tensor_parallel
+
+    from megatron_tree.core.mask import tree_attention_mask
+
+    out = {}
+    with torch.no_grad():
+        for mb in pack(branching_sequences()):
+            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+            out.update(packed_logprobs(tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_megatron_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+    from megatron_tree.mcore.model import TreeGPTModel
+
+    _, model = _tree_model(checkpoints[arch], backend="block_sparse")
+    assert isinstance(model, TreeGPTModel)
+    assert all(isinstance(layer.self_attention.core_attention, TreeCoreAttention) for layer in model.decoder.layers)
+    assert max_err(_tree_logprobs(model), references[arch]) <= LOGP_TOL
+
+
+def test_patch_restores_init_and_binds_instances(checkpoints):
+    from megatron_tree.bridges.megatron_bridge import (
+        is_tree_training_bridge,
+        patch_megatron_bridge_for_tree_training,
+    )
+    from megatron.bridge import AutoBridge
+
+    init = AutoBridge.__init__
+    with pytest.raises(RuntimeError, match="inside"):
+        with patch_megatron_bridge_for_tree_training(backend="sdpa"):
+            inside = AutoBridge.from_hf_pretrained(checkpoints["qwen3"], dtype=torch.float32)
+            raise RuntimeError("inside")
+    assert AutoBridge.__init__ is init
+    outside = AutoBridge.from_hf_pretrained(checkpoints["qwen3"], dtype=torch.float32)
+    assert is_tree_training_bridge(inside) and not is_tree_training_bridge(outside)
+    provider = inside.to_megatron_provider(load_weights=False)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
+    assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {"sdpa"}
+    with pytest.raises(ValueError, match="backend='nope'"):
+        with patch_megatron_bridge_for_tree_training(backend="nope"):
+            pass
+
+
+def _tp2_worker(rank: int, checkpoints: dict) -> dict:
+    out = {}
+    for arch in ("qwen3", "llama"):
+        _, model = _tree_model(checkpoints[arch], tp=2)
+        assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
+        out[arch] = _tree_logprobs(model)
+    return out
+
+
+def test_megatron_bridge_tp2_matches_hf(checkpoints, references):
+    for rank in run_spawned(_tp2_worker, 2, checkpoints):
+        for arch, logprobs in rank.items():
+            assert max_err(logprobs, references[arch]) <= LOGP_TOL, arch
+
+
+def test_main_job_through_megatron_bridge(tmp_path):
+    """The README's main job, reduced, with the model built through Megatron-Bridge."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "tree_vs_baseline.py"), "--small", "--bridge", "megatron-bridge",
+         "--parity-sequences", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "through megatron-bridge" in proc.stdout
+    # fp32 on CPU: see LOGP_TOL.
+    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", proc.stdout).group(1))
+    assert parity <= LOGP_TOL
+    loss_gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", proc.stdout).group(1))
+    assert loss_gap <= 1e-5
