@@ -95,7 +95,7 @@ def test_patch_restores_init_and_binds_instances(checkpoints):
 
 def _tp2_worker(rank: int, checkpoints: dict) -> dict:
     out = {}
-    for arch in ("qwen3", "llama"):
+    for arch in ARCHS:
         _, model = _tree_model(checkpoints[arch], tp=2)
         assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
         out[arch] = _tree_logprobs(model)
