@@ -1,9 +1,22 @@
-"""Fixtures shared by test files: tiny HuggingFace checkpoints and their fp32 references, built once
-per session (the bridge tests and the GPU tests read the same ones)."""
+"""Fixtures shared by test files: Megatron on a one-process gloo world, and tiny HuggingFace
+checkpoints with their fp32 references, built once per session (the bridge tests and the GPU tests
+read the same ones)."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Megatron's parallel_state at TP=1 on a one-process gloo world, with the CPU runtime patch
+    applied for the module and undone after it."""
+    from megatron_tree.patches import megatron_cpu
+    from megatron_tree.testing.dist import single_process_world
+
+    single_process_world()
+    yield
+    megatron_cpu.undo()
 
 
 @pytest.fixture(scope="session")

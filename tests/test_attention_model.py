@@ -9,17 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-from megatron_tree.patches import megatron_cpu  # noqa: E402
-
-from megatron_tree.testing.dist import single_process_world  # noqa: E402
-from megatron_tree.testing.models import VOCAB, branching_sequences, max_err, pack, packed_logprobs  # noqa: E402
+from megatron_tree.testing.models import VOCAB, branching_sequences, max_err, pack, packed_logprobs
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
-)
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.usefixtures("world"),
+]
 
 # fp32 on CPU: packed and unpacked runs differ only in summation order (different matmul shapes),
 # which moves log-probs by ~1e-6 on this 2-layer model; 1e-5 leaves a margin while a wrong rotary
@@ -28,13 +25,6 @@ LOGP_TOL = 1e-5
 # Gradients sum over many tokens and sequences; relative to each parameter's gradient norm the
 # fp32 reordering error is ~1e-6.
 GRAD_RTOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    single_process_world()
-    yield
-    megatron_cpu.undo()
 
 
 def _config(**overrides):

@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-
-from megatron_tree.patches import megatron_cpu  # noqa: E402
-
-from megatron_tree.testing.dist import run_spawned, single_process_world  # noqa: E402
-from megatron_tree.testing.models import (  # noqa: E402
+from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.models import (
     ARCHS,
     branching_sequences,
     max_err,
@@ -20,21 +17,15 @@ from megatron_tree.testing.models import (  # noqa: E402
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
-)
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.usefixtures("world"),
+]
 
 # fp32 on CPU: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence) sum in
 # different orders, ~3e-6 on these models; a wrong rotary angle or a leaked key moves log-probs by
 # >= 1e-3 (see test_attention_model.test_depth_rope_is_needed_for_branches).
 LOGP_TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    single_process_world()
-    yield
-    megatron_cpu.undo()
 
 
 def _load(path: str, **patch_kwargs):

@@ -10,26 +10,19 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_tree.patches import megatron_cpu
-from megatron_tree.testing.dist import run_spawned, single_process_world
+from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import ARCHS, branching_sequences, max_err, pack, packed_logprobs
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
                        reason="megatron-bridge is not installed (MEGATRON_TREE_BRIDGE=megatron-bridge stack)"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.usefixtures("world"),
 ]
 
 # fp32 on CPU: Megatron (fused QKV, packed rows) and HF (one sequence) sum in different orders,
 # ~3e-6 here; a wrong rotary angle or a leaked key moves log-probs by >= 1e-3.
 LOGP_TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    single_process_world()
-    yield
-    megatron_cpu.undo()
 
 
 def _tree_model(path: str, tp: int = 1, **patch_kwargs):

@@ -10,17 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
-from megatron_tree.patches import megatron_cpu
 from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
 from megatron_tree.testing.synthetic import pad_sequences
 
-from megatron_tree.testing.dist import run_spawned, single_process_world
+from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, branching_sequences
 
 # fp32 on CPU: packed and unpacked runs differ only in summation order; relative to each
@@ -122,13 +120,6 @@ def _compare_tree_to_reference(critic: bool, recompute: str) -> tuple[float, flo
 
 
 # ----------------------------------------------------------------------------- TP = 1, in process
-
-
-@pytest.fixture(scope="module")
-def world():
-    single_process_world()
-    yield
-    megatron_cpu.undo()
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
