@@ -68,8 +68,9 @@ def _dense_form(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     return dense
 
 
-def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int) -> tuple[TreeMaskPlan, torch.Tensor | None]:
-    """(plan, dense [r, N, N] or None) for any accepted mask form, validated."""
+def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
+             ) -> tuple[TreeMaskPlan | None, torch.Tensor | None]:
+    """Validated mask: (plan, None) for the encodings, (None, dense [r, N, N]) for a dense mask."""
     if attention_mask is None:
         raise ValueError(
             "tree attention needs the tree mask: pass attention_mask=tree_attention_mask(tree) "
@@ -78,8 +79,7 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int) -> tuple[Tre
     if sq != sk:
         raise ValueError(f"tree attention is self-attention; got {sq} queries and {sk} keys")
     if attention_mask.dtype == torch.bool:
-        dense = _dense_form(attention_mask, sq, sk)
-        return TreeMaskPlan(encoding_from_dense(dense)), dense
+        return None, _dense_form(attention_mask, sq, sk)
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
         raise ValueError(
             f"tree attention_mask must be an integer subtree_end or a bool mask, got dtype "
@@ -134,13 +134,16 @@ def tree_attention(
     if num_heads % num_groups:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_groups} key/value groups")
     plan, dense = _plan_of(attention_mask, sq, sk)
-    if plan.subtree_end.shape[0] not in (1, b):
-        raise ValueError(f"attention_mask has {plan.subtree_end.shape[0]} rows for a micro-batch of {b} rows")
+    mask_rows = (dense if plan is None else plan.subtree_end).shape[0]
+    if mask_rows not in (1, b):
+        raise ValueError(f"attention_mask has {mask_rows} rows for a micro-batch of {b} rows")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     if backend == "auto":
         backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
     if backend == "flex" and dropout_p > 0.0:
         raise ValueError("the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'")
+    if plan is None and backend != "sdpa":  # sdpa uses a dense mask as given
+        plan = TreeMaskPlan(encoding_from_dense(dense))
 
     # [N, b, h, hn] -> [b, h, N, hn]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

@@ -33,6 +33,11 @@ def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, torch.arange(tree.num_sequence_tokens, device=rows.device) - starts
 
 
+def _check_name(name) -> None:
+    if not isinstance(name, str) or name in RESERVED_KEYS:
+        raise ValueError(f"name={name!r} is reserved or not a string; reserved: {RESERVED_KEYS}")
+
+
 class PackedTreeBatch(Sequence):
     """The micro-batches of one packed batch, with the sharing statistics.
 
@@ -93,19 +98,9 @@ class PackedTreeBatch(Sequence):
                 sequence), or one tensor [T_mb, ...] per micro-batch in tree layout, e.g. a
                 forward-only step's ``result.tree_outputs["logprobs"]``.
         """
-        if not isinstance(name, str) or name in RESERVED_KEYS:
-            raise ValueError(f"name={name!r} is reserved or not a string; reserved: {RESERVED_KEYS}")
+        _check_name(name)
         if isinstance(values, torch.Tensor):
-            longest = max((int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0)
-            if values.dim() < 2 or values.shape[0] != self.batch_size or values.shape[1] < longest:
-                raise ValueError(
-                    f"{name}: a padded-layout tensor must be [B, L, ...] with B = {self.batch_size} and "
-                    f"L >= {longest} (the longest sequence), got {tuple(values.shape)}"
-                )
-            for mb in self.micro_batches:
-                rows, cols = batch_positions(mb["tree"])
-                mb[name] = values[rows.to(values.device), cols.to(values.device)]
-            return self
+            return self.attach_padded({name: values})
         values = list(values)
         if len(values) != len(self):
             raise ValueError(f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches")
@@ -119,6 +114,23 @@ class PackedTreeBatch(Sequence):
                 )
         for mb, value in zip(self.micro_batches, values):
             mb[name] = value
+        return self
+
+    def attach_padded(self, values: dict[str, torch.Tensor]) -> "PackedTreeBatch":
+        """:meth:`attach` several tensors [B, L, ...] in the padded layout, reading each tree's token
+        positions once for all of them."""
+        longest = max((int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0)
+        for name, value in values.items():
+            _check_name(name)
+            if value.dim() < 2 or value.shape[0] != self.batch_size or value.shape[1] < longest:
+                raise ValueError(
+                    f"{name}: a padded-layout tensor must be [B, L, ...] with B = {self.batch_size} and "
+                    f"L >= {longest} (the longest sequence), got {tuple(value.shape)}"
+                )
+        for mb in self.micro_batches:
+            rows, cols = batch_positions(mb["tree"])
+            for name, value in values.items():
+                mb[name] = value[rows.to(value.device), cols.to(value.device)]
         return self
 
     def to(self, device: torch.device | str) -> "PackedTreeBatch":

@@ -356,8 +356,6 @@ def build_packed_tree_batch(
             micro_batches.append(micro_batch(_dummy_tree(padded, pad_token_id, device)))
 
     result = PackedTreeBatch(micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id)
-    for name, value in data.items():
-        if name not in ("input_ids", "attention_mask"):
-            result.attach(name, value)
+    result.attach_padded({k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")})
     logger.debug("packed %s", result)
     return result

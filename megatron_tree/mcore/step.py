@@ -255,7 +255,7 @@ def tree_forward_backward(
     timings["prepare"] = time.perf_counter() - t0
 
     collected: list[dict] = []
-    forward_step = _forward_step_func(on_device, weights, scale, counts, gather, loss_fn, tp_group,
+    forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group,
                                       collected if collect_outputs else None)
     t1 = time.perf_counter()
     with _per_token_loss_mode(config):
@@ -280,8 +280,8 @@ def tree_forward_backward(
     return result
 
 
-def _forward_step_func(packed, weights, scale, counts, gather, loss_fn, tp_group, collected):
-    """Megatron's ``forward_step_func`` over ``enumerate(packed)``.
+def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, collected):
+    """Megatron's ``forward_step_func`` over ``enumerate(packed micro-batches)``.
 
     The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
     weighted loss sum times ``scale`` (1 when Megatron divides by the global count itself),
