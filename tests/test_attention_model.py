@@ -194,8 +194,10 @@ def test_core_attention_module_errors():
         module(q, kv, kv, torch.zeros(16, 16, dtype=torch.bool))
     with pytest.raises(ValueError, match="packed_seq_params"):
         module(q, kv, kv, torch.arange(1, 33), packed_seq_params=object())
-    with pytest.raises(ValueError, match="context parallelism"):
-        TreeCoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.arbitrary, "self")
+    # Under context parallelism a plain encoding (no split) cannot say which rows this rank holds.
+    cp_module = TreeCoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.arbitrary, "self")
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs the tree mask of a 2-way"):
+        cp_module(q, kv, kv, torch.arange(1, 33))
 
 
 def test_attention_dropout_draws_from_the_model_parallel_rng():

@@ -76,8 +76,12 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
             "tree attention needs the tree mask: pass attention_mask=tree_attention_mask(tree) "
             "(or PackedTree.subtree_end, or a dense bool mask)"
         )
-    if sq != sk:
-        raise ValueError(f"tree attention is self-attention; got {sq} queries and {sk} keys")
+    plan = attention_mask.plan if isinstance(attention_mask, TreeMask) else None
+    if sq != sk and (plan is None or plan.cp is None):
+        raise ValueError(
+            f"tree attention is self-attention; got {sq} queries and {sk} keys (only a "
+            "context-parallel tree mask, tree_attention_mask(tree, cp), has fewer queries than keys)"
+        )
     if attention_mask.dtype == torch.bool:
         return None, _dense_form(attention_mask, sq, sk)
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
@@ -86,13 +90,18 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
             f"{attention_mask.dtype}"
         )
     shape = tuple(attention_mask.shape)
-    if attention_mask.dim() not in (1, 2) or shape[-1] != sq:
+    if attention_mask.dim() not in (1, 2) or shape[-1] != sk:
         raise ValueError(
-            f"subtree_end attention_mask has shape {shape} but the packed sequence has {sq} "
+            f"subtree_end attention_mask has shape {shape} but the packed sequence has {sk} "
             "positions; pass tree_attention_mask(tree) of this micro-batch ([N] or [1, N])"
         )
-    if isinstance(attention_mask, TreeMask):
-        return attention_mask.plan, None
+    if plan is not None:
+        if plan.num_queries != sq:
+            raise ValueError(
+                f"the tree mask is for {plan.num_queries} query rows, got {sq}: under context "
+                "parallelism pass each rank its own rows (split.local_positions) and the mask of that split"
+            )
+        return plan, None
     return TreeMaskPlan(attention_mask.reshape(-1, sq)), None
 
 
@@ -111,7 +120,7 @@ def tree_attention(
     """Tree attention on Megatron's layouts, without the Megatron module around it.
 
     Args:
-        query: [N, b, np, hn].
+        query: [N, b, np, hn] ([n, b, np, hn] under context parallelism: this rank's rows).
         key: [N, b, ng, hn]; ``np`` must be a multiple of ``ng`` (grouped-query attention).
         value: [N, b, ng, hn].
         attention_mask: a TreeMask, ``subtree_end`` int [N] / [b, N], or bool [N, N] /
@@ -123,7 +132,7 @@ def tree_attention(
         compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA only.
 
     Returns:
-        [N, b, np * hn].
+        [N, b, np * hn] (``[n, ...]`` under context parallelism).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -167,14 +176,14 @@ def tree_attention(
 
 
 def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex) -> torch.Tensor:
-    """[b=1, h, N, hn] inputs -> [1, np, N, hn]."""
+    """[b=1, h, nq, hn] queries, [1, h, N, hn] keys / values -> [1, np, nq, hn]."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if plan.subtree_end.shape[0] != 1 or q.shape[0] != 1:
         raise ValueError("the flex backend takes one tree per micro-batch (b = 1)")
-    sq = q.shape[2]
-    padded = -(-sq // block_size) * block_size
-    block_mask = plan.block_mask(block_size, padded)
+    sq, sk = q.shape[2], k.shape[2]
+    padded_q, padded_k = (-(-n // block_size) * block_size for n in (sq, sk))
+    block_mask = plan.block_mask(block_size, padded_q, padded_k)
     if not q.is_cuda:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError(
@@ -182,27 +191,27 @@ def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex) 
                 "backend='block_sparse' or 'sdpa' for CPU training"
             )
         q, k, v = q.detach(), k.detach(), v.detach()  # torch rejects grad-requiring CPU inputs
-    if padded != sq:
-        pad = (0, 0, 0, padded - sq)
-        q, k, v = (F.pad(t, pad) for t in (q, k, v))
+    q = F.pad(q, (0, 0, 0, padded_q - sq)) if padded_q != sq else q
+    if padded_k != sk:
+        k, v = (F.pad(t, (0, 0, 0, padded_k - sk)) for t in (k, v))
     fn = compiled_flex_attention() if compile_flex else flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
 
 
 def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
-    """One tree. q [np, N, hn], k/v [ng, N, hn] -> [np, padded, hn]."""
+    """One tree. q [np, nq, hn], k/v [ng, N, hn] -> [np, padded nq, hn]."""
     block_size = plan[0][2].shape[-2]
-    nb = sum(len(group[0]) for group in plan)
-    padded = nb * block_size
-    n = q.shape[1]
-    if padded != n:
-        pad = (0, 0, 0, padded - n)
-        q, k, v = (F.pad(t, pad) for t in (q, k, v))
+    num_tiles = sum(len(group[0]) for group in plan)
+    padded_q, padded_k = num_tiles * block_size, -(-k.shape[1] // block_size) * block_size
+    if padded_q != q.shape[1]:
+        q = F.pad(q, (0, 0, 0, padded_q - q.shape[1]))
+    if padded_k != k.shape[1]:
+        k, v = (F.pad(t, (0, 0, 0, padded_k - k.shape[1])) for t in (k, v))
     num_heads, _, head_dim = q.shape
-    # [np, nb*B, hn] -> [nb, np, B, hn]
-    q_all = q.view(num_heads, nb, block_size, head_dim).transpose(0, 1)
+    # [np, tiles*B, hn] -> [tiles, np, B, hn]
+    q_all = q.view(num_heads, num_tiles, block_size, head_dim).transpose(0, 1)
     outs, order = [], []
-    for q_blocks, kv_index, keep in plan:
+    for q_tiles, kv_index, keep in plan:
         g, span = kv_index.shape
         flat = kv_index.reshape(-1)
         # [ng, g*M*B, hn] -> [g, ng, M*B, hn]
@@ -210,13 +219,13 @@ def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
         v_blocks = v[:, flat].view(v.shape[0], g, span, head_dim).transpose(0, 1)
         outs.append(
             F.scaled_dot_product_attention(
-                q_all[q_blocks], k_blocks, v_blocks, attn_mask=keep, dropout_p=dropout_p,
+                q_all[q_tiles], k_blocks, v_blocks, attn_mask=keep, dropout_p=dropout_p,
                 scale=scale, enable_gqa=gqa,
             )
         )
-        order.append(q_blocks)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [nb, np, B, hn] in group order
+        order.append(q_tiles)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [tiles, np, B, hn] in group order
     if len(outs) > 1:
         out = out[torch.argsort(torch.cat(order))]
-    # [nb, np, B, hn] -> [np, nb*B, hn]
-    return out.transpose(0, 1).reshape(num_heads, padded, head_dim)
+    # [tiles, np, B, hn] -> [np, tiles*B, hn]
+    return out.transpose(0, 1).reshape(num_heads, padded_q, head_dim)

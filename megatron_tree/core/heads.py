@@ -1,7 +1,7 @@
 """What a tree step reads from a model's output: log-probs and entropy, or values.
 
 A head object tells :func:`megatron_tree.tree_forward_backward` how to turn the last stage's output
-tensor into per-token outputs [T] for the loss, and which loss mask to use when the caller gives
+tensor (this rank's rows under context parallelism) into per-token outputs [T] for the loss, and which loss mask to use when the caller gives
 none. New heads (MoE statistics, several value heads, ...) are new classes, not new step flags.
 
 Legend: N packed length, T the tree's sequence tokens, V vocabulary, tp tensor-parallel size.
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_positive_number
+from .context_parallel import ContextParallelSplit
 from .logprobs import gather_packed_tree_logprobs, gather_packed_tree_logprobs_entropy
 from .results import gather_packed_tree_values
 from .tree import PackedTree
@@ -37,13 +38,13 @@ class LogProbs:
     def __post_init__(self):
         object.__setattr__(self, "temperature", check_positive_number("temperature", self.temperature))
 
-    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None) -> dict:
+    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None,
+               cp: ContextParallelSplit | None = None) -> dict:
+        kwargs = dict(temperature=self.temperature, tp_group=tp_group, cp=cp)
         if self.entropy:
-            logprobs, entropy = gather_packed_tree_logprobs_entropy(
-                output, tree, temperature=self.temperature, tp_group=tp_group
-            )
+            logprobs, entropy = gather_packed_tree_logprobs_entropy(output, tree, **kwargs)
             return {"logprobs": logprobs, "entropy": entropy}
-        return {"logprobs": gather_packed_tree_logprobs(output, tree, temperature=self.temperature, tp_group=tp_group)}
+        return {"logprobs": gather_packed_tree_logprobs(output, tree, **kwargs)}
 
     def default_loss_mask(self, tree: PackedTree) -> torch.Tensor:
         """float32 [T]: 1 everywhere except each sequence's last entry."""
@@ -62,8 +63,9 @@ class Values:
 
     rolled = False
 
-    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None) -> dict:
-        return {"values": gather_packed_tree_values(output.float(), tree)}
+    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None,
+               cp: ContextParallelSplit | None = None) -> dict:
+        return {"values": gather_packed_tree_values(output.float(), tree, cp=cp)}
 
     def default_loss_mask(self, tree: PackedTree) -> torch.Tensor:
         return torch.ones(tree.num_sequence_tokens, dtype=torch.float32, device=tree.token_index.device)

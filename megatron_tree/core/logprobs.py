@@ -18,7 +18,8 @@ Per-sequence outputs are flat tensors ``[T]`` aligned with ``tree.token_index``:
 ``megatron_tree.core.results.merge_packed_tree_results`` turns them back into ``[B, L]``.
 
 Legend for shapes: N = padded packed length, U = real tree nodes (``tree.num_tree_tokens``),
-P = predicted (non-root) nodes, T = sequence tokens (``tree.num_sequence_tokens``), H = hidden size,
+R = output rows reduced (U, or this rank's under context parallelism), P = predicted (non-root)
+nodes, T = sequence tokens (``tree.num_sequence_tokens``), H = hidden size,
 V = vocab size, Vl = V / tp (local shard), C = rows in a chunk.
 """
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_int, check_positive_number, debug_checks
+from .context_parallel import ContextParallelSplit, share_outputs
 from .tree import PackedTree
 
 __all__ = [
@@ -65,7 +67,9 @@ class _Pairs:
         nodes: int64 [P]. The predicted node.
         labels: int64 [P]. Local vocab column of the node's token (0 where ``owned`` is False).
         owned: bool [P]. Whether the token's column lives in this rank's vocab shard.
-        chunk_starts: Row offset of each chunk, then U.
+        num_rows: R, the output rows reduced (U; under context parallelism this rank's rows up to
+            its last real one).
+        chunk_starts: Row offset of each chunk, then R.
         pair_starts: Offset in the pairs of each chunk's first row, then P.
     """
 
@@ -73,6 +77,7 @@ class _Pairs:
     nodes: torch.Tensor
     labels: torch.Tensor
     owned: torch.Tensor
+    num_rows: int
     chunk_starts: list[int]
     pair_starts: list[int]
 
@@ -89,26 +94,27 @@ def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str) -> torch.Tensor:
-    """Views [N, X], [1, N, X] or [N, 1, X] (Megatron's [s, b, X] with b = 1) as [N, X]."""
+def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, cp: ContextParallelSplit | None = None
+            ) -> torch.Tensor:
+    """Views [n, X], [1, n, X] or [n, 1, X] (Megatron's [s, b, X] with b = 1) as [n, X]; n is the
+    tree's padded length, or this rank's rows under context parallelism."""
     if tensor.dim() == 3 and 1 in tensor.shape[:2]:
         tensor = tensor.reshape(-1, tensor.shape[-1])
     if tensor.dim() != 2:
         raise ValueError(
             f"{name} must be [N, X], [1, N, X] or [N, 1, X], got {tuple(tensor.shape)}"
         )
-    if tensor.shape[0] != tree.padded_length:
-        raise ValueError(
-            f"{name} has {tensor.shape[0]} positions but the tree's padded length is "
-            f"{tree.padded_length}"
-        )
+    expected = tree.padded_length if cp is None else cp.positions.shape[1]
+    if tensor.shape[0] != expected:
+        where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
+        raise ValueError(f"{name} has {tensor.shape[0]} positions but {where} is {expected}")
     if not tensor.is_floating_point():
         raise ValueError(f"{name} must be a floating point tensor, got {tensor.dtype}")
     return tensor
 
 
 def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: int,
-                chunk_rows: int, device: torch.device) -> _Pairs:
+                chunk_rows: int, device: torch.device, cp: ContextParallelSplit | None = None) -> _Pairs:
     num_nodes = tree.num_tree_tokens
     parent = tree.parent_index[:num_nodes].to(device)
     tokens = tree.input_ids[:num_nodes].to(device)
@@ -119,12 +125,19 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
     rows, nodes = torch.sort(parent, stable=True)  # roots (-1) first
     num_roots = int((parent < 0).sum())
     rows, nodes = rows[num_roots:], nodes[num_roots:]
+    num_rows = num_nodes
+    if cp is not None:  # this rank's rows only; local rows ascend with global positions
+        local = cp.local_index.to(device)
+        rows = local[rows]
+        mine = rows >= 0
+        rows, nodes = rows[mine], nodes[mine]
+        num_rows = int((cp.local_positions < num_nodes).sum())
     labels = tokens[nodes] - tp_rank * vocab_local
     owned = (labels >= 0) & (labels < vocab_local)
-    chunk_starts = list(range(0, num_nodes, chunk_rows)) + [num_nodes]
+    chunk_starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
     bounds = torch.tensor(chunk_starts, dtype=rows.dtype, device=device)
     pair_starts = torch.searchsorted(rows, bounds).tolist()
-    return _Pairs(rows, nodes, torch.where(owned, labels, 0), owned, chunk_starts, pair_starts)
+    return _Pairs(rows, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts)
 
 
 def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, *,
@@ -145,16 +158,16 @@ def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, 
 def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs, *,
                    num_nodes: int, vocab_local: int, temperature: float, with_entropy: bool,
                    tp_group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device):
-    """Returns (node_logprob [U], row_entropy [U] or None, row_shift [U]) over the full vocab.
+    """Returns (node_logprob [U], row_entropy [R] or None, row_shift [R]) over the full vocab.
 
     ``row_shift`` = M + log2(s) / c, so that log2 p = c * (x - row_shift) (what backward needs).
     """
     c = _LOG2E / temperature
-    num_pairs = pairs.rows.shape[0]
-    # [3U + P]: per-row local max, sum of exp2, sum of exp2 * log2-shift; per-pair target logit.
-    local = torch.zeros(3 * num_nodes + num_pairs, dtype=dtype, device=device)
-    row_max, sum_exp, ent_num = local[: 3 * num_nodes].view(3, num_nodes)
-    target = local[3 * num_nodes:]
+    num_pairs, num_rows = pairs.rows.shape[0], pairs.num_rows
+    # [3R + P]: per-row local max, sum of exp2, sum of exp2 * log2-shift; per-pair target logit.
+    local = torch.zeros(3 * num_rows + num_pairs, dtype=dtype, device=device)
+    row_max, sum_exp, ent_num = local[: 3 * num_rows].view(3, num_rows)
+    target = local[3 * num_rows:]
     chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
     shifted = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)  # [C, Vl]
     exps = torch.empty_like(shifted)  # [C, Vl]
@@ -176,17 +189,17 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
     if tp_size > 1:
         gathered = [torch.empty_like(local) for _ in range(tp_size)]
         dist.all_gather(gathered, local, group=tp_group)
-        stacked = torch.stack(gathered)  # [tp, 3U + P]
+        stacked = torch.stack(gathered)  # [tp, 3R + P]
     else:
         stacked = local[None]
-    per_rank = stacked[:, : 3 * num_nodes].reshape(tp_size, 3, num_nodes)
-    row_max_r, sum_exp_r, ent_num_r = per_rank.unbind(1)  # each [tp, U]
-    big_m = row_max_r.amax(0)  # [U]
-    shift = (row_max_r - big_m) * c  # [tp, U], <= 0
+    per_rank = stacked[:, : 3 * num_rows].reshape(tp_size, 3, num_rows)
+    row_max_r, sum_exp_r, ent_num_r = per_rank.unbind(1)  # each [tp, R]
+    big_m = row_max_r.amax(0)  # [R]
+    shift = (row_max_r - big_m) * c  # [tp, R], <= 0
     weight = torch.exp2(shift)
-    total = (weight * sum_exp_r).sum(0)  # [U]
+    total = (weight * sum_exp_r).sum(0)  # [R]
     log2_total = torch.log2(total)
-    target = stacked[:, 3 * num_nodes:].sum(0)  # [P], exactly one rank contributes each
+    target = stacked[:, 3 * num_rows:].sum(0)  # [P], exactly one rank contributes each
     node_logprob = torch.zeros(num_nodes, dtype=dtype, device=device)
     node_logprob[pairs.nodes] = (
         (target - big_m[pairs.rows]) / temperature - _LN2 * log2_total[pairs.rows]
@@ -201,7 +214,7 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
 def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
                      put_grad: Callable[[int, int, torch.Tensor], None] | None, pairs: _Pairs, *,
                      grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
-                     row_shift: torch.Tensor, entropy: torch.Tensor | None, num_nodes: int,
+                     row_shift: torch.Tensor, entropy: torch.Tensor | None,
                      vocab_local: int, temperature: float, dtype: torch.dtype,
                      out: torch.Tensor | None = None) -> None:
     """Writes the gradient wrt logits rows [a, b) (dz [C, Vl] in dtype) of every chunk into
@@ -218,9 +231,9 @@ def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
         pair_grad = torch.zeros(pairs.rows.shape[0], dtype=dtype, device=device)
     else:
         pair_grad = grad_logprob.to(dtype)[pairs.nodes]  # [P]
-    row_grad = torch.zeros(num_nodes, dtype=dtype, device=device)
-    row_grad.index_add_(0, pairs.rows, pair_grad)  # [U], G of every row
-    offset = -row_grad / temperature  # [U]
+    row_grad = torch.zeros(pairs.num_rows, dtype=dtype, device=device)
+    row_grad.index_add_(0, pairs.rows, pair_grad)  # [R], G of every row
+    offset = -row_grad / temperature  # [R]
     slope = None  # multiplies log2 p
     if grad_entropy is not None:
         grad_entropy = grad_entropy.to(dtype)
@@ -247,7 +260,7 @@ def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
 
 
 class _TreeLogprobEntropy(torch.autograd.Function):
-    """logits [N, Vl] -> (node_logprob [U], row_entropy [U]); see _forward_stats."""
+    """logits [N, Vl] -> (node_logprob [U], row_entropy [R]); see _forward_stats."""
 
     @staticmethod
     def forward(ctx, logits, pairs, num_nodes, temperature, with_entropy, tp_group):
@@ -270,7 +283,7 @@ class _TreeLogprobEntropy(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return (None,) * 6
         grad = torch.empty_like(logits)
-        grad[ctx.num_nodes:].zero_()  # padding rows
+        grad[ctx.pairs.num_rows:].zero_()  # padding rows
         direct = grad.dtype == row_shift.dtype  # else computed in fp32 and cast chunk by chunk
 
         def put_grad(a, b, dz):
@@ -279,14 +292,14 @@ class _TreeLogprobEntropy(torch.autograd.Function):
         _backward_chunks(
             lambda a, b: logits[a:b], put_grad, ctx.pairs, grad_logprob=grad_logprob,
             grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
-            num_nodes=ctx.num_nodes, vocab_local=logits.shape[1], temperature=ctx.temperature,
+            vocab_local=logits.shape[1], temperature=ctx.temperature,
             dtype=row_shift.dtype, out=grad if direct else None,
         )
         return grad, None, None, None, None, None
 
 
 class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
-    """(hidden [N, H], weight [Vl, H]) -> (node_logprob [U], row_entropy [U]) without [N, Vl]."""
+    """(hidden [N, H], weight [Vl, H]) -> (node_logprob [U], row_entropy [R]) without [N, Vl]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, pairs, num_nodes, temperature, tp_group):
@@ -321,7 +334,7 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
         _backward_chunks(
             lambda a, b: hidden[a:b] @ weight.t(), put_grad, ctx.pairs, grad_logprob=grad_logprob,
             grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
-            num_nodes=ctx.num_nodes, vocab_local=weight.shape[0], temperature=ctx.temperature,
+            vocab_local=weight.shape[0], temperature=ctx.temperature,
             dtype=row_shift.dtype,
         )
         if _tp_size_rank(ctx.tp_group)[0] > 1:
@@ -335,30 +348,41 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _rolled_per_sequence(node_values: torch.Tensor, tree: PackedTree) -> torch.Tensor:
-    """[U] per-node log-probs (0 at roots) -> [T]: entry t of a sequence reads node t+1.
+def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, tree: PackedTree,
+                  cp: ContextParallelSplit | None) -> list[torch.Tensor]:
+    """Node log-probs [U] (0 at roots) and row entropies [R] -> [T] outputs in token order.
 
-    The entry after a sequence's last token is the next sequence's first token (the first
-    sequence's for the last one): always a root, so every last entry reads 0.
+    Log-prob entry t of a sequence reads node t+1 (rolled). The entry after a sequence's last token
+    is the next sequence's first token (the first sequence's for the last one): always a root, so
+    every last entry reads 0. Entropy entry t reads the row of token t. Under context parallelism
+    each rank fills the entries of its rows and the outputs are then shared over the CP group.
     """
-    return node_values[torch.roll(tree.token_index.to(node_values.device), -1)]
+    token_index = tree.token_index.to(node_logprob.device)
+    outputs = [node_logprob[torch.roll(token_index, -1)]]
+    if row_entropy is not None:
+        rows = token_index
+        if cp is not None:  # other ranks' rows read an appended 0
+            rows = cp.local_index.to(rows.device)[token_index]
+            rows = torch.where(rows >= 0, rows, row_entropy.shape[0])
+            row_entropy = torch.cat([row_entropy, row_entropy.new_zeros(1)])
+        outputs.append(row_entropy[rows])
+    return outputs if cp is None else share_outputs(outputs, cp)
 
 
-def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy):
+def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, cp):
     temperature = check_positive_number("temperature", temperature)
-    logits = rows_of(logits, tree, "logits")
+    logits = rows_of(logits, tree, "logits", cp)
     tp_size, tp_rank = _tp_size_rank(tp_group)
     pairs = _tree_pairs(
         tree, vocab_local=logits.shape[1], tp_size=tp_size, tp_rank=tp_rank,
         chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device), device=logits.device,
+        cp=cp,
     )
     out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, temperature,
                                     with_entropy, tp_group)
     if not with_entropy:
-        return _rolled_per_sequence(out, tree)
-    node_logprob, row_entropy = out
-    return (_rolled_per_sequence(node_logprob, tree),
-            row_entropy[tree.token_index.to(logits.device)])
+        return _per_sequence(out, None, tree, cp)[0]
+    return tuple(_per_sequence(*out, tree, cp))
 
 
 def gather_packed_tree_logprobs_entropy(
@@ -368,6 +392,7 @@ def gather_packed_tree_logprobs_entropy(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    cp: ContextParallelSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rolled per-sequence log-probs and entropy of a packed tree's (vocab-parallel) logits.
 
@@ -383,6 +408,9 @@ def gather_packed_tree_logprobs_entropy(
         tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
         chunk_size: rows reduced at once (bounds the fp32 temporaries to 2 x [chunk, Vl]);
             None picks a cache-sized chunk on CPU and 2**26 / Vl rows elsewhere.
+        cp: under context parallelism, the micro-batch's split: ``logits`` holds this rank's rows
+            [n, Vl]; every rank gets all [T] entries, and gradients flow only into its own rows
+            (see :mod:`megatron_tree.core.context_parallel`).
 
     Returns:
         (logprobs [T], entropy [T]), in ``tree.token_index`` order. ``logprobs`` entry t of a
@@ -390,7 +418,7 @@ def gather_packed_tree_logprobs_entropy(
         entry t is the entropy of the distribution at token t (defined for t = L-1 too).
     """
     return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=True)
+                            chunk_size=chunk_size, with_entropy=True, cp=cp)
 
 
 def gather_packed_tree_logprobs(
@@ -400,10 +428,11 @@ def gather_packed_tree_logprobs(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    cp: ContextParallelSplit | None = None,
 ) -> torch.Tensor:
     """The ``logprobs`` of :func:`gather_packed_tree_logprobs_entropy` alone ([T]), cheaper."""
     return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=False)
+                            chunk_size=chunk_size, with_entropy=False, cp=cp)
 
 
 def gather_packed_tree_logprobs_entropy_from_hidden(
@@ -414,6 +443,7 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    cp: ContextParallelSplit | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused output layer + :func:`gather_packed_tree_logprobs_entropy`: never builds [N, Vl].
 
@@ -425,13 +455,13 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     Args:
         hidden: [N, H], [1, N, H] or [N, 1, H].
         output_weight: [Vl, H], this rank's rows of the output layer (or tied embedding).
-        tree, temperature, tp_group, chunk_size: as in gather_packed_tree_logprobs_entropy.
+        tree, temperature, tp_group, chunk_size, cp: as in gather_packed_tree_logprobs_entropy.
 
     Returns:
         (logprobs [T], entropy [T]) as gather_packed_tree_logprobs_entropy.
     """
     temperature = check_positive_number("temperature", temperature)
-    hidden = rows_of(hidden, tree, "hidden")
+    hidden = rows_of(hidden, tree, "hidden", cp)
     if output_weight.dim() != 2 or output_weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"output_weight must be [Vl, {hidden.shape[1]}], got {tuple(output_weight.shape)}"
@@ -442,10 +472,9 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
         tree, vocab_local=vocab_local, tp_size=tp_size, tp_rank=tp_rank,
         chunk_rows=_chunk_rows(chunk_size, vocab_local, hidden.device,
                                cpu_elements=_FUSED_CHUNK_ELEMENTS_CPU),
-        device=hidden.device,
+        device=hidden.device, cp=cp,
     )
     node_logprob, row_entropy = _TreeLogprobEntropyFromHidden.apply(
         hidden, output_weight, pairs, tree.num_tree_tokens, temperature, tp_group
     )
-    return (_rolled_per_sequence(node_logprob, tree),
-            row_entropy[tree.token_index.to(hidden.device)])
+    return tuple(_per_sequence(node_logprob, row_entropy, tree, cp))

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from .context_parallel import ContextParallelSplit
 from .tree import PackedTree
 
 PLAN_GROUPS = 4  # block-sparse plan: query blocks grouped by how many key blocks they see
@@ -98,40 +99,55 @@ def tree_mask_mod(subtree_end: torch.Tensor):
     return functools.partial(_mask_mod, _subtree_end_of(subtree_end))
 
 
-def tree_block_layout(
-    tree: PackedTree | torch.Tensor, block_size: int = 128
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which (query block, key block) tiles of the tree mask hold any / only allowed pairs.
+def padded_query_positions(query_positions: torch.Tensor, padded: int) -> torch.Tensor:
+    """int64 [nq] ascending -> [padded]: the last position repeated (a padded query row then
+    computes a valid duplicate row, which is sliced off)."""
+    extra = padded - query_positions.shape[0]
+    return torch.cat([query_positions, query_positions[-1:].expand(extra)]) if extra else query_positions
 
-    Computed from per-key-block minima and maxima of ``subtree_end``, never from the N x N mask:
-    for key block kb below query block qb every key precedes every query, so the tile has an allowed
-    pair iff some key's subtree reaches past the tile's first query, and is full iff every key's
-    subtree covers the tile's last query. A diagonal tile always holds its own diagonal.
+
+def tree_block_layout(
+    tree: PackedTree | torch.Tensor, block_size: int = 128, query_positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (query tile, key block) tiles of the tree mask hold any / only allowed pairs.
+
+    Computed from per-key-block minima and maxima of ``subtree_end``, never from the N x N mask.
+    A tile of queries ``[qmin, qmax]`` and key block kb has an allowed pair if kb starts at or
+    before ``qmax`` and some key's subtree reaches past ``qmin``: exact for a key block below a
+    contiguous query tile, and for the diagonal (every query sees itself); for scattered query
+    tiles (context parallelism) a superset, which costs work but never correctness because the
+    pairs inside a listed tile are masked exactly. A tile is full iff its whole key block lies at
+    or before ``qmin`` and every key's subtree covers ``qmax``.
 
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` [N] with N a multiple of ``block_size``.
         block_size: tile edge.
+        query_positions: int64 [nq] ascending, a multiple of ``block_size`` long: the queries'
+            positions (one context-parallel rank's rows); default all N positions.
 
     Returns:
-        (any_allowed, all_allowed): torch.bool [nb, nb] each, indexed [query block, key block].
+        (any_allowed, all_allowed): torch.bool [nq / block_size, N / block_size] each, indexed
+        [query tile, key block].
     """
     subtree_end = _subtree_end_of(tree).to(torch.int64)
     n = subtree_end.shape[0]
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or n % block_size:
+    nq = n if query_positions is None else query_positions.shape[0]
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or n % block_size or nq % block_size:
         raise ValueError(
-            f"block_size={block_size!r} must be a positive integer dividing the packed length {n}; "
-            "pack with a block_size that the packed length is aligned to"
+            f"block_size={block_size!r} must be a positive integer dividing the packed length {n} "
+            f"and the number of queries {nq}; pack with a block_size that the packed length is aligned to"
         )
-    nb = n // block_size
-    ends = subtree_end.view(nb, block_size)
+    ends = subtree_end.view(n // block_size, block_size)
     max_end, min_end = ends.max(dim=1).values, ends.min(dim=1).values  # [nb] per key block
-    blk = torch.arange(nb, device=subtree_end.device)
-    qb, kb = blk[:, None], blk[None, :]
-    below = kb < qb
-    any_allowed = (kb == qb) | (below & (max_end[None, :] > qb * block_size))
-    # A diagonal tile is full only for 1 x 1 tiles; otherwise its upper triangle is masked.
-    fully_before = below | (kb == qb) if block_size == 1 else below
-    all_allowed = fully_before & (min_end[None, :] >= (qb + 1) * block_size)
+    if query_positions is None:
+        qmin = torch.arange(0, n, block_size, device=subtree_end.device)
+        qmax = qmin + block_size - 1
+    else:
+        tiles = query_positions.to(subtree_end.device).view(nq // block_size, block_size)
+        qmin, qmax = tiles[:, 0], tiles[:, -1]
+    kstart = torch.arange(0, n, block_size, device=subtree_end.device)[None, :]
+    any_allowed = (kstart <= qmax[:, None]) & (max_end[None, :] > qmin[:, None])
+    all_allowed = (kstart + block_size - 1 <= qmin[:, None]) & (min_end[None, :] > qmax[:, None])
     return any_allowed, all_allowed
 
 
@@ -143,7 +159,8 @@ def _kv_block_lists(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], indices[None, None]
 
 
-def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int = 128):
+def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int = 128,
+                               query_positions: torch.Tensor | None = None):
     """A FlexAttention ``BlockMask`` for the tree, built at block level from ``subtree_end``.
 
     Its memory is O((N / block_size)^2) block indices plus the [N] encoding the ``mask_mod`` reads.
@@ -151,42 +168,58 @@ def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int 
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` [N].
         block_size: FlexAttention's tile size; N must be a multiple of it.
+        query_positions: int64 [nq] ascending (a multiple of ``block_size`` long): the queries'
+            positions under context parallelism; default all N.
 
     Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` of shape [1, 1, N, N].
+        ``torch.nn.attention.flex_attention.BlockMask`` of shape [1, 1, nq, N].
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     subtree_end = _subtree_end_of(tree)
-    any_allowed, all_allowed = tree_block_layout(subtree_end, block_size)
+    any_allowed, all_allowed = tree_block_layout(subtree_end, block_size, query_positions)
     kv_num, kv_idx = _kv_block_lists(any_allowed & ~all_allowed)
     full_num, full_idx = _kv_block_lists(all_allowed)
     n = subtree_end.shape[0]
+    if query_positions is None:
+        mask_mod, nq = tree_mask_mod(subtree_end), n
+    else:
+        mask_mod, nq = functools.partial(_cp_mask_mod, subtree_end, query_positions), query_positions.shape[0]
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx,
-        BLOCK_SIZE=block_size, mask_mod=tree_mask_mod(subtree_end), seq_lengths=(n, n),
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(nq, n),
     )
 
 
-def block_sparse_plan(subtree_end: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, ...]]:
-    """Gather plan of one tree for the block-sparse backend, as groups of query blocks.
+def _cp_mask_mod(subtree_end, query_positions, b, h, q_idx, kv_idx):
+    return allowed(subtree_end, query_positions[q_idx], kv_idx)
 
-    Query block i attends the key blocks holding an allowed pair for it (``tree_block_layout``).
-    Blocks are grouped by that count (group g holds counts up to about (g+1)/G of the maximum), and
-    each group's key lists are padded to the group's largest count with the query block itself,
-    masked out; so the padding costs at most M/G tiles per query block.
+
+def block_sparse_plan(subtree_end: torch.Tensor, block_size: int,
+                      query_positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Gather plan of one tree for the block-sparse backend, as groups of query tiles.
+
+    Query tile i attends the key blocks holding an allowed pair for it (``tree_block_layout``).
+    Tiles are grouped by that count (group g holds counts up to about (g+1)/G of the maximum), and
+    each group's key lists are padded to the group's largest count with masked-out slots; so the
+    padding costs at most M/G tiles per query tile.
 
     Args:
         subtree_end: int [N]; padded here to a multiple of ``block_size``.
+        query_positions: int64 [nq] ascending, the queries' positions (a context-parallel rank's
+            rows), padded here by repeating the last; default all N.
 
     Returns:
-        A list of (q_blocks [g], kv_index [g, M_g*B], allowed [g, 1, B, M_g*B]) over the groups;
-        the q_blocks of all groups together are a permutation of range(nb).
+        A list of (q_tiles [g], kv_index [g, M_g*B], allowed [g, 1, B, M_g*B]) over the groups;
+        the q_tiles of all groups together are a permutation of range(nq / B).
     """
     padded = -(-subtree_end.shape[0] // block_size) * block_size
     ends = pad_encoding(subtree_end, padded)
-    any_allowed, _ = tree_block_layout(ends, block_size)  # [nb, nb]
     device = ends.device
+    if query_positions is None:
+        q_all = torch.arange(padded, device=device)
+    else:
+        q_all = padded_query_positions(query_positions.to(device), -(-query_positions.shape[0] // block_size) * block_size)
+    any_allowed, _ = tree_block_layout(ends, block_size, None if query_positions is None else q_all)
     counts = any_allowed.sum(dim=1)
     top = int(counts.max())
     group_of = torch.clamp((counts * PLAN_GROUPS - 1) // top, min=0)
@@ -195,15 +228,15 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int) -> list[tuple[
     offsets = torch.arange(block_size, device=device)
     plan = []
     for group in torch.unique(group_of).tolist():
-        q_blocks = torch.nonzero(group_of == group).squeeze(1)
-        m = int(counts[q_blocks].max())
-        slot_valid = torch.arange(m, device=device)[None, :] < counts[q_blocks, None]  # [g, M]
-        kv_blocks = torch.where(slot_valid, order[q_blocks, :m], q_blocks[:, None].expand(-1, m))
-        kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(len(q_blocks), m * block_size)
-        q_pos = (q_blocks[:, None] * block_size + offsets)[:, :, None]  # [g, B, 1]
+        q_tiles = torch.nonzero(group_of == group).squeeze(1)
+        m = int(counts[q_tiles].max())
+        slot_valid = torch.arange(m, device=device)[None, :] < counts[q_tiles, None]  # [g, M]
+        kv_blocks = torch.where(slot_valid, order[q_tiles, :m], order[q_tiles, :1])
+        kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(len(q_tiles), m * block_size)
+        q_pos = q_all.view(-1, block_size)[q_tiles][:, :, None]  # [g, B, 1]
         pair_ok = allowed(ends, q_pos, kv_index[:, None, :])  # [g, B, M*B]
         pair_ok &= slot_valid.repeat_interleave(block_size, dim=1)[:, None, :]
-        plan.append((q_blocks, kv_index, pair_ok.unsqueeze(1)))
+        plan.append((q_tiles, kv_index, pair_ok.unsqueeze(1)))
     return plan
 
 
@@ -215,11 +248,23 @@ class TreeMaskPlan:
 
     Args:
         subtree_end: int [r, N], one encoding per micro-batch row.
+        cp: the micro-batch's context-parallel split: the queries are this rank's rows
+            (``cp.local_positions``, nq of them) and the keys the whole tree's N positions.
     """
 
-    def __init__(self, subtree_end: torch.Tensor):
+    def __init__(self, subtree_end: torch.Tensor, cp: ContextParallelSplit | None = None):
         self.subtree_end = subtree_end
+        self.cp = None if cp is None else cp.to(subtree_end.device)
         self._forms: dict[Any, Any] = {}
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        """int64 [nq] under context parallelism, else None (the queries are all N positions)."""
+        return None if self.cp is None else self.cp.local_positions
+
+    @property
+    def num_queries(self) -> int:
+        return self.subtree_end.shape[-1] if self.cp is None else self.cp.positions.shape[1]
 
     def _get(self, key: Any, build: Callable[[], Any]) -> Any:
         if key not in self._forms:
@@ -227,25 +272,33 @@ class TreeMaskPlan:
         return self._forms[key]
 
     def dense_allowed(self) -> torch.Tensor:
-        """bool [r, 1, N, N], True = attend (torch SDPA's polarity)."""
+        """bool [r, 1, nq, N], True = attend (torch SDPA's polarity)."""
         def build():
-            pos = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
-            return torch.stack([allowed(row, pos[:, None], pos[None, :]) for row in self.subtree_end]).unsqueeze(1)
+            keys = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
+            queries = keys if self.cp is None else self.query_positions
+            return torch.stack([allowed(row, queries[:, None], keys[None, :]) for row in self.subtree_end]).unsqueeze(1)
 
         return self._get("dense", build)
 
     def block_sparse(self, row: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:
         """:func:`block_sparse_plan` of row ``row``."""
+        if self.cp is None:
+            return self._get(("block_sparse", row, block_size),
+                             lambda: block_sparse_plan(self.subtree_end[row], block_size))
         return self._get(("block_sparse", row, block_size),
-                         lambda: block_sparse_plan(self.subtree_end[row], block_size))
+                         lambda: block_sparse_plan(self.subtree_end[row], block_size, self.query_positions))
 
-    def block_mask(self, block_size: int, padded: int):
-        """FlexAttention ``BlockMask`` [1, 1, padded, padded] of row 0 (one tree per micro-batch)."""
+    def block_mask(self, block_size: int, padded_queries: int, padded_keys: int):
+        """FlexAttention ``BlockMask`` [1, 1, padded_queries, padded_keys] of row 0 (one tree per
+        micro-batch)."""
         def build():
-            ends = pad_encoding(self.subtree_end[0], padded).to(torch.int32)
-            return build_block_mask_from_trie(ends, block_size)
+            ends = pad_encoding(self.subtree_end[0], padded_keys).to(torch.int32)
+            if self.cp is None:
+                return build_block_mask_from_trie(ends, block_size)
+            queries = padded_query_positions(self.query_positions, padded_queries)
+            return build_block_mask_from_trie(ends, block_size, queries)
 
-        return self._get(("block_mask", block_size, padded), build)
+        return self._get(("block_mask", block_size, padded_queries, padded_keys), build)
 
 
 class TreeMask(torch.Tensor):
@@ -261,9 +314,12 @@ class TreeMask(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, subtree_end: torch.Tensor, plan: TreeMaskPlan | None = None):
+    def __new__(cls, subtree_end: torch.Tensor, plan: TreeMaskPlan | None = None,
+                cp: ContextParallelSplit | None = None):
         mask = torch.Tensor._make_subclass(cls, subtree_end)
-        mask.plan = plan if plan is not None else TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]))
+        if plan is None:
+            plan = TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]), cp)
+        mask.plan = plan
         return mask
 
     def detach(self) -> "TreeMask":
@@ -273,14 +329,20 @@ class TreeMask(torch.Tensor):
         return torch.Tensor.__reduce_ex__(torch.Tensor.detach(self).as_subclass(torch.Tensor), protocol)
 
 
-def tree_attention_mask(tree: PackedTree | torch.Tensor) -> TreeMask:
+def tree_attention_mask(tree: PackedTree | torch.Tensor, cp: ContextParallelSplit | None = None) -> TreeMask:
     """The ``attention_mask`` to hand a tree model for one micro-batch (int32 [N] :class:`TreeMask`).
 
     Call it once per micro-batch; every layer (and the recomputation in backward) then shares the
     masks the backends derive from it. A plain ``subtree_end`` tensor works too, but then each layer
-    derives its own.
+    derives its own. Under context parallelism pass the micro-batch's split (the model then runs on
+    ``cp.local_positions`` of the tree's tokens and gathers keys and values over ``cp.group``).
     """
     subtree_end = _subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}")
-    return TreeMask(subtree_end)
+    if cp is not None and cp.positions.numel() != subtree_end.shape[-1]:
+        raise ValueError(
+            f"the context-parallel split covers {cp.positions.numel()} positions, the tree "
+            f"{subtree_end.shape[-1]}; split this micro-batch's tree"
+        )
+    return TreeMask(subtree_end, cp=cp)

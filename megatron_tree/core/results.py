@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from .context_parallel import ContextParallelSplit, share_outputs
 from .logprobs import rows_of
 from .tree import PackedTree
 
@@ -44,23 +45,32 @@ def gather_packed_tree_vocab_stats(
     return -stats[1][token_index], stats[0][token_index]
 
 
-def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree) -> torch.Tensor:
+def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
+                              cp: ContextParallelSplit | None = None) -> torch.Tensor:
     """A critic's per-position values read back per sequence ([T], differentiable, not rolled).
 
     Args:
-        values: N values in any shape ([N], [1, N], [N, 1], [1, N, 1], ...).
+        values: N values in any shape ([N], [1, N], [N, 1], [1, N, 1], ...); under context
+            parallelism this rank's n rows.
         tree: the micro-batch's packed tree.
+        cp: the micro-batch's context-parallel split, if any: every rank then gets all [T]
+            entries and gradients flow only into its own rows.
 
     Returns:
         [T] in ``tree.token_index`` order: entry t of a sequence is the value at its token t.
         A position shared by several sequences receives the sum of their gradients.
     """
-    if values.numel() != tree.padded_length:
-        raise ValueError(
-            f"values has {values.numel()} elements, expected the tree's padded length "
-            f"{tree.padded_length}"
-        )
-    return values.reshape(-1)[tree.token_index.to(values.device)]
+    expected = tree.padded_length if cp is None else cp.positions.shape[1]
+    if values.numel() != expected:
+        where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
+        raise ValueError(f"values has {values.numel()} elements, expected {where} {expected}")
+    flat = values.reshape(-1)
+    token_index = tree.token_index.to(values.device)
+    if cp is None:
+        return flat[token_index]
+    rows = cp.local_index.to(values.device)[token_index]
+    mine = torch.where(rows >= 0, flat[rows.clamp(min=0)], 0.0)
+    return share_outputs([mine], cp)[0]
 
 
 def merge_packed_tree_results(

@@ -14,6 +14,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..core.attention import BACKENDS, tree_attention
+from ..core.context_parallel import gather_keys_values
 
 
 class TreeCoreAttention(MegatronModule):
@@ -29,8 +30,9 @@ class TreeCoreAttention(MegatronModule):
         attention_type: "self" (cross attention is not a tree operation).
         attention_dropout: overrides ``config.attention_dropout``.
         softmax_scale: overrides 1 / sqrt(head_dim).
-        cp_comm_type: unused (context parallelism is rejected).
-        pg_collection: process groups (unused: tree attention needs no communication).
+        cp_comm_type: unused (context parallelism gathers keys and values over the split's group).
+        pg_collection: process groups (unused: the tree mask's context-parallel split carries the
+            CP group, taken from Megatron's parallel_state by ``tree_forward_backward``).
         backend: one of ``"auto"``, ``"sdpa"``, ``"flex"``, ``"block_sparse"``.
         block_size: tile size for ``flex`` and ``block_sparse``.
     """
@@ -59,11 +61,6 @@ class TreeCoreAttention(MegatronModule):
             )
         if attention_type != "self":
             raise ValueError(f"{where}: tree attention is self-attention, got {attention_type!r}")
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"{where}: tree attention does not support context parallelism "
-                f"(context_parallel_size={config.context_parallel_size}); set it to 1"
-            )
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(
                 f"{where}: tree attention supports softmax_type='vanilla', got {config.softmax_type!r}"
@@ -88,7 +85,24 @@ class TreeCoreAttention(MegatronModule):
         packed_seq_params=None,
         **extra_kwargs,
     ) -> torch.Tensor:
-        """query [N, b, np, hn], key/value [N, b, ng, hn], the tree mask -> [N, b, np * hn]."""
+        """query [N, b, np, hn], key/value [N, b, ng, hn], the tree mask -> [N, b, np * hn].
+
+        Under context parallelism (``config.context_parallel_size > 1``) N is this rank's n rows
+        and the mask is ``tree_attention_mask(tree, split)``: the whole tree's keys and values are
+        all-gathered over the split's group (their gradients reduce-scattered in backward).
+        """
+        cp_size = self.config.context_parallel_size
+        plan = getattr(attention_mask, "plan", None)
+        split = getattr(plan, "cp", None)
+        if cp_size > 1 and (split is None or split.size != cp_size):
+            raise ValueError(
+                f"layer {self.layer_number}: context_parallel_size={cp_size} needs the tree mask of a "
+                f"{cp_size}-way context-parallel split: tree_attention_mask(tree, "
+                "context_parallel_split(tree, cp_size, cp_rank, cp_group)) with each rank's rows as "
+                "input (tree_forward_backward does this)"
+            )
+        if split is not None and split.size > 1:
+            key, value = gather_keys_values(key, value, split)
         if attention_bias is not None:
             raise ValueError("tree attention does not take attention_bias")
         if packed_seq_params is not None:

@@ -20,16 +20,22 @@ class TreeGPTModel(GPTModel):
     :func:`megatron_tree.mcore.spec.tree_attention_spec`, and call it with a packed micro-batch:
     ``model(input_ids [1, N], position_ids [1, N], attention_mask=tree_attention_mask(tree))``.
     With ``position_embedding_type="rope"`` or ``"yarn"`` it requires ``position_ids``; other
-    position embeddings already read them and are left alone.
+    position embeddings already read them and are left alone. Under context parallelism each rank
+    passes its rows' tokens and depths (``tree_forward_backward`` splits the tree).
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.config.context_parallel_size != 1:
-            raise ValueError("TreeGPTModel does not support context parallelism; set context_parallel_size=1")
-
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
-        output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        rotary = getattr(self, "rotary_pos_emb", None)
+        cp_group = getattr(rotary, "cp_group", None)
+        if cp_group is not None:
+            # Without its CP group the rotary module returns the table for every packed position
+            # (not this rank's zigzag slice): the depths of this rank's rows index the whole table.
+            rotary.cp_group = None
+        try:
+            output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        finally:
+            if cp_group is not None:
+                rotary.cp_group = cp_group
         rotary_pos_emb = output[1]
         if rotary_pos_emb is None or self.position_embedding_type not in ("rope", "yarn"):
             return output

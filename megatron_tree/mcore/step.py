@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,11 +33,12 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from ..core.batch import PackedTreeBatch
+from ..core.batch import PackedTreeBatch, micro_batch
+from ..core.context_parallel import context_parallel_split
 from ..core.heads import LogProbs, Values
 from ..core.losses import loss_weights
 from ..core.mask import tree_attention_mask
-from ..core.packing import build_packed_tree_batch
+from ..core.packing import _dummy_tree, build_packed_tree_batch
 from ..core.results import merge_packed_tree_results
 
 logger = logging.getLogger(__name__)
@@ -100,8 +102,12 @@ def _unwrap(model):
     return model
 
 
-def _as_packed(batch, packing: dict, dp_group, pp_size: int) -> PackedTreeBatch:
-    """The packed batch to step on: ``batch`` itself, or ``batch`` packed with ``packing``."""
+def _as_packed(batch, packing: dict, dp_group, pp_size: int, align: int) -> PackedTreeBatch:
+    """The packed batch to step on: ``batch`` itself, or ``batch`` packed with ``packing``.
+
+    ``align``: the factor every packed length needs (context-parallel size, times the
+    tensor-parallel size under sequence parallelism).
+    """
     if isinstance(batch, PackedTreeBatch):
         given = sorted(k for k, v in packing.items() if v is not None)
         if given:
@@ -114,6 +120,12 @@ def _as_packed(batch, packing: dict, dp_group, pp_size: int) -> PackedTreeBatch:
                 "the packed batch has trees of different lengths, which pipeline parallelism cannot "
                 "send between stages; pack with pad_to_max=True"
             )
+        bad = [t.padded_length for t in batch.trees if t.padded_length % align]
+        if bad:
+            raise ValueError(
+                f"packed lengths {bad[:4]} are not multiples of {align} (the context-parallel size, "
+                f"times the tensor-parallel size under sequence parallelism); pack with parallel_size={align}"
+            )
         return batch
     if packing["max_tokens_per_mb"] is None:
         raise ValueError("max_tokens_per_mb is required to pack a padded batch (or pass a PackedTreeBatch)")
@@ -124,7 +136,36 @@ def _as_packed(batch, packing: dict, dp_group, pp_size: int) -> PackedTreeBatch:
             "send between stages; use pad_to_max=True (the default under pipeline parallelism)"
         )
     kwargs = {k: v for k, v in packing.items() if v is not None and k != "pad_to_max"}
+    kwargs["parallel_size"] = math.lcm(kwargs.get("parallel_size", 1), align)
     return build_packed_tree_batch(batch, pad_to_max=pad_to_max, dp_group=dp_group, **kwargs)
+
+
+def _context_parallel_group(config, cp_group):
+    """The CP group of the step (None without context parallelism), checked against the model."""
+    if cp_group is None and config.context_parallel_size > 1:
+        cp_group = parallel_state.get_context_parallel_group()
+    size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if size != config.context_parallel_size:
+        raise ValueError(
+            f"the model was built with context_parallel_size={config.context_parallel_size} but "
+            f"cp_group has {size} ranks; pass the model's context-parallel group (or None)"
+        )
+    return cp_group if size > 1 else None
+
+
+def _pad_for_interleaving(packed: PackedTreeBatch, pp_size: int) -> PackedTreeBatch:
+    """Megatron's interleaved schedule needs a multiple of PP micro-batches: add all-padding trees."""
+    missing = -len(packed) % pp_size
+    if not missing:
+        return packed
+    first = packed[0]
+    tree = first["tree"]
+    dummies = []
+    for _ in range(missing):
+        mb = micro_batch(_dummy_tree(tree.padded_length, 0, tree.input_ids.device))
+        mb.update({k: v[:0] for k, v in first.items() if k not in mb})
+        dummies.append(mb)
+    return PackedTreeBatch(list(packed) + dummies, packed.batch_size, packed.num_real_tokens, packed.max_token_id)
 
 
 def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group) -> tuple[list, list, float]:
@@ -171,6 +212,7 @@ def tree_forward_backward(
     normalization: str = "token",
     tp_group=None,
     dp_group=None,
+    cp_group=None,
     dp_grad_average: bool = True,
     forward_only: bool = False,
     collect_outputs: bool = False,
@@ -183,10 +225,11 @@ def tree_forward_backward(
     """Run a packed batch forward (and backward) through Megatron's schedule.
 
     Args:
-        model: a Megatron model (or a one-element list of it) built with tree attention and depth
-            RoPE (``TreeGPTModel`` with ``tree_attention_spec``, or a bridge under
-            ``patch_bridge_for_tree_training``). Its last stage returns vocab-parallel logits
-            [1, N, V/tp] (for :class:`LogProbs`) or values [1, N, 1] (for :class:`Values`).
+        model: a Megatron model built with tree attention and depth RoPE (``TreeGPTModel`` with
+            ``tree_attention_spec``, or a bridge under ``patch_bridge_for_tree_training``), or the
+            list of its model chunks under virtual (interleaved) pipeline parallelism. Its last
+            stage returns vocab-parallel logits [1, N, V/tp] (for :class:`LogProbs`) or values
+            [1, N, 1] (for :class:`Values`); N is this rank's rows under context parallelism.
         batch: a :class:`PackedTreeBatch` (pack once, step many), or a right-padded dict
             (``input_ids`` / ``attention_mask`` [B, L] and per-token tensors [B, L]) that is packed
             here with the packing arguments below. Per-token inputs: ``loss_mask`` (optional; for
@@ -198,16 +241,21 @@ def tree_forward_backward(
         normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of the
             per-sequence means of the sequences with loss tokens), over the global batch.
         tp_group: tensor-parallel group the logits' vocabulary is sharded over.
-        dp_group: data-parallel group: the normalization counts every rank's tokens (and, when packing
-            here, trees are equalized across it).
-        dp_grad_average: the caller's gradient reduction averages over DP ranks (Megatron DDP's
-            default). Ignored when Megatron divides the gradients itself (per-token mode with a
-            ``finalize_model_grads_func``; see the module docstring).
+        dp_group: data-parallel group (without context parallelism): the normalization counts every
+            rank's tokens (and, when packing here, trees are equalized across it).
+        cp_group: context-parallel group; default Megatron's when the model's config has
+            ``context_parallel_size > 1``. Each tree is split across it by attention work
+            (:func:`~megatron_tree.core.context_parallel.context_parallel_split`); every CP rank
+            returns the whole loss and all outputs.
+        dp_grad_average: the caller's gradient reduction averages over the data-parallel x
+            context-parallel ranks (Megatron DDP's default). Ignored when Megatron divides the
+            gradients itself (per-token mode with a ``finalize_model_grads_func``).
         forward_only: no backward (old / reference log-probs, evaluation).
         collect_outputs: keep the head's outputs (``result.tree_outputs``).
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
-            pipeline parallelism). Rejected with a packed ``batch``.
+            pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
+            under sequence parallelism). Rejected with a packed ``batch``.
 
     Returns:
         :class:`TreeStepResult`; its loss equals the unpacked batch's.
@@ -215,53 +263,45 @@ def tree_forward_backward(
     if loss_fn is None and not forward_only:
         raise ValueError("loss_fn is required for a training step; pass loss_fn or forward_only=True")
     chunks = model if isinstance(model, list) else [model]
-    if len(chunks) > 1 or (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if len(chunks) != vpp:
         raise ValueError(
-            "tree_forward_backward does not support virtual pipeline parallelism (interleaved "
-            "schedule); pass one model chunk per pipeline stage"
+            f"got {len(chunks)} model chunks but the virtual pipeline size is {vpp}; pass one chunk "
+            "per virtual stage (the list Megatron's get_model returns)"
         )
-    timings: dict[str, float] = {}
+    config = get_model_config(chunks[0])
+    cp_group = _context_parallel_group(config, cp_group)
     t0 = time.perf_counter()
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
                    pad_to_max=pad_to_max, share_prefixes=share_prefixes)
-    packed = _as_packed(batch, packing, dp_group, parallel_state.get_pipeline_model_parallel_world_size())
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    align = config.context_parallel_size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    packed = _as_packed(batch, packing, dp_group, pp_size, align)
     vocab_size = getattr(_unwrap(chunks[0]), "vocab_size", None)
     if vocab_size is not None and packed.max_token_id >= vocab_size:
         raise ValueError(
             f"the batch holds token id {packed.max_token_id} (pad_token_id included), outside the "
             f"model's vocabulary [0, {vocab_size})"
         )
-    config = get_model_config(chunks[0])
     weights, counts, total = _step_weights(packed, gather, normalization, dp_group)
-    megatron_divides = bool(config.calculate_per_token_loss and config.finalize_model_grads_func is not None)
-    if not forward_only and config.finalize_model_grads_func is not None and not config.calculate_per_token_loss:
-        raise ValueError(
-            "trees hold different numbers of tokens, so Megatron's per-micro-batch loss mean would weight "
-            "tokens unequally; set config.calculate_per_token_loss=True (Megatron DDP then sums "
-            "gradients and finalize_model_grads divides them by the global token count)"
-        )
-    scale = 1.0
-    if megatron_divides and any(c != round(c) for c in counts):
-        raise ValueError(
-            "Megatron counts loss tokens as integers, but the loss mask gives fractional counts; use a "
-            "0/1 loss_mask (with normalization='token') or run without finalize_model_grads_func"
-        )
-    if not megatron_divides:
-        dp_size = dist.get_world_size(dp_group) if dp_group is not None and dp_grad_average else 1
-        scale = dp_size / max(total, 1e-30)
+    scale = _loss_scale(config, counts, total, forward_only, [dp_group, cp_group] if dp_grad_average else [])
     device = next(chunks[0].parameters()).device
     on_device = packed.to(device)
+    if len(chunks) > 1:
+        on_device = _pad_for_interleaving(on_device, pp_size)
+        weights += [torch.zeros(0)] * (len(on_device) - len(weights))
+        counts += [0.0] * (len(on_device) - len(counts))
     weights = [w.to(device=device, dtype=torch.float32) for w in weights]
-    timings["prepare"] = time.perf_counter() - t0
+    timings = {"prepare": time.perf_counter() - t0}
 
     collected: list[dict] = []
-    forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group,
+    forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
                                       collected if collect_outputs else None)
     t1 = time.perf_counter()
     with _per_token_loss_mode(config):
         logs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(enumerate(on_device)),
+            data_iterator=[iter(enumerate(on_device)) for _ in chunks] if len(chunks) > 1 else iter(enumerate(on_device)),
             model=chunks,
             num_microbatches=len(on_device),
             seq_length=max(t.padded_length for t in on_device.trees),
@@ -274,27 +314,67 @@ def tree_forward_backward(
         loss = (torch.stack([d["loss"][0] for d in logs]).sum() / max(total, 1e-30)).float()
     tree_outputs = None
     if collected:
-        tree_outputs = {name: [c[name] for c in collected] for name in collected[0]}
+        tree_outputs = {name: [c[name] for c in collected[: len(packed)]] for name in collected[0]}
     result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs)
     logger.info(result.log_line())
     return result
 
 
-def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, collected):
+def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
+    """What the step multiplies each micro-batch's loss sum by (1 when Megatron divides)."""
+    megatron_divides = bool(config.calculate_per_token_loss and config.finalize_model_grads_func is not None)
+    if not forward_only and config.finalize_model_grads_func is not None and not config.calculate_per_token_loss:
+        raise ValueError(
+            "trees hold different numbers of tokens, so Megatron's per-micro-batch loss mean would weight "
+            "tokens unequally; set config.calculate_per_token_loss=True (Megatron DDP then sums "
+            "gradients and finalize_model_grads divides them by the global token count)"
+        )
+    if megatron_divides:
+        if any(c != round(c) for c in counts):
+            raise ValueError(
+                "Megatron counts loss tokens as integers, but the loss mask gives fractional counts; use a "
+                "0/1 loss_mask (with normalization='token') or run without finalize_model_grads_func"
+            )
+        return 1.0
+    # The caller's reduction averages over these groups (data x context parallel under Megatron
+    # DDP); each CP rank's gradient is its rows' share of the whole loss's, so the shares must add.
+    ranks = math.prod(dist.get_world_size(g) for g in averaged_over if g is not None)
+    return ranks / max(total, 1e-30)
+
+
+def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks, collected):
     """Megatron's ``forward_step_func`` over ``enumerate(packed micro-batches)``.
 
     The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
     weighted loss sum times ``scale`` (1 when Megatron divides by the global count itself),
-    ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair.
+    ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair. Under context
+    parallelism every CP rank computes the whole loss (its gradient reaching only its own rows) and
+    CP rank 0 reports the count, so that Megatron's sums over the CP group count each token once.
+    Each micro-batch's split and mask are built once, at its first model chunk.
     """
+    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    prepared: dict[int, tuple] = {}
+
+    def prepare(mb):
+        tree = mb["tree"]
+        if cp_group is None:
+            return None, tree_attention_mask(tree), mb["input_ids"], mb["position_ids"]
+        split = context_parallel_split(tree, dist.get_world_size(cp_group), cp_rank, cp_group)
+        return (split, tree_attention_mask(tree, split), split.local(mb["input_ids"]),
+                split.local(mb["position_ids"]))
 
     def forward_step(data_iterator, model_chunk):
         i, mb = next(data_iterator)
         tree = mb["tree"]
-        output = model_chunk(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))
+        if i not in prepared:
+            prepared[i] = prepare(mb)
+        split, mask, input_ids, position_ids = (
+            prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
+        )
+        output = model_chunk(input_ids, position_ids, attention_mask=mask)
 
         def loss_func(output_tensor):
-            outputs = gather.gather(output_tensor, tree, tp_group)
+            outputs = gather.gather(output_tensor, tree, tp_group, split)
             if collected is not None:
                 collected.append({k: v.detach() for k, v in outputs.items()})
             if loss_fn is None:
@@ -308,7 +388,8 @@ def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, collec
                 )
             total = (per_token.float() * weights[i]).sum()
             count = torch.tensor(counts[i], dtype=torch.float64, device=total.device)
-            num_tokens = torch.tensor(round(counts[i]), dtype=torch.int, device=total.device)
+            reported = round(counts[i]) if cp_rank == 0 else 0
+            num_tokens = torch.tensor(reported, dtype=torch.int, device=total.device)
             return total * scale, num_tokens, {"loss": torch.stack([total.detach().double(), count])}
 
         return output, loss_func

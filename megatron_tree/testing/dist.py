@@ -53,7 +53,8 @@ def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict |
 
             megatron_cpu.apply()
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"]
+                tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+                context_parallel_size=layout["cp"], virtual_pipeline_model_parallel_size=layout["vpp"],
             )
             mp_random.model_parallel_cuda_manual_seed(1234)
         result = ("ok", fn(rank, *args))
@@ -76,6 +77,8 @@ def run_spawned(
     *args: Any,
     tp: int | None = None,
     pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
     megatron: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on a fresh gloo world of ``world_size`` processes; results by rank.
@@ -83,12 +86,14 @@ def run_spawned(
     Args:
         fn: a module-level (picklable) function.
         world_size: number of processes.
-        tp, pp: Megatron layout, TP = ``tp`` (default: the whole world / ``pp``), PP = ``pp``,
-            DP = the rest.
+        tp, pp, cp, vpp: Megatron layout: TP = ``tp`` (default: the whole world / (``pp`` x
+            ``cp``)), PP = ``pp``, CP = ``cp``, virtual pipeline size ``vpp``, DP = the rest.
         megatron: set up Megatron's parallel_state (with the CPU runtime patch and the model-parallel
             seed 1234); False gives a plain gloo world (``dist.group.WORLD``).
     """
-    layout = {"tp": world_size // pp if tp is None else tp, "pp": pp} if megatron else None
+    layout = None
+    if megatron:
+        layout = {"tp": world_size // (pp * cp) if tp is None else tp, "pp": pp, "cp": cp, "vpp": vpp}
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_worker, args=(world_size, directory, fn, args, layout), nprocs=world_size, join=True)
         results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False)
