@@ -34,7 +34,7 @@ RECOMPUTE = {
 }
 
 
-def _config(recompute: str = "none"):
+def _config(recompute: str = "none", **overrides):
     from megatron.core import parallel_state as ps
 
     return small_gpt_config(
@@ -45,6 +45,7 @@ def _config(recompute: str = "none"):
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         **RECOMPUTE[recompute],
+        **overrides,
     )
 
 
@@ -249,6 +250,42 @@ def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute)
     _assert_grads_close(got, want)
 
 
+def _vpp_worker(rank: int, state_path: str, critic: bool) -> dict:
+    """PP=2 x VPP=2 over 4 layers: chunk c of stage s holds layer 2c + s."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    full = torch.load(state_path)
+    chunks, names = [], {}
+    for vp_stage in range(2):
+        config = _config(virtual_pipeline_model_parallel_size=2)
+        model = build_gpt_model(config, tree=True, vocab_size=VOCAB, critic=critic, backend="block_sparse",
+                                block_size=16, vp_stage=vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        names.update({(vp_stage, n): stage_parameter_name(n, offset) for n in model.state_dict()})
+        model.load_state_dict({n: full[names[(vp_stage, n)]] for n in model.state_dict()})
+        chunks.append(model)
+    # 3 trees: not a multiple of PP, so the step adds a dummy tree for the interleaved schedule.
+    result = _tree_step(chunks, _batch(branching_sequences()), critic, pad_to_max=True)
+    grads = {names[(c, n)]: g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
+    return {"loss": None if result.loss is None else float(result.loss), "grads": grads,
+            "trees": result.num_micro_batches, "last": ps.is_pipeline_last_stage()}
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
+def test_virtual_pipeline_2x2_equals_unpacked(world, tmp_path, critic):
+    reference = _build("reference", critic)
+    want_loss = _reference_step(reference, _batch(branching_sequences()), critic)
+    torch.save(reference.state_dict(), tmp_path / "state.pt")
+    first, last = run_spawned(_vpp_worker, 2, str(tmp_path / "state.pt"), critic, pp=2, tp=1, vpp=2)
+    assert first["loss"] is None and last["last"]
+    assert first["trees"] % 2 == 1  # the dummy tree is the step's, not the packed batch's
+    assert last["loss"] == pytest.approx(float(want_loss), rel=LOSS_RTOL)
+    got = {**first["grads"], **last["grads"]}
+    assert len(got) == len(_grads(reference))
+    _assert_grads_close(got, _grads(reference))
+
+
 def test_pipeline_parallel_needs_constant_shapes(world):
     from megatron.core import parallel_state as ps
 
@@ -270,6 +307,8 @@ def test_step_errors(world):
         tree_forward_backward(
             tree, batch, lambda outputs, mb: outputs["logprobs"].sum(), max_tokens_per_mb=64, block_size=16
         )
+    with pytest.raises(ValueError, match="got 2 model chunks but the virtual pipeline size is 1"):
+        tree_forward_backward([tree, tree], batch, _loss_fn(False), max_tokens_per_mb=64, block_size=16)
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16)
     with pytest.raises(ValueError, match=r"\['max_tokens_per_mb'\] apply to packing a padded batch"):
         tree_forward_backward(tree, packed, _loss_fn(False), max_tokens_per_mb=64)

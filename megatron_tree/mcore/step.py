@@ -193,14 +193,20 @@ def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group)
 
 
 @contextlib.contextmanager
-def _per_token_loss_mode(config):
-    """Megatron's schedule in per-token mode: it does not divide the loss by tokens or micro-batches."""
-    original = config.calculate_per_token_loss
+def _schedule_mode(config, interleaved: bool):
+    """Megatron's schedule in per-token mode (it does not divide the loss by tokens or
+    micro-batches), and, for the interleaved schedule on gloo, unbatched p2p: with PP = 2 both
+    pipeline neighbours are the same rank, and Megatron's batched p2p posts (send prev, send next)
+    against (recv prev, recv next), which gloo matches in posting order, silently swapping the
+    activations and the gradients it exchanges."""
+    saved = config.calculate_per_token_loss, config.batch_p2p_comm
     config.calculate_per_token_loss = True
+    if interleaved and dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo":
+        config.batch_p2p_comm = False
     try:
         yield
     finally:
-        config.calculate_per_token_loss = original
+        config.calculate_per_token_loss, config.batch_p2p_comm = saved
 
 
 def tree_forward_backward(
@@ -298,7 +304,7 @@ def tree_forward_backward(
     forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
                                       collected if collect_outputs else None)
     t1 = time.perf_counter()
-    with _per_token_loss_mode(config):
+    with _schedule_mode(config, interleaved=len(chunks) > 1):
         logs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(enumerate(on_device)) for _ in chunks] if len(chunks) > 1 else iter(enumerate(on_device)),

@@ -159,8 +159,9 @@ def build_gpt_model(
     backend: str = "auto",
     block_size: int = 128,
     seed: int = 0,
+    vp_stage: int | None = None,
 ):
-    """A local-spec GPT for this pipeline stage: ``TreeGPTModel`` with tree attention, or the stock
+    """A local-spec GPT for this pipeline stage (and virtual stage ``vp_stage``): ``TreeGPTModel`` with tree attention, or the stock
     ``GPTModel`` (the reference), with untied output weights and rope.
 
     The same ``seed`` and config give the same weights for both kinds (tree attention has no
@@ -184,9 +185,10 @@ def build_gpt_model(
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=8192,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     return attach_value_head(model) if critic else model
