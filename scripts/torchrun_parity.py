@@ -1,15 +1,19 @@
-"""Tree step vs. unpacked reference on any TP x PP layout, launched with torchrun.
+"""Tree step vs. unpacked reference on any TP x CP x PP (x VPP) x DP layout, launched with torchrun.
 
     torchrun --nproc-per-node 2 scripts/torchrun_parity.py --tp 2
-    torchrun --nproc-per-node 2 scripts/torchrun_parity.py --pp 2
-    torchrun --nproc-per-node 4 scripts/torchrun_parity.py --tp 2 --pp 2
+    torchrun --nproc-per-node 2 scripts/torchrun_parity.py --tp 2 --sp
+    torchrun --nproc-per-node 2 scripts/torchrun_parity.py --pp 2 --vpp 2
+    torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2 --tp 2
+    torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2        # CP=2 x DP=2
 
 gloo on CPU (with the CPU patch), NCCL on CUDA. Each rank first builds the whole model at TP=tp
-(PP=1) and runs the unpacked reference step (every sequence alone, stock GPTModel); then the model
-parallel state is rebuilt at TP=tp, PP=pp, each rank loads its pipeline stage's slice of the same
-weights into a tree model and runs the tree step. Tensor-parallel ranks keep their index across the
-two layouts (Megatron orders TP fastest), so each rank compares its own shards. Exit status 1 if
-any loss or gradient is off by more than the tolerances (fp32: loss rel 1e-5, gradient rel 1e-4).
+(no CP, PP or SP) and runs the unpacked reference step on the whole batch (every sequence alone,
+stock GPTModel); then the model parallel state is rebuilt at the tree layout, each rank loads its
+pipeline stage's (and virtual stage's) slice of the same weights into a tree model and runs the
+tree step on its data-parallel share of the batch; gradients are averaged over the data x context
+parallel ranks, as Megatron DDP does. Tensor-parallel ranks keep their index across the two layouts
+(Megatron orders TP fastest), so each rank compares its own shards. Exit status 1 if any loss or
+gradient is off by more than the tolerances (fp32: loss rel 1e-5, gradient rel 1e-4).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--critic", action="store_true")
@@ -35,13 +42,34 @@ def parse_args():
     return p.parse_args()
 
 
-def config(args, tp: int, pp: int):
+def config(args, tp: int, pp: int = 1, cp: int = 1, vpp: int | None = None, sp: bool = False):
     from megatron_tree.testing.models import small_gpt_config
 
     return small_gpt_config(
         num_layers=args.layers, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
     )
+
+
+def tree_chunks(args, device, state):
+    """This rank's model chunks (one per virtual stage) holding their slices of ``state``."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_tree.testing.models import build_gpt_model
+    from megatron_tree.testing.reference import stage_parameter_name
+
+    chunks, names = [], {}
+    for vp_stage in ([None] if args.vpp is None else range(args.vpp)):
+        cfg = config(args, args.tp, args.pp, args.cp, args.vpp, args.sp)
+        chunk = build_gpt_model(cfg, tree=True, vocab_size=args.vocab, critic=args.critic, backend=args.backend,
+                                block_size=16, vp_stage=vp_stage).to(device)
+        first = get_transformer_layer_offset(cfg, vp_stage=vp_stage)
+        for n in chunk.state_dict():
+            names[(len(chunks), n)] = stage_parameter_name(n, first)
+        chunk.load_state_dict({n: state[names[(len(chunks), n)]] for n in chunk.state_dict()})
+        chunks.append(chunk)
+    return chunks, names
 
 
 def batch(vocab: int) -> dict:
@@ -66,7 +94,7 @@ def main() -> int:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_tree.testing.models import build_gpt_model
-    from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
+    from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
     from megatron_tree.patches import megatron_cpu
     from megatron_tree import LogProbs, Values, ppo_clipped_loss, tree_forward_backward, value_loss
 
@@ -76,47 +104,56 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != args.tp * args.pp:
-        raise ValueError(f"world size {world} must equal --tp {args.tp} x --pp {args.pp}")
+    if world % (args.tp * args.pp * args.cp):
+        raise ValueError(f"world size {world} must be a multiple of --tp {args.tp} x --pp {args.pp} x --cp {args.cp}")
     loss_fn = value_loss if args.critic else ppo_clipped_loss
     data = batch(args.vocab)
 
-    # 1. Reference: whole model at TP=tp, every sequence alone.
+    # 1. Reference: whole model at TP=tp, every sequence of the whole batch alone.
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
-    reference = build_gpt_model(config(args, args.tp, 1), tree=False, vocab_size=args.vocab, critic=args.critic).to(device)
+    reference = build_gpt_model(config(args, args.tp), tree=False, vocab_size=args.vocab, critic=args.critic).to(device)
     want_loss = unpacked_reference_step(reference, data, loss_fn, critic=args.critic)
     state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in reference.state_dict().items()}
     want = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
     del reference
     ps.destroy_model_parallel()
 
-    # 2. Tree step on the TP x PP layout, this stage's slice of the same weights.
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    # 2. Tree step on the tree layout: this stage's slices of the same weights, this DP rank's rows.
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                 context_parallel_size=args.cp, virtual_pipeline_model_parallel_size=args.vpp)
     model_parallel_cuda_manual_seed(1234)
-    stage, first = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_rank() * (args.layers // args.pp)
-    model = build_gpt_model(config(args, args.tp, args.pp), tree=True, vocab_size=args.vocab, critic=args.critic,
-                            backend=args.backend, block_size=16).to(device)
-    model.load_state_dict({n: state[stage_parameter_name(n, first)] for n in model.state_dict()})
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    chunks, names = tree_chunks(args, device, state)
+    mine = {k: v[dp_rank::dp] for k, v in data.items()}
     result = tree_forward_backward(
-        model, data, loss_fn, gather=Values() if args.critic else LogProbs(), max_tokens_per_mb=128, block_size=16,
-        tp_group=ps.get_tensor_model_parallel_group(), pad_to_max=args.pp > 1,
+        chunks if args.vpp else chunks[0], mine, loss_fn, gather=Values() if args.critic else LogProbs(),
+        max_tokens_per_mb=128, block_size=16, tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group() if dp > 1 else None, pad_to_max=args.pp > 1,
     )
-    got = {stage_parameter_name(n, first): p.grad for n, p in model.named_parameters()}
+    got = {names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    for g in got.values():  # Megatron DDP: average over the data x context parallel ranks
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
     errors = gradient_errors(got, {n: want[n] for n in got})
     worst = max(errors, key=errors.get)
     ok = errors[worst] <= GRAD_RTOL
-    line = f"rank {rank} (tp {ps.get_tensor_model_parallel_rank()}, pp stage {stage}): {len(errors)} grads, worst {worst} rel {errors[worst]:.2e}"
+    stage = ps.get_pipeline_model_parallel_rank()
+    line = (f"rank {rank} (tp {ps.get_tensor_model_parallel_rank()}, cp {ps.get_context_parallel_rank()}, "
+            f"dp {dp_rank}, pp stage {stage}): {len(errors)} grads, worst {worst} rel {errors[worst]:.2e}")
     if result.loss is not None:
-        loss_rel = abs(float(result.loss) - float(want_loss)) / abs(float(want_loss))
+        loss = result.loss.clone()
+        if dp > 1:
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())  # the DP ranks' shares add up
+        loss_rel = abs(float(loss) - float(want_loss)) / abs(float(want_loss))
         ok = ok and loss_rel <= LOSS_RTOL
-        line += f"; loss tree {float(result.loss):.6f} vs unpacked {float(want_loss):.6f} (rel {loss_rel:.1e})"
+        line += f"; loss tree {float(loss):.6f} vs unpacked {float(want_loss):.6f} (rel {loss_rel:.1e})"
     line += f"; trees {result.num_micro_batches}, tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
     print(line, flush=True)
     flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)
     if rank == 0:
-        print(f"torchrun parity (tp {args.tp}, pp {args.pp}, {'critic' if args.critic else 'actor'}): "
+        layout = f"tp {args.tp}{' +sp' if args.sp else ''}, cp {args.cp}, pp {args.pp}, vpp {args.vpp or 1}, dp {world // (args.tp * args.pp * args.cp)}"
+        print(f"torchrun parity ({layout}, {'critic' if args.critic else 'actor'}): "
               f"{'PASS' if int(flag) == 0 else 'FAIL'}", flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
