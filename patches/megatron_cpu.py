@@ -1,8 +1,9 @@
 """Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
 
 Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
-(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask).
-This module redirects exactly those calls to the CPU:
+(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask),
+and its CPU norms refuse sequence parallelism. This module redirects exactly those calls to the CPU
+and lifts that one refusal:
 
 ==========================================================  =======================================
 patched symbol                                              CPU behaviour
@@ -25,7 +26,30 @@ patched symbol                                              CPU behaviour
 ``torch.nn.Module.cuda``                                    returns the module unchanged (model
                                                             builders such as mbridge's
                                                             ``get_model`` call it unconditionally)
+``megatron.core.transformer.torch_norm.WrappedTorchNorm``   accepts ``sequence_parallel=True`` and
+``.__new__``                                                marks the norm's parameters
+                                                            ``sequence_parallel`` (see below)
 ==========================================================  =======================================
+
+Sequence parallelism on the local spec. Without apex or transformer-engine (always the case on a
+CPU) the local spec's norms are ``WrappedTorchNorm``, a factory for ``torch.nn.LayerNorm`` /
+``RMSNorm`` that asserts ``not config.sequence_parallel`` (megatron-core 0.16.1, 0.17.0 and 0.19.2
+alike). The assertion guards nothing a CPU run needs: under sequence parallelism a norm sees its
+rank's shard of the sequence, [s/tp, b, H], and a LayerNorm / RMSNorm is computed per token, so its
+output on a shard is the shard of its output on the whole sequence. Only its weight (and bias)
+gradient differs: each rank sums over its own tokens, so the full gradient is the sum over the
+tensor-parallel ranks. Megatron already does that sum for every parameter marked
+``param.sequence_parallel = True`` (``finalize_model_grads`` ->
+``_allreduce_non_tensor_model_parallel_grads``, a SUM over the TP group, run when
+``config.sequence_parallel``), and its own sequence-parallel norms (apex ``FusedLayerNorm``,
+transformer-engine ``TENorm``) mark their parameters so. The patched factory therefore builds the
+same torch norm, with every other assertion of the original left in force (it calls the original
+on a shallow copy of the config with ``sequence_parallel=False``), and sets
+``param.sequence_parallel = config.sequence_parallel`` on its parameters, as ``FusedLayerNorm``
+does. (A ``qk_layernorm`` q/k norm sees the whole sequence but only its rank's heads; its gradient
+is a partial sum too, which ``finalize_model_grads`` adds up by name with or without sequence
+parallelism.) A caller that does not use ``finalize_model_grads`` (a hand-written loop without
+Megatron DDP) must all-reduce the gradients of the parameters so marked over the TP group itself.
 
 Nothing happens at import. Use :func:`apply` / :func:`undo` or the :func:`megatron_cpu_patch`
 context manager. On a machine where CUDA is available every entry point is a no-op. The patch is
@@ -38,6 +62,7 @@ filter.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import warnings
@@ -65,6 +90,7 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("torch.cuda", "synchronize"),
     ("megatron.core.pipeline_parallel.schedules", "torch"),
     ("torch.nn", "Module.cuda"),
+    ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__"),
 )
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
@@ -188,7 +214,34 @@ def _module_cuda_noop(self, device: Any = None):
     return self
 
 
+def _original(cls: type, name: str) -> Any:
+    """The object this patch replaced at ``name`` on ``cls`` or a base class (while applied)."""
+    for saved_owner, saved_name, original in _saved:
+        if saved_owner in cls.__mro__ and saved_name == name:
+            return original
+    raise AssertionError(f"{cls.__name__}.{name} is not patched")
+
+
+def _torch_norm_new(cls, config, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any):
+    """``WrappedTorchNorm(config, hidden_size, ...)`` that allows ``config.sequence_parallel``.
+
+    Returns the torch norm upstream builds (every other upstream assertion still applies), its
+    parameters marked ``sequence_parallel = config.sequence_parallel`` so that Megatron's
+    ``finalize_model_grads`` sums their gradients over the tensor-parallel group.
+    """
+    original = _original(cls, "__new__")
+    upstream_config = config
+    if config.sequence_parallel:
+        upstream_config = copy.copy(config)  # shallow: no __post_init__, the model's config untouched
+        upstream_config.sequence_parallel = False
+    norm = original.__get__(None, cls)(cls, upstream_config, hidden_size, eps, *args, **kwargs)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
 _REPLACEMENTS: dict[str, Any] = {
+    "WrappedTorchNorm.__new__": staticmethod(_torch_norm_new),
     "Module.cuda": _module_cuda_noop,
     "current_device": _cpu_current_device,
     "_get_cuda_rng_state": _cpu_get_rng_state,

@@ -132,6 +132,10 @@ def main() -> int:
         dp_group=ps.get_data_parallel_group() if dp > 1 else None, pad_to_max=args.pp > 1,
     )
     got = {names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    for chunk in chunks:  # finalize_model_grads: sequence-parallel (norm) weights hold per-shard sums
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     for g in got.values():  # Megatron DDP: average over the data x context parallel ranks
         dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
     errors = gradient_errors(got, {n: want[n] for n in got})

@@ -139,3 +139,42 @@ def test_gpt_forward_backward_tp2_spawned():
         # fp32, reordered sums of a 2-layer model: ~1e-6 of O(1) logits.
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert all(g > 0 for _, g in ranks)
+
+
+def test_torch_norms_allow_sequence_parallel_and_mark_their_parameters():
+    """The local spec's torch norms build under sequence parallelism while the patch is applied,
+    their parameters marked for finalize_model_grads' TP sum; every other upstream assertion holds,
+    and undo brings the refusal back."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_tree.testing.models import small_gpt_config
+
+    configs = {
+        norm: small_gpt_config(normalization=norm, tensor_model_parallel_size=2, sequence_parallel=True)
+        for norm in ("RMSNorm", "LayerNorm")
+    }
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(configs["RMSNorm"], 64)
+    try:
+        megatron_cpu.apply()
+        for norm, config in configs.items():
+            module = WrappedTorchNorm(config, 64, eps=1e-6)
+            assert type(module).__name__ == norm and module.eps == 1e-6
+            assert config.sequence_parallel  # the model's config is not changed
+            params = list(module.parameters())
+            assert len(params) == (2 if norm == "LayerNorm" else 1)
+            assert all(p.sequence_parallel is True for p in params)
+            # Per token: the norm of a sequence shard is the shard of the norm (fp32 defaults;
+            # the same per-row arithmetic, so equal up to vectorization order).
+            x = torch.randn(8, 1, 64)
+            torch.testing.assert_close(module(x[4:]), module(x)[4:])
+        unmarked = WrappedTorchNorm(small_gpt_config(), 64)
+        assert unmarked.weight.sequence_parallel is False
+        configs["RMSNorm"].persist_layer_norm = True
+        with pytest.raises(AssertionError, match="persist_layer_norm not supported"):
+            WrappedTorchNorm(configs["RMSNorm"], 64)
+    finally:
+        megatron_cpu.undo()
+    configs["RMSNorm"].persist_layer_norm = False
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(configs["RMSNorm"], 64)

@@ -25,7 +25,7 @@ pytestmark = [
 LOGP_TOL = 1e-5
 
 
-def _tree_model(path: str, tp: int = 1, **patch_kwargs):
+def _tree_model(path: str, tp: int = 1, cp: int = 1, **patch_kwargs):
     # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs here.
     from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
     from megatron.bridge import AutoBridge
@@ -34,6 +34,7 @@ def _tree_model(path: str, tp: int = 1, **patch_kwargs):
         bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
     provider = bridge.to_megatron_provider(load_weights=True)  # after the block: still bound
     provider.tensor_model_parallel_size = tp
+    provider.context_parallel_size = cp
     provider.finalize()
     return bridge, provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0].eval()
 
@@ -99,6 +100,28 @@ def test_megatron_bridge_tp2_matches_hf(checkpoints, references):
     for rank in run_spawned(_tp2_worker, 2, checkpoints):
         for arch, logprobs in rank.items():
             assert max_err(logprobs, references[arch]) <= LOGP_TOL, arch
+
+
+def _cp2_worker(rank: int, path: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree import tree_forward_backward
+    from megatron_tree.testing.synthetic import pad_sequences
+
+    _, model = _tree_model(path, cp=2)
+    assert model.config.context_parallel_size == 2
+    seqs = branching_sequences()
+    result = tree_forward_backward(model, pad_sequences(seqs), None, forward_only=True, collect_outputs=True,
+                                   max_tokens_per_mb=64, block_size=16, tp_group=ps.get_tensor_model_parallel_group())
+    merged = result.merged_outputs()["logprobs"]
+    return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
+
+
+def test_megatron_bridge_context_parallel_2_matches_hf(checkpoints, references):
+    """CP=2: the provider builds a tree model with context_parallel_size=2; the step splits each
+    64-token tree across the two ranks; every rank gets HF's log-probs."""
+    for rank in run_spawned(_cp2_worker, 2, checkpoints["qwen3"], cp=2, tp=1):
+        assert max_err(rank, references["qwen3"]) <= LOGP_TOL
 
 
 def test_main_job_through_megatron_bridge(tmp_path):
