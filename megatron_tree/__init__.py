@@ -35,6 +35,7 @@ from .core.mask import (
     tree_mask_mod,
 )
 from .core.packing import build_packed_tree_batch
+from .core.partition import partition_for_data_parallel
 from .core.results import gather_packed_tree_values, gather_packed_tree_vocab_stats, merge_packed_tree_results
 from .core.rope import depth_rotary_pos_emb
 from .core.tree import PackedTree
@@ -70,6 +71,7 @@ __all__ = sorted(
         "depth_rotary_pos_emb", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
         "gather_packed_tree_logprobs_entropy_from_hidden", "gather_packed_tree_values",
         "gather_packed_tree_vocab_stats", "loss_weights", "merge_packed_tree_results",
+        "partition_for_data_parallel",
         "ppo_clipped_loss", "set_debug_checks", "train_flops", "tree_attention", "tree_attention_mask",
         "tree_block_layout", "tree_mask_mod", "value_loss", *_LAZY,
     ]

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from .flops import GPTShape, tree_cost
 from .tree import PackedTree
 
 RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask")
@@ -53,16 +54,28 @@ class PackedTreeBatch(Sequence):
         num_dummy_trees: all-padding trees appended to match other data-parallel ranks.
         max_token_id: the largest token id in the packed inputs (padding included), checked
             against the model's vocabulary before a forward.
+        cost_model: the :class:`GPTShape` the tree costs are measured with (None: no costs in the
+            statistics; :meth:`tree_costs` then takes a shape).
     """
 
-    def __init__(self, micro_batches: list[dict], batch_size: int, num_real_tokens: int, max_token_id: int):
+    def __init__(
+        self,
+        micro_batches: list[dict],
+        batch_size: int,
+        num_real_tokens: int,
+        max_token_id: int,
+        *,
+        cost_model: GPTShape | None = None,
+    ):
         self.micro_batches = micro_batches
         self.batch_size = batch_size
         self.num_real_tokens = num_real_tokens
         self.max_token_id = max_token_id
+        self.cost_model = cost_model
         self.num_tree_tokens = sum(mb["tree"].num_tree_tokens for mb in micro_batches)
         self.num_padded_tokens = sum(mb["tree"].padded_length for mb in micro_batches)
         self.num_dummy_trees = sum(mb["tree"].is_dummy for mb in micro_batches)
+        self._costs: list[float] | None = None
 
     @property
     def tree_token_ratio(self) -> float:
@@ -72,6 +85,34 @@ class PackedTreeBatch(Sequence):
     @property
     def trees(self) -> list[PackedTree]:
         return [mb["tree"] for mb in self.micro_batches]
+
+    def tree_costs(self, shape: GPTShape | None = None) -> list[float]:
+        """Forward+backward FLOPs of every micro-batch's tree (linear layers per unique token plus
+        attention per allowed pair; 0 for a dummy tree), under ``shape`` or else ``cost_model``."""
+        if shape is None and self.cost_model is None:
+            raise ValueError("tree_costs needs a shape: pass a GPTShape, or pack with cost_model=...")
+        if shape is not None and shape != self.cost_model:
+            return [tree_cost(tree, shape) for tree in self.trees]
+        if self._costs is None:
+            self._costs = [tree_cost(tree, self.cost_model) for tree in self.trees]
+        return self._costs
+
+    @property
+    def min_tree_cost(self) -> float | None:
+        """The cheapest real (non-dummy) tree's FLOPs under ``cost_model`` (None without one)."""
+        costs = self._real_tree_costs()
+        return min(costs) if costs else None
+
+    @property
+    def max_tree_cost(self) -> float | None:
+        """The costliest tree's FLOPs under ``cost_model`` (None without one)."""
+        costs = self._real_tree_costs()
+        return max(costs) if costs else None
+
+    def _real_tree_costs(self) -> list[float]:
+        if self.cost_model is None:
+            return []
+        return [c for c, tree in zip(self.tree_costs(), self.trees) if not tree.is_dummy]
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -83,10 +124,13 @@ class PackedTreeBatch(Sequence):
         return iter(self.micro_batches)
 
     def __repr__(self) -> str:
+        costs = ""
+        if self.cost_model is not None and self.max_tree_cost is not None:
+            costs = f", tree_tflops_min={self.min_tree_cost / 1e12:.4g}, tree_tflops_max={self.max_tree_cost / 1e12:.4g}"
         return (
             f"PackedTreeBatch(micro_batches={len(self)}, sequences={self.batch_size}, "
             f"real_tokens={self.num_real_tokens}, tree_tokens={self.num_tree_tokens}, "
-            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f})"
+            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f}{costs})"
         )
 
     def attach(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> "PackedTreeBatch":
@@ -140,4 +184,6 @@ class PackedTreeBatch(Sequence):
             new = micro_batch(mb["tree"].to(device))
             new.update({k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "tree")})
             moved.append(new)
-        return PackedTreeBatch(moved, self.batch_size, self.num_real_tokens, self.max_token_id)
+        return PackedTreeBatch(
+            moved, self.batch_size, self.num_real_tokens, self.max_token_id, cost_model=self.cost_model
+        )

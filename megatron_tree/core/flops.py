@@ -1,8 +1,12 @@
 """A FLOP model of a GPT forward+backward over packed trees, for ideal speed-ups.
 
 Linear layers cost ``2 * params`` per packed token; attention costs ``4 * heads * head_dim`` per allowed
-(query, key) pair per layer (QK^T and PV), with the allowed pairs read off ``subtree_end`` in O(N);
-a backward is twice a forward. Padding is not counted: the model gives the ideal of the layout.
+(query, key) pair per layer (QK^T and PV), with the allowed pairs read off ``subtree_end`` in O(N)
+(equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
+is twice a forward. Padding is not counted: the model gives the ideal of the layout.
+
+The cost is linear in (tokens, pairs), so packing can weigh any part of a trie by
+:func:`cost_weights` without laying it out.
 """
 
 from __future__ import annotations
@@ -68,11 +72,22 @@ def attention_pairs(tree: PackedTree) -> int:
     return int((ends - torch.arange(u, device=ends.device)).sum())
 
 
+def cost_weights(shape: GPTShape | None) -> tuple[float, float]:
+    """Forward+backward FLOPs per (unique token, attention pair) of ``shape``; ``(1.0, 0.0)`` (count
+    tokens only) for None."""
+    if shape is None:
+        return 1.0, 0.0
+    if not isinstance(shape, GPTShape):
+        raise ValueError(f"cost_model must be a GPTShape or None, got {type(shape).__name__}")
+    return 3.0 * 2.0 * shape.linear_params_per_token, 3.0 * 4.0 * shape.attention_width * shape.layers
+
+
+def tree_cost(tree: PackedTree, shape: GPTShape) -> float:
+    """Forward+backward FLOPs of ``shape`` over one tree's real tokens (0 for a dummy tree)."""
+    per_token, per_pair = cost_weights(shape)
+    return per_token * tree.num_tree_tokens + per_pair * attention_pairs(tree)
+
+
 def train_flops(trees: Iterable[PackedTree], shape: GPTShape) -> float:
     """Forward+backward FLOPs of ``shape`` over the real tokens of ``trees``."""
-    total = 0.0
-    for tree in trees:
-        linear = 2.0 * tree.num_tree_tokens * shape.linear_params_per_token
-        attention = 4.0 * shape.attention_width * shape.layers * attention_pairs(tree)
-        total += 3.0 * (linear + attention)
-    return total
+    return sum((tree_cost(tree, shape) for tree in trees), 0.0)

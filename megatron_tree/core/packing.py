@@ -6,8 +6,13 @@ How it works, with no Python object or loop per token:
    trie of a set of sequences is read off the longest common prefix (LCP) of each sequence with its
    predecessor: sequence i contributes its tokens at depths ``lcp_i .. len_i - 1``, and laying the
    contributions out one after another is the depth-first pre-order of the trie.
-2. Split the sorted order into root groups (LCP 0), cut a group too large for one micro-batch into
-   contiguous runs, and bin-pack the runs first-fit-decreasing (a loop over runs, not tokens).
+2. Split the sorted order into root groups (LCP 0); cut a group too large for one micro-batch at
+   its branch points into subtrees that repeat only their ancestors' path (``core/partition.py``),
+   and bin-pack the pieces first-fit-decreasing, each into the bin holding most of its path (a loop
+   over pieces, not tokens). The previous plan (contiguous runs of the sorted order, bin-packed
+   first-fit-decreasing; ``packing="runs"``) is computed too and kept when it needs fewer trees, or
+   as many trees and fewer tokens, so no batch packs worse than with it. Optionally the pieces are
+   then rebalanced by FLOP cost over the same number of trees.
 3. Lay out each bin with a few [S, L] tensor operations: packed position of every (sequence, depth)
    by a forward fill of the owning sequence down each depth column, and the end of every node's
    subtree (the start of the first later contribution with ``lcp <= depth``) by a reverse fill.
@@ -21,35 +26,18 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import torch
 
 from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
 from .checks import check_int
+from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
+from .partition import TrieCounts, _lexicographic_order, _neighbour_lcp, balance_by_cost, cut_tries, pack_pieces
 from .tree import PackedTree
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PackedTreeBatch", "build_packed_tree_batch", "layout_tree"]
-
-
-def _neighbour_lcp(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """LCP of each row with the row before it (0 for the first).
-
-    Args:
-        rows: int64 [S, L], padded with -1 (a value no token takes) past each length.
-        lengths: int64 [S].
-
-    Returns:
-        int64 [S].
-    """
-    lcp = torch.zeros_like(lengths)
-    if rows.shape[0] > 1:
-        differ = rows[1:] != rows[:-1]
-        first_diff = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), rows.shape[1])
-        lcp[1:] = torch.minimum(first_diff, torch.minimum(lengths[1:], lengths[:-1]))
-    return lcp
 
 
 def layout_tree(
@@ -204,12 +192,6 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
     return lengths.to(torch.int64), align, max_tokens_per_mb
 
 
-def _lexicographic_order(keys: torch.Tensor) -> torch.Tensor:
-    """Row order of [B, L] keys, column 0 most significant (np.lexsort takes the last key first)."""
-    order = np.lexsort(keys.cpu().numpy().T[::-1])
-    return torch.from_numpy(order.astype(np.int64))
-
-
 def _split_into_runs(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int) -> list[tuple[int, int, int]]:
     """Cut the sorted order into runs [a, b) that each fit ``capacity`` unique tokens.
 
@@ -248,6 +230,43 @@ def _first_fit_decreasing(runs: list[tuple[int, int, int]], capacity: int) -> li
     return bins
 
 
+PACKINGS = ("trie", "runs")
+
+
+def _plan_trees(
+    lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, *, packing: str, weights, balance: bool
+) -> list[list[tuple[int, int]]]:
+    """Which runs of the sorted order each tree holds.
+
+    Args:
+        lcp: int64 [B], LCP of each sorted sequence with its predecessor.
+        lengths: int64 [B], in sorted order.
+        capacity: unique tokens per tree.
+        packing: "trie" (cuts at branch points, never worse than "runs") or "runs" (the previous
+            plan: contiguous runs, first-fit-decreasing).
+        weights: cost per (token, attention pair), for ``balance``.
+        balance: rebalance the pieces by cost over the same number of trees (see
+            :func:`~.partition.balance_by_cost`).
+
+    Returns:
+        per tree, its runs ``(first, end)`` in sorted order.
+    """
+    runs = _split_into_runs(lcp, lengths, capacity)
+    plan = [sorted(runs[r][:2] for r in b) for b in _first_fit_decreasing(runs, capacity)]
+    if packing == "runs" and not balance:
+        return plan
+    counts = TrieCounts(lcp.cpu().numpy(), lengths.cpu().numpy())
+    pieces = cut_tries(counts, max_tokens=capacity)
+    bins = pack_pieces(pieces, capacity)
+    use_bins = packing == "trie" and (len(bins), sum(b.tokens for b in bins)) <= (len(plan), sum(r[2] for r in runs))
+    if use_bins:
+        plan = [b.runs() for b in bins]
+    if balance:
+        balanced = balance_by_cost(pieces, bins if use_bins else None, len(plan), weights, capacity)
+        plan = plan if balanced is None else [b.runs() for b in balanced]
+    return plan
+
+
 def _sync_num_micro_batches(num: int, dp_group) -> int:
     import torch.distributed as dist
 
@@ -282,12 +301,17 @@ def build_packed_tree_batch(
     vocab_size: int | None = None,
     dp_group=None,
     share_prefixes: bool = True,
+    packing: str = "trie",
+    cost_model: GPTShape | None = None,
+    balance_cost: bool = False,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
     Two sequences in the same tree share their whole common prefix, whatever their input order.
-    Sequences sharing a prefix are kept in one tree when it fits; a larger group is split across
-    trees, and small groups share a tree (as separate roots) first-fit-decreasing.
+    Sequences sharing a prefix are kept in one tree when it fits; a larger group is cut at its branch
+    points into subtrees, each repeating only its ancestors' path (and nothing when it joins a tree
+    holding that path), and groups and subtrees share trees (as separate roots)
+    first-fit-decreasing.
 
     Args:
         data: ``input_ids`` [B, L] int, ``attention_mask`` [B, L] (1 for real tokens, right-padded),
@@ -305,6 +329,14 @@ def build_packed_tree_batch(
             of micro-batches (all-padding dummy trees appended where needed).
         share_prefixes: False switches sharing off: every sequence becomes its own root chain, in
             the same layout, for a baseline that runs the same kernels.
+        packing: ``"trie"`` (cut large groups at branch points; never more trees, or more tokens in
+            as many trees, than ``"runs"``) or ``"runs"`` (the previous plan: contiguous runs of the
+            sorted order, bin-packed first-fit-decreasing).
+        cost_model: a :class:`GPTShape`; the batch then reports FLOP costs per tree
+            (``tree_costs``, min/max in its repr), and ``balance_cost`` uses it.
+        balance_cost: assign the pieces to the same number of trees longest-cost-first, each to
+            the tree where its cost lands lowest, evening out the trees' FLOPs (may repeat a few
+            more prefix tokens); needs ``cost_model``.
 
     Returns:
         :class:`PackedTreeBatch`.
@@ -312,6 +344,11 @@ def build_packed_tree_batch(
     lengths, align, max_tokens_per_mb = _validate(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
     )
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} must be one of {PACKINGS}")
+    weights = cost_weights(cost_model)
+    if balance_cost and cost_model is None:
+        raise ValueError("balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention")
     input_ids, mask = data["input_ids"], data["attention_mask"].bool()
     device = input_ids.device
     width = int(lengths.max())
@@ -329,12 +366,13 @@ def build_packed_tree_batch(
     lcp = _neighbour_lcp(sorted_keys, sorted_lengths)
     if not share_prefixes:
         lcp = torch.zeros_like(lcp)
-    runs = _split_into_runs(lcp, sorted_lengths, max_tokens_per_mb)
-    bins = _first_fit_decreasing(runs, max_tokens_per_mb)
+    plan = _plan_trees(
+        lcp, sorted_lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost
+    )
 
     micro_batches = []
-    for bin_runs in bins:
-        members = torch.cat([torch.arange(runs[r][0], runs[r][1]) for r in sorted(bin_runs)]).to(device)
+    for tree_runs in plan:
+        members = torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
         tree_lengths = sorted_lengths[members]
         ids, pos, end, parent, token_index, unique = layout_tree(
             sorted_keys[members, : int(tree_lengths.max())],
@@ -355,7 +393,9 @@ def build_packed_tree_batch(
         while len(micro_batches) < target:
             micro_batches.append(micro_batch(_dummy_tree(padded, pad_token_id, device)))
 
-    result = PackedTreeBatch(micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id)
+    result = PackedTreeBatch(
+        micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model
+    )
     result.attach_padded({k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")})
     logger.debug("packed %s", result)
     return result

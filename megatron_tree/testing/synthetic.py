@@ -62,7 +62,7 @@ def multi_turn_batch(
     *,
     num_tasks: int = 4,
     rollouts_per_task: int = 4,
-    turns: int = 4,
+    turns: int | tuple[int, int] = 4,
     system_len: int = 256,
     task_len: int = 128,
     observation_len: tuple[int, int] = (32, 96),
@@ -74,7 +74,8 @@ def multi_turn_batch(
 
     One system prompt is shared by all tasks; each task prompt by its rollouts. A rollout of ``turns``
     turns yields one sequence per turn (the whole history up to and including that turn's action),
-    so every earlier turn's sequence is a prefix of the later ones.
+    so every earlier turn's sequence is a prefix of the later ones. ``turns`` is a fixed count or
+    ``(min, max)``, drawn uniformly per rollout.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -84,13 +85,18 @@ def multi_turn_batch(
     def length(bounds):
         return int(torch.randint(bounds[0], bounds[1] + 1, (), generator=g))
 
+    if isinstance(turns, int):
+        turns = (turns, turns)
+    if not (1 <= turns[0] <= turns[1]):
+        raise ValueError(f"turns={turns} must be an int >= 1 or a (min, max) pair with 1 <= min <= max")
     system = tokens(system_len)
     sequences, loss_masks = [], []
     for _ in range(num_tasks):
         task = torch.cat([system, tokens(task_len)])
         for _ in range(rollouts_per_task):
             history, mask = task, torch.zeros(len(task))
-            for turn in range(turns):
+            num_turns = turns[0] if turns[0] == turns[1] else length(turns)
+            for turn in range(num_turns):
                 if turn > 0:
                     obs = tokens(length(observation_len))
                     history, mask = torch.cat([history, obs]), torch.cat([mask, torch.zeros(len(obs))])
@@ -99,3 +105,11 @@ def multi_turn_batch(
                 sequences.append(history)
                 loss_masks.append(mask)
     return _shuffled(sequences, loss_masks, g)
+
+
+def agent_batch(*, seed: int = 95, **overrides) -> dict:
+    """A multi-turn agent batch too large for one 8K-token tree: one 300-token system prompt shared
+    by 6 tasks, 4 rollouts per task of 2-5 turns each (90 sequences, 65.5K tokens, 12.7K unique
+    with the default seed); ``overrides`` go to :func:`multi_turn_batch`."""
+    kwargs = dict(num_tasks=6, rollouts_per_task=4, turns=(2, 5), system_len=300, seed=seed)
+    return multi_turn_batch(**{**kwargs, **overrides})

@@ -1,0 +1,121 @@
+"""The data-parallel partitioner: every sample on exactly one rank, prefixes kept together, costs
+balanced; measured by packing each rank's share as a trainer would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_tree import partition_for_data_parallel
+from megatron_tree.core.flops import GPTShape, train_flops
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import agent_batch, grpo_batch, pad_sequences
+
+SHAPE = GPTShape(hidden=4096, layers=36, heads=32, query_groups=8, ffn_hidden=12288, vocab=151936, head_dim=128)
+
+
+def rank_packs(batch: dict, ranks: list[torch.Tensor], capacity: int):
+    return [build_packed_tree_batch({k: v[r] for k, v in batch.items()}, max_tokens_per_mb=capacity) for r in ranks]
+
+
+def test_grpo_groups_stay_whole_and_ranks_balance():
+    """GRPO 64 prompts x 8 samples over 8 ranks: each prompt on one rank, max/min cost <= 1.1, and
+    far fewer tree tokens than the split by sample index."""
+    batch = grpo_batch(num_prompts=64, samples_per_prompt=8, prompt_len=128, response_len=(16, 48), vocab_size=1000)
+    ranks = partition_for_data_parallel(batch, 8, cost_model=SHAPE)
+    assert len(ranks) == 8
+    assert torch.equal(torch.cat(ranks).sort().values, torch.arange(512))
+    prompt_of = [tuple(row[:8].tolist()) for row in batch["input_ids"]]
+    for r, indices in enumerate(ranks):
+        assert indices.dtype == torch.int64 and torch.equal(indices, indices.sort().values)
+        for other in ranks[r + 1 :]:
+            assert not {prompt_of[i] for i in indices.tolist()} & {prompt_of[i] for i in other.tolist()}
+    costs = [train_flops(p.trees, SHAPE) for p in rank_packs(batch, ranks, 1024)]
+    assert max(costs) / min(costs) <= 1.1
+    by_index = rank_packs(batch, list(torch.arange(512).chunk(8)), 1024)
+    tokens = sum(p.num_tree_tokens for p in rank_packs(batch, ranks, 1024))
+    one_trie = build_packed_tree_batch(batch, max_tokens_per_mb=128 * 512).num_tree_tokens
+    assert tokens == one_trie < 0.5 * sum(p.num_tree_tokens for p in by_index)
+
+
+def test_agent_batch_splits_tasks_but_keeps_rollouts():
+    """6 tasks over 8 ranks: tasks must be split, so the system and task prompts repeat, but each
+    rollout (a chain of turns) stays on one rank and the costs still balance."""
+    batch = agent_batch()
+    ranks = partition_for_data_parallel(batch, 8, cost_model=SHAPE)
+    lengths = batch["attention_mask"].sum(1)
+    seqs = [tuple(batch["input_ids"][i, :n].tolist()) for i, n in enumerate(lengths.tolist())]
+    rank_of = {i: r for r, indices in enumerate(ranks) for i in indices.tolist()}
+    for i, a in enumerate(seqs):
+        for j, b in enumerate(seqs):
+            if len(a) < len(b) and b[: len(a)] == a:  # an earlier turn of the same rollout
+                assert rank_of[i] == rank_of[j]
+    costs = [train_flops(p.trees, SHAPE) for p in rank_packs(batch, ranks, 8192)]
+    assert max(costs) / min(costs) <= 1.1
+
+
+@st.composite
+def random_batches(draw):
+    vocab = draw(st.integers(2, 4))
+    sequences: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 14))):
+        base: list[int] = []
+        if sequences and draw(st.booleans()):
+            parent = draw(st.sampled_from(sequences))
+            base = parent[: draw(st.integers(0, len(parent)))]
+        sequences.append(base + draw(st.lists(st.integers(0, vocab - 1), min_size=0 if base else 1, max_size=8)))
+    return sequences, draw(st.integers(1, len(sequences)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_batches(), st.booleans())
+def test_every_sample_on_exactly_one_nonempty_rank(case, with_model):
+    sequences, dp_size = case
+    batch = pad_sequences([torch.tensor(s) for s in sequences])
+    ranks = partition_for_data_parallel(batch, dp_size, cost_model=SHAPE if with_model else None)
+    assert len(ranks) == dp_size and all(len(r) > 0 for r in ranks)
+    assert torch.equal(torch.cat(ranks).sort().values, torch.arange(len(sequences)))
+    # Same answer from ids and lengths, and twice.
+    lengths = batch["attention_mask"].sum(1)
+    again = partition_for_data_parallel(batch["input_ids"], dp_size, lengths=lengths, cost_model=SHAPE if with_model else None)
+    assert all(torch.equal(a, b) for a, b in zip(ranks, again))
+    # Unless there are fewer leaves (sequences no other extends) than ranks, copies of a sequence
+    # share a rank, and a sequence that others extend shares one with at least one of them.
+    leaves = {tuple(s) for s in sequences if not any(len(o) > len(s) and o[: len(s)] == s for o in sequences)}
+    if len(leaves) >= dp_size:
+        rank_of = {i: r for r, idx in enumerate(ranks) for i in idx.tolist()}
+        for i, a in enumerate(sequences):
+            longer = {rank_of[j] for j, b in enumerate(sequences) if len(b) > len(a) and b[: len(a)] == a}
+            copies = {rank_of[j] for j, b in enumerate(sequences) if b == a}
+            assert copies == {rank_of[i]} and (not longer or rank_of[i] in longer), a
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((0,), {}, "dp_size must be an integer >= 1, got 0"),
+        ((3,), {}, r"dp_size=3 is larger than the batch \(2 sequences\)"),
+        ((2,), {"lengths": torch.tensor([1, 1])}, "pass lengths only with an input_ids tensor"),
+        ((2,), {"cost_model": 7}, "cost_model must be a GPTShape or None, got int"),
+    ],
+)
+def test_errors(args, kwargs, match):
+    batch = pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match=match):
+        partition_for_data_parallel(batch, *args, **kwargs)
+
+
+def test_input_errors():
+    ids = torch.tensor([[1, 2, 3], [1, 2, 0]])
+    with pytest.raises(ValueError, match=r"lengths must be \[B=2\] with every entry in \[1, L=3\]"):
+        partition_for_data_parallel(ids, 2, lengths=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        partition_for_data_parallel(ids.float(), 2)
+    with pytest.raises(ValueError, match="negative token ids"):
+        partition_for_data_parallel(ids - 2, 2)
+    with pytest.raises(ValueError, match="data must be a batch dict or an input_ids tensor"):
+        partition_for_data_parallel([[1, 2]], 1)
+    with pytest.raises(ValueError, match="data must hold 'input_ids'"):
+        partition_for_data_parallel({"input_ids": ids}, 1)
+    assert [r.tolist() for r in partition_for_data_parallel(ids, 2)] in ([[0], [1]], [[1], [0]])
