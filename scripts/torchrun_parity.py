@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+OUTPUT_ATOL = 1e-5  # per-token log-probs / values, fp32
 
 
 def parse_args():
@@ -113,7 +114,8 @@ def main() -> int:
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
     reference = build_gpt_model(config(args, args.tp), tree=False, vocab_size=args.vocab, critic=args.critic).to(device)
-    want_loss = unpacked_reference_step(reference, data, loss_fn, critic=args.critic)
+    want_outputs: dict = {}
+    want_loss = unpacked_reference_step(reference, data, loss_fn, critic=args.critic, outputs=want_outputs)
     state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in reference.state_dict().items()}
     want = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
     del reference
@@ -130,6 +132,7 @@ def main() -> int:
         chunks if args.vpp else chunks[0], mine, loss_fn, gather=Values() if args.critic else LogProbs(),
         max_tokens_per_mb=128, block_size=16, tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group() if dp > 1 else None, pad_to_max=args.pp > 1,
+        collect_outputs=True,
     )
     got = {names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     for chunk in chunks:  # finalize_model_grads: sequence-parallel (norm) weights hold per-shard sums
@@ -151,6 +154,13 @@ def main() -> int:
         loss_rel = abs(float(loss) - float(want_loss)) / abs(float(want_loss))
         ok = ok and loss_rel <= LOSS_RTOL
         line += f"; loss tree {float(loss):.6f} vs unpacked {float(want_loss):.6f} (rel {loss_rel:.1e})"
+        name = "values" if args.critic else "logprobs"
+        got_out = result.merged_outputs(max_seq_len=data["input_ids"].shape[1])[name]
+        rows = range(data["input_ids"].shape[0])[dp_rank::dp]
+        out_err = max(float((got_out[j, : len(want_outputs[i][name])].double() - want_outputs[i][name].double()).abs().max())
+                      for j, i in enumerate(rows))
+        ok = ok and out_err <= OUTPUT_ATOL
+        line += f"; max |{name} tree - unpacked| {out_err:.1e}"
     line += f"; trees {result.num_micro_batches}, tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
     print(line, flush=True)
     flag = torch.tensor([0 if ok else 1], device=device)

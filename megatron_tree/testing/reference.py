@@ -20,6 +20,7 @@ def unpacked_reference_step(
     *,
     critic: bool = False,
     backward: bool = True,
+    outputs: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Token-mean loss of ``batch``, one sequence at a time, and its backward.
 
@@ -30,6 +31,8 @@ def unpacked_reference_step(
         loss_fn: the per-token loss, called per sequence with [L] tensors.
         critic: the model returns values [1, L, 1] instead of logits.
         backward: accumulate gradients.
+        outputs: if given, filled with each sequence's detached outputs ({"logprobs", "entropy"} or
+            {"values"}, [L] each; log-probs rolled, 0 at the last entry), by batch index.
 
     Returns:
         The loss (fp32 scalar, detached).
@@ -45,14 +48,16 @@ def unpacked_reference_step(
         row = {k: batch[k][i, :n].to(device) for k in per_token_keys}
         out = model(seq[None], torch.arange(n, device=device)[None], attention_mask=None)
         if critic:
-            outputs = {"values": out[0, :, 0].float()}
+            per_token = {"values": out[0, :, 0].float()}
         else:
             full = tensor_parallel.gather_from_tensor_model_parallel_region(out)[0]  # [L, V]
             logp = torch.log_softmax(full.double(), dim=-1)
             logprobs = torch.zeros(n, dtype=torch.float64, device=device)
             logprobs[:-1] = logp[torch.arange(n - 1, device=device), seq[1:]]
-            outputs = {"logprobs": logprobs, "entropy": -(logp.exp() * logp).sum(-1)}
-        total = total + (loss_fn(outputs, row).double() * row["loss_mask"]).sum()
+            per_token = {"logprobs": logprobs, "entropy": -(logp.exp() * logp).sum(-1)}
+        total = total + (loss_fn(per_token, row).double() * row["loss_mask"]).sum()
+        if outputs is not None:
+            outputs[i] = {k: v.detach() for k, v in per_token.items()}
     loss = total / (batch["loss_mask"] * batch["attention_mask"]).sum().to(device)
     if backward:
         loss.backward()
