@@ -48,6 +48,7 @@ def layout_tree(
     align: int = 1,
     pad_token_id: int = 0,
     share_prefixes: bool = True,
+    keys: torch.Tensor | None = None,
 ):
     """Flatten the trie of lexicographically sorted sequences in pre-order.
 
@@ -60,6 +61,8 @@ def layout_tree(
         pad_token_id: token id written on padding positions.
         share_prefixes: False lays every sequence out as its own root chain (the unshared
             baseline with the same layout and kernels).
+        keys: int64 [S, L], what two sequences must agree on to share a position (default
+            ``rows``; with routing replay, token and route), sorted like ``rows``.
 
     Returns:
         (input_ids [N], position_ids [N], subtree_end int32 [N], parent_index [N], token_index [T],
@@ -68,7 +71,7 @@ def layout_tree(
     rows, lengths = rows.to(torch.int64), lengths.to(torch.int64)
     num_seq, width = rows.shape
     device = rows.device
-    lcp = _neighbour_lcp(rows, lengths) if share_prefixes else torch.zeros_like(lengths)
+    lcp = _neighbour_lcp(rows if keys is None else keys, lengths) if share_prefixes else torch.zeros_like(lengths)
     contrib = lengths - lcp  # [S] tokens each sequence adds to the trie
     start = torch.zeros(num_seq + 1, dtype=torch.int64, device=device)
     torch.cumsum(contrib, dim=0, out=start[1:])
@@ -290,6 +293,24 @@ def _dummy_tree(padded_length: int, pad_token_id: int, device) -> PackedTree:
     )
 
 
+def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
+    """Trie keys [B, W] that differ where tokens or routes differ: token * R + route id, where the
+    route id numbers the distinct values of ``data[route_key]`` per token (-1 past each length)."""
+    if route_key in RESERVED_KEYS or route_key not in data:
+        raise ValueError(
+            f"route_key={route_key!r} must name a per-token input of the batch (e.g. 'routed_experts' "
+            f"[B, L, layers, topk]); the batch has {sorted(k for k in data if k not in RESERVED_KEYS)}"
+        )
+    routes = data[route_key]  # [B, L, ...], shape checked with the other per-token inputs
+    batch, width = keys.shape
+    if routes.dtype.is_floating_point:
+        raise ValueError(f"data[{route_key!r}] must hold integer routes (expert ids), got {routes.dtype}")
+    flat = routes[:, :width].reshape(batch * width, -1).to(keys.device)
+    _, route_id = torch.unique(flat, dim=0, return_inverse=True)
+    num_routes = int(route_id.max()) + 1
+    return torch.where(keys >= 0, keys * num_routes + route_id.view(batch, width), -1)
+
+
 def build_packed_tree_batch(
     data: dict[str, torch.Tensor],
     *,
@@ -304,6 +325,7 @@ def build_packed_tree_batch(
     packing: str = "trie",
     cost_model: GPTShape | None = None,
     balance_cost: bool = False,
+    route_key: str | None = None,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -337,6 +359,11 @@ def build_packed_tree_batch(
         balance_cost: assign the pieces to the same number of trees longest-cost-first, each to
             the tree where its cost lands lowest, evening out the trees' FLOPs (may repeat a few
             more prefix tokens); needs ``cost_model``.
+        route_key: the name of a per-token input that two sequences must also agree on to share a
+            token, e.g. ``"routed_experts"`` [B, L, layers, topk] recorded by the rollout engine for
+            MoE routing replay: a tree position has one route, so sharing stops at the first token
+            whose routes differ (the trie key is token + route). Its tree-layout values are then
+            equal on every sequence through a position (``values_per_position`` reads them).
 
     Returns:
         :class:`PackedTreeBatch`.
@@ -361,9 +388,10 @@ def build_packed_tree_batch(
             f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, {vocab_size})"
         )
 
-    order = _lexicographic_order(keys).to(device)
-    sorted_keys, sorted_lengths = keys[order], lengths[order]
-    lcp = _neighbour_lcp(sorted_keys, sorted_lengths)
+    trie_keys = keys if route_key is None else _route_keys(data, route_key, keys)
+    order = _lexicographic_order(trie_keys).to(device)
+    sorted_keys, sorted_lengths, sorted_trie_keys = keys[order], lengths[order], trie_keys[order]
+    lcp = _neighbour_lcp(sorted_trie_keys, sorted_lengths)
     if not share_prefixes:
         lcp = torch.zeros_like(lcp)
     plan = _plan_trees(
@@ -374,13 +402,15 @@ def build_packed_tree_batch(
     for tree_runs in plan:
         members = torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
         tree_lengths = sorted_lengths[members]
+        width_mb = int(tree_lengths.max())
         ids, pos, end, parent, token_index, unique = layout_tree(
-            sorted_keys[members, : int(tree_lengths.max())],
+            sorted_keys[members, :width_mb],
             tree_lengths,
             padded_length=max_tokens_per_mb if pad_to_max else None,
             align=align,
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
+            keys=None if route_key is None else sorted_trie_keys[members, :width_mb],
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])

@@ -17,7 +17,8 @@ from .context_parallel import ContextParallelSplit, share_outputs
 from .logprobs import rows_of
 from .tree import PackedTree
 
-__all__ = ["gather_packed_tree_values", "gather_packed_tree_vocab_stats", "merge_packed_tree_results"]
+__all__ = ["gather_packed_tree_values", "gather_packed_tree_vocab_stats", "merge_packed_tree_results",
+           "values_per_position"]
 
 
 @torch.no_grad()
@@ -71,6 +72,22 @@ def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
     rows = cp.local_index.to(values.device)[token_index]
     mine = torch.where(rows >= 0, flat[rows.clamp(min=0)], 0.0)
     return share_outputs([mine], cp)[0]
+
+
+def values_per_position(values: torch.Tensor, tree: PackedTree, *, fill: float = 0) -> torch.Tensor:
+    """Per-token values in tree layout [T, ...] -> one per packed position [N, ...].
+
+    For inputs that are equal on every sequence through a position (the tokens themselves, or
+    routes packed with ``build_packed_tree_batch(route_key=...)``); padding positions get ``fill``.
+    """
+    if values.shape[0] != tree.num_sequence_tokens:
+        raise ValueError(
+            f"values must be [T={tree.num_sequence_tokens}, ...] (the tree's sequence tokens), got "
+            f"{tuple(values.shape)}"
+        )
+    out = values.new_full((tree.padded_length, *values.shape[1:]), fill)
+    out[tree.token_index.to(values.device)] = values
+    return out
 
 
 def merge_packed_tree_results(

@@ -1,0 +1,97 @@
+"""Routing replay with trees: recorded routes are a per-token input, and two sequences share a token
+only if they share its route too (the trie key is token + route). Checked against a brute-force
+trie built from (token, route) pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.core.results import values_per_position
+from megatron_tree.testing.synthetic import pad_sequences
+
+LAYERS, TOPK, EXPERTS = 2, 2, 4
+
+
+def _routes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(n * LAYERS)]).view(n, LAYERS, TOPK)
+
+
+def _batch(seqs, routes) -> dict:
+    batch = pad_sequences(seqs)
+    width = batch["input_ids"].shape[1]
+    padded = torch.zeros(len(seqs), width, LAYERS, TOPK, dtype=torch.int64)
+    for i, r in enumerate(routes):
+        padded[i, : len(r)] = r
+    batch["routed_experts"] = padded
+    return batch
+
+
+def _brute_force_unique(seqs, routes) -> int:
+    """Nodes of the trie whose keys are (token, route) pairs."""
+    nodes = set()
+    for s, r in zip(seqs, routes):
+        for t in range(len(s)):
+            nodes.add(tuple((int(s[u]), tuple(r[u].flatten().tolist())) for u in range(t + 1)))
+    return len(nodes)
+
+
+def test_sharing_stops_where_routes_differ():
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 100, (12,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(1, 100, (n,), generator=g)]) for n in (6, 4, 7)]
+    base = _routes(12, seed=1)
+    disagree = base.clone()
+    disagree[5, 1] = (disagree[5, 1] + 1) % EXPERTS  # the engine routed token 5 differently in layer 1
+    routes = [torch.cat([base, _routes(6, 2)]), torch.cat([disagree, _routes(4, 3)]), torch.cat([base, _routes(7, 4)])]
+    batch = _batch(seqs, routes)
+    shared = build_packed_tree_batch(batch, max_tokens_per_mb=128, block_size=16, pad_to_max=False)
+    keyed = build_packed_tree_batch(batch, max_tokens_per_mb=128, block_size=16, pad_to_max=False,
+                                    route_key="routed_experts")
+    # Tokens only: the 12-token prompt is shared by all three. Token + route: sequence 1 leaves at token 5.
+    assert shared.num_tree_tokens == 12 + 6 + 4 + 7
+    assert keyed.num_tree_tokens == 12 + 6 + (12 - 5) + 4 + 7 == _brute_force_unique(seqs, routes)
+    # Every position holds one route: each sequence's tokens read back their own routes.
+    for mb in keyed:
+        tree = mb["tree"]
+        per_position = values_per_position(mb["routed_experts"], tree, fill=-1)
+        for i in range(tree.num_sequences):
+            b = int(tree.sequence_ids[i])
+            idx = tree.sequence_token_index(i)
+            assert torch.equal(per_position[idx], routes[b])
+            assert torch.equal(tree.input_ids[idx], seqs[b])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_route_keyed_tries_match_brute_force(seed):
+    """Random batches where routes of shared prefixes disagree at random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    seqs, routes = [], []
+    prompts = [torch.randint(1, 50, (int(torch.randint(3, 12, (), generator=g)),), generator=g) for _ in range(3)]
+    prompt_routes = [_routes(len(p), seed * 10 + k) for k, p in enumerate(prompts)]
+    for k in range(9):
+        p, r = prompts[k % 3], prompt_routes[k % 3].clone()
+        if torch.rand((), generator=g) < 0.5:  # a disagreeing route somewhere in the prompt
+            t = int(torch.randint(0, len(p), (), generator=g))
+            r[t, 0, 0] = (r[t, 0, 0] + 1 + int(torch.randint(0, EXPERTS - 1, (), generator=g))) % EXPERTS
+        tail = int(torch.randint(1, 6, (), generator=g))
+        seqs.append(torch.cat([p, torch.randint(1, 50, (tail,), generator=g)]))
+        routes.append(torch.cat([r, _routes(tail, 1000 + seed * 10 + k)]))
+    packed = build_packed_tree_batch(_batch(seqs, routes), max_tokens_per_mb=256, block_size=16, pad_to_max=False,
+                                     route_key="routed_experts")
+    assert packed.num_tree_tokens == _brute_force_unique(seqs, routes)
+
+
+def test_route_key_errors():
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([1, 2])]
+    batch = _batch(seqs, [_routes(3, 0), _routes(2, 1)])
+    with pytest.raises(ValueError, match="route_key='routes' must name a per-token input"):
+        build_packed_tree_batch(batch, max_tokens_per_mb=16, block_size=16, route_key="routes")
+    with pytest.raises(ValueError, match=r"must hold integer routes \(expert ids\)"):
+        build_packed_tree_batch({**batch, "routed_experts": batch["routed_experts"].float()}, max_tokens_per_mb=16,
+                                block_size=16, route_key="routed_experts")
+    with pytest.raises(ValueError, match=r"data\['routed_experts'\] must be a tensor shaped \[B, L, ...\]"):
+        build_packed_tree_batch({**batch, "routed_experts": batch["routed_experts"][:1]}, max_tokens_per_mb=16,
+                                block_size=16, route_key="routed_experts")
