@@ -2,8 +2,9 @@
 
 The rewrite swaps ``SelfAttentionSubmodules.core_attention`` for
 :class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
-``AttnMaskType.arbitrary``; every other submodule (TE or local linear layers, norms, MLP/MoE) is
-kept. Attention it cannot rewrite (multi-latent attention, Mamba/hybrid layers, cross attention,
+``AttnMaskType.arbitrary``; an ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
+(the same module and parameters, with router losses computed as if unpacked); every other submodule
+(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (multi-latent attention, Mamba/hybrid layers, cross attention,
 unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
 skipped silently.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -23,6 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..core.attention import BACKENDS
 from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
+from .moe import TreeMoELayer
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
 # that TE's classes are recognized without importing transformer-engine.
@@ -58,6 +61,7 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
             f"{where}: has cross attention ({_class_name(_module_class(cross))}), which tree "
             "training does not support"
         )
+    _rewrite_moe(subs, where)
     attention = subs.self_attention
     attention_cls = _module_class(attention)
     if attention_cls is IdentityOp:
@@ -82,6 +86,19 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     attention.params = {**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
     attention.submodules.core_attention = core_attention_spec
     return layer_spec
+
+
+def _rewrite_moe(subs: Any, where: str) -> None:
+    mlp = getattr(subs, "mlp", None)
+    mlp_cls = _module_class(mlp) if mlp is not None else None
+    if not (isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer)) or issubclass(mlp_cls, TreeMoELayer):
+        return
+    if mlp_cls is not MoELayer or not isinstance(mlp, ModuleSpec):
+        raise ValueError(
+            f"{where}: custom MoE layer {_class_name(mlp_cls)}: its router losses would count a shared "
+            "tree token once; derive it from megatron_tree.mcore.moe.TreeMoELayer instead of MoELayer"
+        )
+    mlp.module = TreeMoELayer
 
 
 def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 128) -> Any:

@@ -40,6 +40,7 @@ from ..core.losses import loss_weights
 from ..core.mask import tree_attention_mask
 from ..core.packing import _dummy_tree, build_packed_tree_batch
 from ..core.results import merge_packed_tree_results
+from .moe import step_loss_scale, token_multiplicity
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +305,7 @@ def tree_forward_backward(
     forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
                                       collected if collect_outputs else None)
     t1 = time.perf_counter()
-    with _schedule_mode(config, interleaved=len(chunks) > 1):
+    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale):
         logs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(enumerate(on_device)) for _ in chunks] if len(chunks) > 1 else iter(enumerate(on_device)),
@@ -356,28 +357,33 @@ def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_gro
     ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair. Under context
     parallelism every CP rank computes the whole loss (its gradient reaching only its own rows) and
     CP rank 0 reports the count, so that Megatron's sums over the CP group count each token once.
-    Each micro-batch's split and mask are built once, at its first model chunk.
+    Each micro-batch's split and mask are built once, at its first model chunk. MoE models also get
+    each position's multiplicity in the unpacked batch (``padding_mask``), which
+    :class:`~megatron_tree.mcore.moe.TreeMoELayer` uses for its router losses.
     """
     cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    moe = bool(get_model_config(chunks[0]).num_moe_experts)
     prepared: dict[int, tuple] = {}
 
     def prepare(mb):
         tree = mb["tree"]
-        if cp_group is None:
-            return None, tree_attention_mask(tree), mb["input_ids"], mb["position_ids"]
-        split = context_parallel_split(tree, dist.get_world_size(cp_group), cp_rank, cp_group)
-        return (split, tree_attention_mask(tree, split), split.local(mb["input_ids"]),
-                split.local(mb["position_ids"]))
+        split = None
+        if cp_group is not None:
+            split = context_parallel_split(tree, dist.get_world_size(cp_group), cp_rank, cp_group)
+        kwargs = {"attention_mask": tree_attention_mask(tree, split)}
+        if moe:  # each token's weight in the unpacked batch, for the router's losses
+            kwargs["padding_mask"] = token_multiplicity(tree, None if split is None else split.local_positions)
+        if split is None:
+            return split, mb["input_ids"], mb["position_ids"], kwargs
+        return split, split.local(mb["input_ids"]), split.local(mb["position_ids"]), kwargs
 
     def forward_step(data_iterator, model_chunk):
         i, mb = next(data_iterator)
         tree = mb["tree"]
         if i not in prepared:
             prepared[i] = prepare(mb)
-        split, mask, input_ids, position_ids = (
-            prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
-        )
-        output = model_chunk(input_ids, position_ids, attention_mask=mask)
+        split, input_ids, position_ids, kwargs = prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
+        output = model_chunk(input_ids, position_ids, **kwargs)
 
         def loss_func(output_tensor):
             outputs = gather.gather(output_tensor, tree, tp_group, split)

@@ -1,0 +1,166 @@
+"""Mixture-of-experts with trees: the router's load-balancing and z losses as if the batch were unpacked.
+
+A prefix token stored once in a tree occurs once per sequence through it in the unpacked batch, and
+Megatron's auxiliary load-balancing loss and z-loss are means over tokens: on a tree they silently
+weigh a shared token once and count padding. :class:`TreeMoELayer` (put in place of ``MoELayer`` by
+:func:`megatron_tree.mcore.spec.tree_attention_spec`) takes each packed position's multiplicity
+(the number of sequences that contain it, 0 for padding) and weighs every token by it inside the
+routing statistics, so that per micro-batch the aux loss, z-loss and their gradients equal those of
+the tree's sequences run unpacked as one batch:
+
+* aux loss = E * coeff / (k * W^2) * sum_e (sum_x w_x p_xe) (sum_x w_x r_xe), with p the router
+  scores, r the top-k map, W = sum_x w_x (over the tensor x context parallel group, like Megatron's);
+* z-loss = coeff * sum_x w_x logsumexp(l_x)^2 / W.
+
+The multiplicities travel as a float ``padding_mask`` [b, s] through Megatron's GPTModel, block and
+layer (and their activation recomputation) to the MoE layer; a boolean ``padding_mask`` keeps
+Megatron's meaning. The sequence-level aux loss (per sequence statistics), the global aux loss and
+token dropping (a capacity factor: which tokens an expert drops depends on every token of the
+micro-batch, so a tree cannot reproduce it) are refused with a clear error; see :func:`check_tree_moe_config`.
+
+Routing is unchanged: with token-choice top-k routing and no capacity, a token's experts depend on
+that token alone, so the tree's routing equals the unpacked one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    compute_routing_scores_for_aux_loss,
+    save_to_aux_losses_tracker,
+    switch_load_balancing_loss_func,
+)
+
+_SUPPORTED_AUX = ("aux_loss", "none")
+
+# Set by tree_forward_backward for the duration of its schedule: the factor its own loss gets per
+# micro-batch token (1 when Megatron divides by the global token count itself).
+_STEP_SCALE: list[float] = []
+
+
+@contextlib.contextmanager
+def step_loss_scale(scale: float):
+    """Within a tree step: each micro-batch's router losses are weighted by its unpacked token count
+    times ``scale``, as the step weights its own loss tokens (Megatron's per-token semantics)."""
+    _STEP_SCALE.append(scale)
+    try:
+        yield
+    finally:
+        _STEP_SCALE.pop()
+
+
+def check_tree_moe_config(config) -> None:
+    """Raise ValueError for MoE settings a tree cannot reproduce as if unpacked."""
+    types = config.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    coeffs = config.moe_aux_loss_coeff if isinstance(config.moe_aux_loss_coeff, list) else [config.moe_aux_loss_coeff] * len(types)
+    active = [t for t, c in zip(types, coeffs) if c and t not in _SUPPORTED_AUX]
+    if active:
+        raise ValueError(
+            f"moe_router_load_balancing_type {active} is not supported with trees: the sequence-level "
+            "aux loss needs per-sequence statistics and the global one accumulates across steps; use "
+            "'aux_loss' (computed as if unpacked) or set its coefficient to 0"
+        )
+    if config.moe_expert_capacity_factor is not None:
+        raise ValueError(
+            "moe_expert_capacity_factor drops tokens by their rank among all tokens of a micro-batch, "
+            "which a tree (shared tokens once, padding present) cannot reproduce; set it to None "
+            "(dropless routing)"
+        )
+    if getattr(config, "moe_input_jitter_eps", None):
+        raise ValueError("moe_input_jitter_eps is not supported with trees; set it to None")
+
+
+@contextlib.contextmanager
+def _router_losses_off(config):
+    """Megatron's own aux and z losses off (this module adds the weighted ones)."""
+    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    aux = saved[0]
+    config.moe_aux_loss_coeff = [0.0] * len(aux) if isinstance(aux, list) else 0.0
+    config.moe_z_loss_coeff = None
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
+
+
+def _aux_coeff(config) -> float:
+    types, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(types, list):
+        return sum(c for t, c in zip(types, coeff) if t == "aux_loss")
+    return float(coeff) if types == "aux_loss" else 0.0
+
+
+class TreeMoELayer(MoELayer):
+    """``MoELayer`` whose router losses weigh each token by its multiplicity in the unpacked batch.
+
+    Pass the multiplicities as a float ``padding_mask`` [b, s] to the model (``tree_forward_backward``
+    does, from ``token_multiplicity``); anything else behaves exactly like ``MoELayer``.
+    """
+
+    _token_weights: torch.Tensor | None = None
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        if padding_mask is None or not padding_mask.is_floating_point():
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if getattr(self, "moe_layer_recompute", False):
+            raise ValueError(
+                "MoE-only recompute (recompute_modules=['moe']) re-routes outside the layer's forward, "
+                "where the tree weights are gone; use full or core_attn recompute with trees"
+            )
+        self._token_weights = padding_mask.transpose(0, 1).reshape(-1)  # [s * b], like the router's tokens
+        try:
+            return super().forward(hidden_states, intermediate_tensors, None)
+        finally:
+            self._token_weights = None
+
+    def route(self, hidden_states, padding_mask=None):
+        weights = self._token_weights
+        if weights is None or not (self.training and torch.is_grad_enabled()):
+            return super().route(hidden_states, padding_mask)
+        check_tree_moe_config(self.config)
+        with _router_losses_off(self.config):
+            probs, routing_map = super().route(hidden_states, None)
+        return _attach_weighted_losses(self.router, hidden_states, probs, weights), routing_map
+
+
+def _attach_weighted_losses(router, hidden_states, probs, weights):
+    """probs with the weighted aux loss and z-loss attached (their gradients flow in backward)."""
+    config = router.config
+    num_experts = config.num_moe_experts
+    aux_coeff, z_coeff = _aux_coeff(config), config.moe_z_loss_coeff
+    if not aux_coeff and not z_coeff:
+        return probs
+    logits = router.gating(hidden_states).reshape(-1, num_experts)  # [tokens, E]
+    w = weights.to(logits.dtype)
+    group = router.tp_cp_group
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
+    with torch.no_grad():  # W and the weighted expert counts over the TP x CP shards
+        stats = torch.cat([(routing_map.to(w.dtype) * w[:, None]).sum(0), w.sum()[None]])
+        if group is not None and group.size() > 1:
+            dist.all_reduce(stats, group=group)
+    total = stats[-1].clamp(min=1e-30)
+    factor = total * _STEP_SCALE[-1] if _STEP_SCALE else 1.0
+    num_layers = config.num_layers + (config.mtp_num_layers or 0)
+    if z_coeff:
+        z_loss = z_coeff * (torch.logsumexp(logits, dim=-1).square() * w).sum() / total
+        probs = MoEAuxLossAutoScaler.apply(probs, z_loss * factor)
+        save_to_aux_losses_tracker("z_loss", z_loss.detach() / z_coeff, router.layer_number, num_layers)
+    if aux_coeff:
+        aux = switch_load_balancing_loss_func(scores * w[:, None], stats[:-1], total, router.topk, num_experts, aux_coeff)
+        probs = MoEAuxLossAutoScaler.apply(probs, aux * factor)
+        save_to_aux_losses_tracker("load_balancing_loss", aux.detach() / aux_coeff, router.layer_number,
+                                   num_layers, reduce_group=group)
+    return probs
+
+
+def token_multiplicity(tree, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [1, N] (or [1, n] at ``positions``): how many of the tree's sequences contain each
+    packed position (0 for padding), the weight of that token in the unpacked batch."""
+    counts = torch.bincount(tree.token_index, minlength=tree.padded_length).to(torch.float32)
+    return (counts if positions is None else counts[positions.to(counts.device)])[None]
