@@ -99,7 +99,7 @@ def test_derived_masks_are_built_once_per_micro_batch(monkeypatch):
     tree = _tree()
     calls = []
     original = tree_mask.block_sparse_plan
-    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     q, k, v = _qkv(tree.padded_length, grad=False)
     mask = tree_attention_mask(tree)
     outs = [tree_attention(q, k, v, mask, backend="block_sparse") for _ in range(4)]  # four "layers"

@@ -156,7 +156,7 @@ def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch, recomp
     }[recompute]
     calls = []
     original = tree_mask.block_sparse_plan
-    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     micro_batches = pack(branching_sequences(), max_tokens=64)[:2]
     assert len(micro_batches) == 2 and micro_batches[0]["tree"].padded_length == micro_batches[1]["tree"].padded_length
     model = _model("tree", _config(**settings)).train()

@@ -21,6 +21,13 @@ Backends:
 * ``"block_sparse"``: computes only the (query block, key block) tiles that hold an allowed pair,
   as one batched SDPA per group of query blocks. CPU and GPU, forward and backward, dropout.
 * ``"auto"``: ``"flex"`` on CUDA without dropout, otherwise ``"block_sparse"``.
+
+Every backend takes a sliding window over depth (``window_size``, Megatron's ``(left, 0)``: a query
+sees its ancestors at most ``left`` levels up, see :func:`~megatron_tree.core.mask.allowed`) and an
+attention sink (``softmax_offset`` [np], Megatron's ``softmax_type`` "off-by-one" (zeros) or
+"learnable"): one extra logit per head in every softmax row, with no value, as Megatron's
+``SoftmaxOne`` appends it. ``sdpa`` and ``block_sparse`` then compute the softmax themselves with
+the sink column (SDPA has no sink); ``flex`` rescales its output by ``sigmoid(lse - offset)``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .mask import TreeMask, TreeMaskPlan, encoding_from_dense
+from .mask import TreeMask, TreeMaskPlan, depth_window, encoding_from_dense
 
 BACKENDS = ("auto", "sdpa", "flex", "block_sparse")
 
@@ -116,6 +123,8 @@ def tree_attention(
     dropout_p: float = 0.0,
     block_size: int = 128,
     compile_flex: bool | None = None,
+    window_size: tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention on Megatron's layouts, without the Megatron module around it.
 
@@ -130,6 +139,10 @@ def tree_attention(
         dropout_p: attention-probability dropout (already 0 when not training).
         block_size: tile size of the ``flex`` and ``block_sparse`` backends.
         compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA only.
+        window_size: Megatron's sliding window ``(left, 0)`` over depth (see the module docstring),
+            or None; ``(-1, 0)`` is no window.
+        softmax_offset: float [np], the sink logit of each query head (zeros for Megatron's
+            "off-by-one" softmax, its ``softmax_offset`` parameter for "learnable"), or None.
 
     Returns:
         [N, b, np * hn] (``[n, ...]`` under context parallelism).
@@ -142,6 +155,12 @@ def tree_attention(
     sk, _, num_groups, _ = key.shape
     if num_heads % num_groups:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_groups} key/value groups")
+    window = depth_window(window_size)
+    if softmax_offset is not None and tuple(softmax_offset.shape) != (num_heads,):
+        raise ValueError(
+            f"softmax_offset has shape {tuple(softmax_offset.shape)}, expected ({num_heads},): one sink "
+            "logit per query head of this rank"
+        )
     plan, dense = _plan_of(attention_mask, sq, sk)
     mask_rows = (dense if plan is None else plan.subtree_end).shape[0]
     if mask_rows not in (1, b):
@@ -151,39 +170,59 @@ def tree_attention(
         backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
     if backend == "flex" and dropout_p > 0.0:
         raise ValueError("the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'")
-    if plan is None and backend != "sdpa":  # sdpa uses a dense mask as given
+    if plan is None and (backend != "sdpa" or window is not None):  # sdpa uses a dense mask as given
         plan = TreeMaskPlan(encoding_from_dense(dense))
 
     # [N, b, h, hn] -> [b, h, N, hn]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    gqa = num_heads != num_groups
+    attend = dict(scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset)
     if backend == "sdpa":
-        keep = (~dense).unsqueeze(1) if dense is not None else plan.dense_allowed()
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-        )
+        keep = (~dense).unsqueeze(1) if plan is None else plan.dense_allowed(window)
+        out = _attend(q, k, v, keep, **attend)
     elif backend == "flex":
         compile_flex = q.is_cuda if compile_flex is None else compile_flex
-        out = _flex(q, k, v, plan, scale=scale, gqa=gqa, block_size=block_size, compile_flex=compile_flex)
+        out = _flex(q, k, v, plan, scale=scale, gqa=attend["gqa"], block_size=block_size,
+                    compile_flex=compile_flex, window=window, sink=softmax_offset)
     else:
         rows = []
         for row in range(b):
-            groups = plan.block_sparse(row if plan.subtree_end.shape[0] > 1 else 0, block_size)
-            rows.append(_block_sparse_row(q[row], k[row], v[row], groups, scale, dropout_p, gqa)[:, :sq])
+            groups = plan.block_sparse(row if plan.subtree_end.shape[0] > 1 else 0, block_size, window)
+            rows.append(_block_sparse_row(q[row], k[row], v[row], groups, attend)[:, :sq])
         out = torch.stack(rows)
     # [b, np, N, hn] -> [N, b, np * hn]
     return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * head_dim)
 
 
-def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex) -> torch.Tensor:
+def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
+    """Masked attention. q [..., np, nq, hn], k / v [..., ng, nk, hn], keep bool broadcastable to
+    [..., np, nq, nk] (True = attend), sink float [np] or None -> [..., np, nq, hn]."""
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    *lead, heads, nq, head_dim = q.shape
+    groups = k.shape[-3]
+    # Query heads of one key/value group together: [..., ng, np/ng, nq, hn] against [..., ng, 1, nk, hn].
+    q_grouped = q.reshape(*lead, groups, heads // groups, nq, head_dim)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax, as Megatron's
+    scores = torch.matmul(q_grouped, k.unsqueeze(-3).transpose(-1, -2)) * scale
+    scores = scores.reshape(*lead, heads, nq, -1).to(softmax_dtype).masked_fill(~keep, float("-inf"))  # [..., np, nq, nk]
+    # Megatron's SoftmaxOne: the sink is one more logit per row, with no value.
+    sink_column = sink.to(softmax_dtype).reshape(heads, 1, 1).expand(*lead, heads, nq, 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs.reshape(*lead, groups, heads // groups, nq, -1), v.unsqueeze(-3))
+    return out.reshape(*lead, heads, nq, head_dim)
+
+
+def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, window, sink) -> torch.Tensor:
     """[b=1, h, nq, hn] queries, [1, h, N, hn] keys / values -> [1, np, nq, hn]."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if plan.subtree_end.shape[0] != 1 or q.shape[0] != 1:
         raise ValueError("the flex backend takes one tree per micro-batch (b = 1)")
     sq, sk = q.shape[2], k.shape[2]
     padded_q, padded_k = (-(-n // block_size) * block_size for n in (sq, sk))
-    block_mask = plan.block_mask(block_size, padded_q, padded_k)
+    block_mask = plan.block_mask(block_size, padded_q, padded_k, window)
     if not q.is_cuda:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError(
@@ -194,12 +233,20 @@ def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex) 
     q = F.pad(q, (0, 0, 0, padded_q - sq)) if padded_q != sq else q
     if padded_k != sk:
         k, v = (F.pad(t, (0, 0, 0, padded_k - sk)) for t in (k, v))
-    fn = compiled_flex_attention() if compile_flex else flex_attention
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
+    # torch 2.13 compiles flex on CPU for inference without the LSE: a sink runs eagerly there.
+    fn = compiled_flex_attention() if compile_flex and (sink is None or q.is_cuda) else flex_attention
+    if sink is None:
+        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
+    out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    # With a sink logit o per head: out' = out * e^lse / (e^lse + e^o) = out * sigmoid(lse - o).
+    lse = aux.lse.to(torch.promote_types(aux.lse.dtype, torch.float32))
+    rescale = torch.sigmoid(lse - sink.to(lse.dtype)[None, :, None])  # [1, np, padded nq]
+    return (out * rescale.unsqueeze(-1).to(out.dtype))[:, :, :sq]
 
 
-def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
-    """One tree. q [np, nq, hn], k/v [ng, N, hn] -> [np, padded nq, hn]."""
+def _block_sparse_row(q, k, v, plan, attend: dict) -> torch.Tensor:
+    """One tree. q [np, nq, hn], k/v [ng, N, hn] -> [np, padded nq, hn]; ``attend``: :func:`_attend`'s
+    keyword arguments."""
     block_size = plan[0][2].shape[-2]
     num_tiles = sum(len(group[0]) for group in plan)
     padded_q, padded_k = num_tiles * block_size, -(-k.shape[1] // block_size) * block_size
@@ -217,12 +264,7 @@ def _block_sparse_row(q, k, v, plan, scale, dropout_p, gqa) -> torch.Tensor:
         # [ng, g*M*B, hn] -> [g, ng, M*B, hn]
         k_blocks = k[:, flat].view(k.shape[0], g, span, head_dim).transpose(0, 1)
         v_blocks = v[:, flat].view(v.shape[0], g, span, head_dim).transpose(0, 1)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q_all[q_tiles], k_blocks, v_blocks, attn_mask=keep, dropout_p=dropout_p,
-                scale=scale, enable_gqa=gqa,
-            )
-        )
+        outs.append(_attend(q_all[q_tiles], k_blocks, v_blocks, keep, **attend))
         order.append(q_tiles)
     out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [tiles, np, B, hn] in group order
     if len(outs) > 1:

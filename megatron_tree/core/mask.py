@@ -5,6 +5,12 @@ Pre-order layout makes every subtree a contiguous range, so key ``k`` is visible
 the other one (a padding position sees only itself, so no softmax row is empty). The dense mask, the
 tile layout, the FlexAttention ``BlockMask`` and the block-sparse gather plan are all derived here.
 
+Sliding windows are over depth: with a window ``w`` (Megatron's ``window_size[0]``) a query also
+needs its key at most ``w`` levels above it, so on a chain it sees ``w + 1`` keys, itself included,
+exactly Megatron's sliding-window causal mask on each sequence alone. The depths come from
+``subtree_end`` itself (:func:`tree_depth`), so every mask form carries them; a window is a
+per-layer argument of the derived forms, not part of the encoding.
+
 :class:`TreeMask` is what a micro-batch hands its model as ``attention_mask``: the ``subtree_end``
 tensor itself (so it passes through Megatron's activation checkpointing like any tensor), carrying a
 :class:`TreeMaskPlan` that builds each derived form on first use and keeps it for the micro-batch.
@@ -28,12 +34,72 @@ from .tree import PackedTree
 PLAN_GROUPS = 4  # block-sparse plan: query blocks grouped by how many key blocks they see
 
 
-def allowed(subtree_end: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def allowed(subtree_end: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+            depth: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """The tree mask rule, True = query ``q`` attends key ``k`` (broadcasting int tensors).
 
-    ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``: a key is seen by its own subtree.
+    ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``: a key is seen by its own subtree, that is
+    by itself and its descendants. With a ``window`` (an int >= 0, Megatron's ``window_size[0]``)
+    also ``depth[q] - depth[k] <= window``: the key is at most ``window`` levels above the query.
+
+    Args:
+        subtree_end: int [N].
+        q, k: int position tensors (broadcast against each other).
+        depth: int [N], :func:`tree_depth` of ``subtree_end``; needed with a window.
+        window: None (no window) or the most levels a visible key may sit above its query.
     """
-    return (k <= q) & (q < subtree_end[k])
+    ok = (k <= q) & (q < subtree_end[k])
+    if window is not None:
+        ok = ok & (depth[q] - depth[k] <= window)
+    return ok
+
+
+def tree_depth(tree: PackedTree | torch.Tensor) -> torch.Tensor:
+    """int64 [N]: each position's depth in its tree (0 for a root and for padding), from
+    ``subtree_end`` alone.
+
+    The keys ``k <= q`` are q's ancestors (itself included) when their subtree reaches past q, and
+    otherwise have ``subtree_end[k] <= q``; no key after q has (``subtree_end[k] > k``). So
+    ``depth(q) = q - #{k : subtree_end[k] <= q}``: one sort and one search, O(N log N). It equals
+    the packed ``position_ids`` (token depths); only differences along ancestor paths matter.
+
+    Args:
+        tree: a :class:`PackedTree`, or its ``subtree_end`` int [N].
+    """
+    subtree_end = _subtree_end_of(tree).to(torch.int64)
+    pos = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    return pos - torch.searchsorted(torch.sort(subtree_end).values, pos, right=True)
+
+
+def depth_window(window_size: Any) -> int | None:
+    """Megatron's ``window_size=(left, right)`` -> the depth window of :func:`allowed` (``left``).
+
+    Megatron (its local sliding-window mask and transformer-engine) lets query i see keys
+    ``i - left .. i + right``: ``left + 1`` keys of the past, the query included (HuggingFace's
+    ``sliding_window`` is ``left + 1``). Tree attention is causal, so ``right`` must be 0; a
+    ``left`` of -1 is transformer-engine's unlimited window.
+
+    Returns:
+        None (no window) or ``left`` >= 0.
+    """
+    if window_size is None:
+        return None
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in window_size)
+    if not ok:
+        raise ValueError(
+            f"window_size={window_size!r} must be None or Megatron's (left, right) pair of ints, "
+            "e.g. (4095, 0) for a 4096-token window (HuggingFace sliding_window=4096)"
+        )
+    left, right = window_size
+    if right != 0:
+        raise ValueError(
+            f"window_size={tuple(window_size)!r}: tree attention is causal, so the right window must "
+            f"be 0 (a query sees no later key); use window_size=({left}, 0)"
+        )
+    if left < -1:
+        raise ValueError(f"window_size={tuple(window_size)!r}: left must be >= 0, or -1 for no window")
+    return None if left == -1 else left
 
 
 def padding_subtree_end(start: int, end: int, device: Any = None) -> torch.Tensor:
@@ -60,11 +126,13 @@ def pad_encoding(subtree_end: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([subtree_end.to(torch.int64), tail])
 
 
-def build_attention_mask_from_trie(tree: PackedTree | torch.Tensor) -> torch.Tensor:
+def build_attention_mask_from_trie(tree: PackedTree | torch.Tensor, *, window: int | None = None) -> torch.Tensor:
     """The dense tree mask in Megatron's polarity.
 
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` int tensor [N].
+        window: a depth window (see :func:`allowed`; :func:`depth_window` converts Megatron's
+            ``window_size``), or None.
 
     Returns:
         torch.bool [N, N], True where query row q must NOT attend key column k. Broadcasts to
@@ -72,7 +140,8 @@ def build_attention_mask_from_trie(tree: PackedTree | torch.Tensor) -> torch.Ten
     """
     subtree_end = _subtree_end_of(tree)
     pos = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    return ~allowed(subtree_end, pos[:, None], pos[None, :])
+    depth = None if window is None else tree_depth(subtree_end)
+    return ~allowed(subtree_end, pos[:, None], pos[None, :], depth, window)
 
 
 def encoding_from_dense(masked: torch.Tensor) -> torch.Tensor:
@@ -89,14 +158,34 @@ def _mask_mod(subtree_end: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
     return allowed(subtree_end, q_idx, kv_idx)
 
 
-def tree_mask_mod(subtree_end: torch.Tensor):
+def _general_mask_mod(subtree_end, query_positions, depth, window, b, h, q_idx, kv_idx) -> torch.Tensor:
+    q = q_idx if query_positions is None else query_positions[q_idx]
+    return allowed(subtree_end, q, kv_idx, depth, window)
+
+
+def tree_mask_mod(subtree_end: torch.Tensor, *, query_positions: torch.Tensor | None = None,
+                  window: int | None = None):
     """A FlexAttention ``mask_mod`` (True = attend) reading ``subtree_end`` [N].
 
     A ``functools.partial`` rather than a closure: torch.compile (2.13) then treats the encoding as
     an input whose length is dynamic like the sequence's, while a closure-captured encoding fails
     to compile on CPU once the length becomes dynamic.
+
+    Args:
+        subtree_end: int [N] (or a :class:`PackedTree`).
+        query_positions: int64 [nq]: query row i is position ``query_positions[i]`` (context
+            parallelism); default row i is position i.
+        window: a depth window (see :func:`allowed`), or None.
     """
-    return functools.partial(_mask_mod, _subtree_end_of(subtree_end))
+    subtree_end = _subtree_end_of(subtree_end)
+    if query_positions is None and window is None:
+        return functools.partial(_mask_mod, subtree_end)
+    if window is None:
+        return functools.partial(_general_mask_mod, subtree_end, query_positions, None, None)
+    # The window as a 0-d tensor: compiled with dynamic shapes, a Python int becomes a symbol that
+    # torch 2.13's CPU flex code generation fails on (and would guard on every distinct window).
+    window = torch.tensor(window, dtype=torch.int64, device=subtree_end.device)
+    return functools.partial(_general_mask_mod, subtree_end, query_positions, tree_depth(subtree_end), window)
 
 
 def padded_query_positions(query_positions: torch.Tensor, padded: int) -> torch.Tensor:
@@ -107,7 +196,8 @@ def padded_query_positions(query_positions: torch.Tensor, padded: int) -> torch.
 
 
 def tree_block_layout(
-    tree: PackedTree | torch.Tensor, block_size: int = 128, query_positions: torch.Tensor | None = None
+    tree: PackedTree | torch.Tensor, block_size: int = 128, query_positions: torch.Tensor | None = None,
+    *, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which (query tile, key block) tiles of the tree mask hold any / only allowed pairs.
 
@@ -119,11 +209,18 @@ def tree_block_layout(
     pairs inside a listed tile are masked exactly. A tile is full iff its whole key block lies at
     or before ``qmin`` and every key's subtree covers ``qmax``.
 
+    With a depth ``window`` a tile also needs ``min depth(q) - max depth(keys) <= window`` over the
+    queries q of the tile below the key block's largest ``subtree_end`` (the only ones that can see
+    it) to hold an allowed pair (a conservative test: the pairs of a listed tile are masked exactly),
+    and ``max depth(queries) - min depth(keys) <= window`` to be full. Deep in a long branch, key
+    blocks more than a window above the query tile are then skipped: that is where windows save work.
+
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` [N] with N a multiple of ``block_size``.
         block_size: tile edge.
         query_positions: int64 [nq] ascending, a multiple of ``block_size`` long: the queries'
             positions (one context-parallel rank's rows); default all N positions.
+        window: a depth window (see :func:`allowed`), or None.
 
     Returns:
         (any_allowed, all_allowed): torch.bool [nq / block_size, N / block_size] each, indexed
@@ -148,6 +245,16 @@ def tree_block_layout(
     kstart = torch.arange(0, n, block_size, device=subtree_end.device)[None, :]
     any_allowed = (kstart <= qmax[:, None]) & (max_end[None, :] > qmin[:, None])
     all_allowed = (kstart + block_size - 1 <= qmin[:, None]) & (min_end[None, :] > qmax[:, None])
+    if window is not None:
+        depth = tree_depth(subtree_end)
+        key_depth = depth.view(n // block_size, block_size)  # [nb, B]
+        q_pos = (torch.arange(n, device=depth.device) if query_positions is None else tiles).reshape(-1, block_size)
+        query_depth = depth[q_pos]  # [nq / B, B]
+        # Only the queries before max_end can see key block kb: a prefix of the (ascending) tile.
+        seen = torch.searchsorted(q_pos, max_end[None, :].expand(q_pos.shape[0], -1).contiguous())
+        lowest = torch.cummin(query_depth, dim=1).values.gather(1, (seen - 1).clamp(min=0))  # [nq / B, nb]
+        any_allowed &= lowest - key_depth.max(1).values[None, :] <= window
+        all_allowed &= query_depth.max(1).values[:, None] - key_depth.min(1).values[None, :] <= window
     return any_allowed, all_allowed
 
 
@@ -160,7 +267,7 @@ def _kv_block_lists(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int = 128,
-                               query_positions: torch.Tensor | None = None):
+                               query_positions: torch.Tensor | None = None, *, window: int | None = None):
     """A FlexAttention ``BlockMask`` for the tree, built at block level from ``subtree_end``.
 
     Its memory is O((N / block_size)^2) block indices plus the [N] encoding the ``mask_mod`` reads.
@@ -170,6 +277,7 @@ def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int 
         block_size: FlexAttention's tile size; N must be a multiple of it.
         query_positions: int64 [nq] ascending (a multiple of ``block_size`` long): the queries'
             positions under context parallelism; default all N.
+        window: a depth window (see :func:`allowed`), or None.
 
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` of shape [1, 1, nq, N].
@@ -177,25 +285,19 @@ def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int 
     from torch.nn.attention.flex_attention import BlockMask
 
     subtree_end = _subtree_end_of(tree)
-    any_allowed, all_allowed = tree_block_layout(subtree_end, block_size, query_positions)
+    any_allowed, all_allowed = tree_block_layout(subtree_end, block_size, query_positions, window=window)
     kv_num, kv_idx = _kv_block_lists(any_allowed & ~all_allowed)
     full_num, full_idx = _kv_block_lists(all_allowed)
     n = subtree_end.shape[0]
-    if query_positions is None:
-        mask_mod, nq = tree_mask_mod(subtree_end), n
-    else:
-        mask_mod, nq = functools.partial(_cp_mask_mod, subtree_end, query_positions), query_positions.shape[0]
+    nq = n if query_positions is None else query_positions.shape[0]
+    mask_mod = tree_mask_mod(subtree_end, query_positions=query_positions, window=window)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(nq, n),
     )
 
 
-def _cp_mask_mod(subtree_end, query_positions, b, h, q_idx, kv_idx):
-    return allowed(subtree_end, query_positions[q_idx], kv_idx)
-
-
-def block_sparse_plan(subtree_end: torch.Tensor, block_size: int,
-                      query_positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+def block_sparse_plan(subtree_end: torch.Tensor, block_size: int, query_positions: torch.Tensor | None = None,
+                      *, window: int | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Gather plan of one tree for the block-sparse backend, as groups of query tiles.
 
     Query tile i attends the key blocks holding an allowed pair for it (``tree_block_layout``).
@@ -207,6 +309,8 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int,
         subtree_end: int [N]; padded here to a multiple of ``block_size``.
         query_positions: int64 [nq] ascending, the queries' positions (a context-parallel rank's
             rows), padded here by repeating the last; default all N.
+        window: a depth window (see :func:`allowed`), or None: key blocks wholly out of every
+            query's window are not listed.
 
     Returns:
         A list of (q_tiles [g], kv_index [g, M_g*B], allowed [g, 1, B, M_g*B]) over the groups;
@@ -219,7 +323,8 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int,
         q_all = torch.arange(padded, device=device)
     else:
         q_all = padded_query_positions(query_positions.to(device), -(-query_positions.shape[0] // block_size) * block_size)
-    any_allowed, _ = tree_block_layout(ends, block_size, None if query_positions is None else q_all)
+    any_allowed, _ = tree_block_layout(ends, block_size, None if query_positions is None else q_all, window=window)
+    depth = None if window is None else tree_depth(ends)
     counts = any_allowed.sum(dim=1)
     top = int(counts.max())
     group_of = torch.clamp((counts * PLAN_GROUPS - 1) // top, min=0)
@@ -234,7 +339,7 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int,
         kv_blocks = torch.where(slot_valid, order[q_tiles, :m], order[q_tiles, :1])
         kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(len(q_tiles), m * block_size)
         q_pos = q_all.view(-1, block_size)[q_tiles][:, :, None]  # [g, B, 1]
-        pair_ok = allowed(ends, q_pos, kv_index[:, None, :])  # [g, B, M*B]
+        pair_ok = allowed(ends, q_pos, kv_index[:, None, :], depth, window)  # [g, B, M*B]
         pair_ok &= slot_valid.repeat_interleave(block_size, dim=1)[:, None, :]
         plan.append((q_tiles, kv_index, pair_ok.unsqueeze(1)))
     return plan
@@ -244,7 +349,9 @@ class TreeMaskPlan:
     """What the attention backends derive from one micro-batch's ``subtree_end``, each built once.
 
     Forms are built on first request (by the first layer that needs one) and kept as long as the
-    plan lives, that is as long as the micro-batch's :class:`TreeMask` does.
+    plan lives, that is as long as the micro-batch's :class:`TreeMask` does. A form under a depth
+    ``window`` (a layer's sliding window, see :func:`allowed`) is kept per window, so local and
+    global layers of one model each build theirs once.
 
     Args:
         subtree_end: int [r, N], one encoding per micro-batch row.
@@ -271,34 +378,32 @@ class TreeMaskPlan:
             self._forms[key] = build()
         return self._forms[key]
 
-    def dense_allowed(self) -> torch.Tensor:
-        """bool [r, 1, nq, N], True = attend (torch SDPA's polarity)."""
+    def dense_allowed(self, window: int | None = None) -> torch.Tensor:
+        """bool [r, 1, nq, N], True = attend (torch SDPA's polarity), under a depth ``window``."""
         def build():
             keys = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
             queries = keys if self.cp is None else self.query_positions
-            return torch.stack([allowed(row, queries[:, None], keys[None, :]) for row in self.subtree_end]).unsqueeze(1)
+            return torch.stack([
+                allowed(ends, queries[:, None], keys[None, :], None if window is None else tree_depth(ends), window)
+                for ends in self.subtree_end
+            ]).unsqueeze(1)
 
-        return self._get("dense", build)
+        return self._get(("dense", window), build)
 
-    def block_sparse(self, row: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:
-        """:func:`block_sparse_plan` of row ``row``."""
-        if self.cp is None:
-            return self._get(("block_sparse", row, block_size),
-                             lambda: block_sparse_plan(self.subtree_end[row], block_size))
-        return self._get(("block_sparse", row, block_size),
-                         lambda: block_sparse_plan(self.subtree_end[row], block_size, self.query_positions))
+    def block_sparse(self, row: int, block_size: int, window: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+        """:func:`block_sparse_plan` of row ``row`` under a depth ``window``."""
+        return self._get(("block_sparse", row, block_size, window),
+                         lambda: block_sparse_plan(self.subtree_end[row], block_size, self.query_positions, window=window))
 
-    def block_mask(self, block_size: int, padded_queries: int, padded_keys: int):
+    def block_mask(self, block_size: int, padded_queries: int, padded_keys: int, window: int | None = None):
         """FlexAttention ``BlockMask`` [1, 1, padded_queries, padded_keys] of row 0 (one tree per
-        micro-batch)."""
+        micro-batch) under a depth ``window``."""
         def build():
             ends = pad_encoding(self.subtree_end[0], padded_keys).to(torch.int32)
-            if self.cp is None:
-                return build_block_mask_from_trie(ends, block_size)
-            queries = padded_query_positions(self.query_positions, padded_queries)
-            return build_block_mask_from_trie(ends, block_size, queries)
+            queries = None if self.cp is None else padded_query_positions(self.query_positions, padded_queries)
+            return build_block_mask_from_trie(ends, block_size, queries, window=window)
 
-        return self._get(("block_mask", block_size, padded_queries, padded_keys), build)
+        return self._get(("block_mask", block_size, padded_queries, padded_keys, window), build)
 
 
 class TreeMask(torch.Tensor):
@@ -333,8 +438,9 @@ def tree_attention_mask(tree: PackedTree | torch.Tensor, cp: ContextParallelSpli
     """The ``attention_mask`` to hand a tree model for one micro-batch (int32 [N] :class:`TreeMask`).
 
     Call it once per micro-batch; every layer (and the recomputation in backward) then shares the
-    masks the backends derive from it. A plain ``subtree_end`` tensor works too, but then each layer
-    derives its own. Under context parallelism pass the micro-batch's split (the model then runs on
+    masks the backends derive from it (per sliding window, for models that mix local and global
+    layers; the depths a window needs come from ``subtree_end`` itself, :func:`tree_depth`). A plain
+    ``subtree_end`` tensor works too, but then each layer derives its own. Under context parallelism pass the micro-batch's split (the model then runs on
     ``cp.local_positions`` of the tree's tokens and gathers keys and values over ``cp.group``).
     """
     subtree_end = _subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
