@@ -13,11 +13,19 @@ the first tree's attention mask.
     python examples/tree_vs_baseline.py --small               # a reduced size (seconds)
     torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
+    python examples/tree_vs_baseline.py --model qwen3_moe_tiny   # mixture of experts (8 experts, top-2)
+
+``--model qwen3_moe_tiny`` builds the bundled tiny Qwen3-MoE (``examples/configs/qwen3_moe_tiny``:
+the dense model's attention, 8 experts of width 256 per layer, top-2, renormalized) through
+mbridge's Qwen3-MoE bridge; the table then also shows the tokens each expert computed in the tree
+and in the baseline step, and the ideal speed-up counts active-expert FLOPs (top-2 of 8 experts and
+the router per token).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,11 +39,14 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 PHASES = 7
+MODELS = ("qwen3_tiny", "qwen3_moe_tiny")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(HERE / "configs" / "qwen3_tiny"), help="HF config dir")
+    p.add_argument("--model", default="qwen3_tiny", choices=MODELS,
+                   help="bundled config under examples/configs (qwen3_moe_tiny: mixture of experts)")
+    p.add_argument("--config", default=None, help="HF config dir (default: the bundled --model config)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -53,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="outputs", help="folder for the mask picture")
     p.add_argument("--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32")
     args = p.parse_args(argv)
+    if args.config is None:
+        args.config = str(HERE / "configs" / args.model)
     if args.small:
         args.prompts, args.samples, args.prompt_len, args.response_len = 2, 4, 128, (16, 32)
         args.max_tokens, args.block_size, args.reps = 512, 64, 1
@@ -217,17 +230,31 @@ def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int
     return err, reference
 
 
-def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict]:
-    """One run of each batch: (results, peak memory in bytes)."""
-    results, peaks = {}, {}
+def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict, dict]:
+    """One run of each batch: (results, peak memory in bytes, tokens per expert or None).
+
+    Tokens per expert: [num_experts] summed over MoE layers and data-parallel ranks (padding tokens
+    of the packed layout included), read from Megatron's routers by ``ExpertTokenCounter``; None
+    for a dense model.
+    """
+    from megatron_tree.mcore.moe_stats import ExpertTokenCounter
+
+    moe = bool(getattr(model.config, "num_moe_experts", None))
+    results, peaks, experts = {}, {}, {}
     for name, packed in batches.items():
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            results[name] = step(packed)
-            peaks[name] = torch.cuda.max_memory_allocated()
-        else:
-            peaks[name] = peak_activation_bytes(lambda p=packed, n=name: results.__setitem__(n, step(p)), model)
-    return results, peaks
+        counter = ExpertTokenCounter(model) if moe else contextlib.nullcontext()
+        with counter:
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                results[name] = step(packed)
+                peaks[name] = torch.cuda.max_memory_allocated()
+            else:
+                peaks[name] = peak_activation_bytes(lambda p=packed, n=name: results.__setitem__(n, step(p)), model)
+        if moe:
+            from megatron.core import parallel_state
+
+            experts[name] = counter.all_reduce(parallel_state.get_data_parallel_group()).totals()
+    return results, peaks, (experts if moe else None)
 
 
 def timed(batches: dict, reps: int, step) -> dict:
@@ -255,6 +282,12 @@ def report(row: dict, memory_kind: str, picture) -> None:
     print(f"{'ideal speed-up (FLOP model)':<48} {row['ideal_speedup']:.2f}x ({row['fraction_of_ideal']:.0%} reached)")
     print(f"{memory_kind + ': tree / baseline':<48} {row['tree_memory_bytes'] / mib:.0f} / "
           f"{row['baseline_memory_bytes'] / mib:.0f} MiB")
+    if "tree_expert_tokens" in row:
+        tree, base = row["tree_expert_tokens"], row["baseline_expert_tokens"]
+        print(f"{'experts: top-k of E (active-expert FLOPs)':<48} top-{row['moe_topk']} of {row['num_experts']}")
+        print(f"{'expert tokens, tree (per expert, all layers)':<48} {tree} (max/mean "
+              f"{max(tree) / (sum(tree) / len(tree)):.2f})")
+        print(f"{'expert tokens, baseline':<48} {base} (tree / baseline {sum(tree) / sum(base):.3f})")
     print(f"{'mask picture':<48} {picture}")
 
 
@@ -279,7 +312,8 @@ def main(argv=None) -> dict:
         progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
         model, shape = build_model(args, ckpt)
         progress(f"built {type(getattr(model, 'module', model)).__name__} through {args.bridge}: hidden "
-                 f"{shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, TP {args.tp}, backend "
+                 f"{shape.hidden}, {shape.layers} layers, "
+                 f"{f'{shape.num_experts} experts (top-{shape.topk}), ' if shape.num_experts else ''}vocab {shape.vocab}, TP {args.tp}, backend "
                  f"{args.backend}, {args.device}")
 
         # Pack the rollout batch once (and once more without sharing, for the baseline).
@@ -316,7 +350,7 @@ def main(argv=None) -> dict:
         return result
 
     batches = {"tree": packed, "base": unshared}
-    results, peaks = warm_up(model, batches, args.device, step)
+    results, peaks, experts = warm_up(model, batches, args.device, step)
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
     times = timed(batches, args.reps, step)
@@ -346,6 +380,10 @@ def main(argv=None) -> dict:
         "tree_memory_bytes": peaks["tree"],
         "baseline_memory_bytes": peaks["base"],
     }
+    if experts is not None:
+        row["num_experts"], row["moe_topk"] = shape.num_experts, shape.topk
+        row["tree_expert_tokens"] = experts["tree"].tolist()
+        row["baseline_expert_tokens"] = experts["base"].tolist()
     if rank == 0:
         report(row, "peak CUDA memory" if args.device == "cuda" else "peak activation memory", picture)
     parallel_state.destroy_model_parallel()

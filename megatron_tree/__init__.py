@@ -18,6 +18,7 @@ first access (this module's ``__getattr__``).
 from .core.attention import tree_attention
 from .core.batch import PackedTreeBatch
 from .core.checks import set_debug_checks
+from .core.context_parallel import ContextParallelSplit, context_parallel_split
 from .core.flops import GPTShape, train_flops
 from .core.heads import LogProbs, Values
 from .core.logprobs import (
@@ -30,13 +31,20 @@ from .core.mask import (
     TreeMask,
     build_attention_mask_from_trie,
     build_block_mask_from_trie,
+    depth_window,
     tree_attention_mask,
     tree_block_layout,
+    tree_depth,
     tree_mask_mod,
 )
 from .core.packing import build_packed_tree_batch
 from .core.partition import partition_for_data_parallel
-from .core.results import gather_packed_tree_values, gather_packed_tree_vocab_stats, merge_packed_tree_results
+from .core.results import (
+    gather_packed_tree_values,
+    gather_packed_tree_vocab_stats,
+    merge_packed_tree_results,
+    values_per_position,
+)
 from .core.rope import depth_rotary_pos_emb
 from .core.tree import PackedTree
 
@@ -49,6 +57,9 @@ _LAZY = {
     "attach_value_head": ".mcore.value_head",
     "TreeStepResult": ".mcore.step",
     "tree_forward_backward": ".mcore.step",
+    "ExpertTokenCounter": ".mcore.moe_stats",
+    "TreeMoELayer": ".mcore.moe",
+    "token_multiplicity": ".mcore.moe",
     "patch_bridge_for_tree_training": ".bridges.mbridge",
     "is_tree_training_bridge": ".bridges.mbridge",
 }
@@ -66,13 +77,13 @@ def __getattr__(name: str):
 
 __all__ = sorted(
     [
-        "GPTShape", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "Values",
+        "ContextParallelSplit", "GPTShape", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "Values",
         "build_attention_mask_from_trie", "build_block_mask_from_trie", "build_packed_tree_batch",
-        "depth_rotary_pos_emb", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
+        "context_parallel_split", "depth_rotary_pos_emb", "depth_window", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
         "gather_packed_tree_logprobs_entropy_from_hidden", "gather_packed_tree_values",
         "gather_packed_tree_vocab_stats", "loss_weights", "merge_packed_tree_results",
         "partition_for_data_parallel",
         "ppo_clipped_loss", "set_debug_checks", "train_flops", "tree_attention", "tree_attention_mask",
-        "tree_block_layout", "tree_mask_mod", "value_loss", *_LAZY,
+        "tree_block_layout", "tree_depth", "tree_mask_mod", "value_loss", "values_per_position", *_LAZY,
     ]
 )

@@ -1,9 +1,9 @@
 """Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
 
 Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
-(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask),
-and its CPU norms refuse sequence parallelism. This module redirects exactly those calls to the CPU
-and lifts that one refusal:
+(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask,
+the MoE router and alltoall token dispatcher), and its CPU norms refuse sequence parallelism. This
+module redirects exactly those calls to the CPU and lifts that one refusal:
 
 ==========================================================  =======================================
 patched symbol                                              CPU behaviour
@@ -29,7 +29,36 @@ patched symbol                                              CPU behaviour
 ``megatron.core.transformer.torch_norm.WrappedTorchNorm``   accepts ``sequence_parallel=True`` and
 ``.__new__``                                                marks the norm's parameters
                                                             ``sequence_parallel`` (see below)
+``megatron.core.transformer.moe.token_dispatcher.torch``    ``torch`` with ``torch.cuda.Stream`` /
+                                                            ``current_stream`` / ``stream`` as CPU
+                                                            stand-ins (no-op streams and events):
+                                                            the alltoall dispatcher's host-copy
+                                                            stream
+``...token_dispatcher.MoEAlltoAllTokenDispatcher``          a CPU stand-in stream, so the
+``.cuda_dtoh_stream``                                       constructor creates no CUDA stream
+``...token_dispatcher.maybe_move_tensor_to_cpu``            ``as_numpy=True`` gives a NumPy array
+                                                            for a CPU tensor too (upstream converts
+                                                            only CUDA tensors), so the all-to-all
+                                                            gets its split sizes as on a GPU
+``megatron.core.transformer.moe.moe_utils.te_general_gemm``  defined as ``None`` where it is missing
+                                                            (megatron-core 0.16.x without
+                                                            transformer-engine; 0.17+ define it);
+                                                            :func:`undo` deletes it again
 ==========================================================  =======================================
+
+Mixture of experts. megatron-core 0.16.1 imports ``te_general_gemm`` in ``moe/moe_utils.py`` only
+inside ``try: import transformer_engine``, but the router's ``RouterGatingLinearFunction`` reads it
+unconditionally, so every MoE forward without transformer-engine raises ``NameError: name
+'te_general_gemm' is not defined`` (0.17 and 0.19 set it to None in an ``else`` branch: nothing to
+do there). The alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``, all three
+versions) creates ``torch.cuda.Stream()`` in its constructor and moves its split sizes to the host
+on that stream (``_maybe_dtoh_and_synchronize``: ``torch.cuda.current_stream``, ``torch.cuda.stream``,
+``record_event``). On a CPU the tensors are already on the host, so the stand-in streams do
+nothing, which is exactly the synchronous behaviour the code falls back to. That host copy also
+turns the split sizes into NumPy arrays for ``all_to_all_single``; upstream skips tensors that are
+not on CUDA, and a torch tensor as split sizes is a ``TypeError`` (``incompatible function
+arguments``), so the patched copy converts CPU tensors as well. The allgather
+dispatcher needs neither. The flex dispatcher (DeepEP / HybridEP) is GPU-only and not covered.
 
 Sequence parallelism on the local spec. Without apex or transformer-engine (always the case on a
 CPU) the local spec's norms are ``WrappedTorchNorm``, a factory for ``torch.nn.LayerNorm`` /
@@ -62,6 +91,7 @@ filter.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import logging
@@ -91,7 +121,17 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.pipeline_parallel.schedules", "torch"),
     ("torch.nn", "Module.cuda"),
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__"),
+    ("megatron.core.transformer.moe.token_dispatcher", "torch"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
 )
+
+# (module path, name, value): module globals that some versions read but never define; defined
+# while the patch is applied, only where missing, and deleted again by undo.
+_DEFINE_IF_MISSING: tuple[tuple[str, str, Any], ...] = (
+    ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None),
+)
+_ABSENT = object()  # the "original" of a name that did not exist before apply
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
 _saved: list[tuple[Any, str, Any]] = []
@@ -209,6 +249,74 @@ class _TorchWithCpuZeros:
         return torch.zeros(*args, device=device, **kwargs)
 
 
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event``: everything already happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream``: work on a CPU is synchronous, so waiting is a no-op."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_CURRENT_STREAM = _CpuStream()
+
+
+class _CudaWithCpuStreams:
+    """``torch.cuda`` with ``Stream`` / ``Event`` / ``current_stream`` / ``stream`` on the CPU."""
+
+    Stream = _CpuStream
+    Event = _CpuEvent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CPU_CURRENT_STREAM
+
+    @staticmethod
+    def stream(stream: Any):
+        return contextlib.nullcontext()
+
+
+class _TorchWithCpuStreams:
+    """``torch`` as seen by Megatron's MoE token dispatchers: the same module, with ``torch.cuda``'s
+    streams and events replaced by CPU stand-ins."""
+
+    cuda = _CudaWithCpuStreams()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: ``as_numpy`` still
+    gives a NumPy array (what the all-to-all's split sizes must be)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
 def _module_cuda_noop(self, device: Any = None):
     # No CUDA device exists: keep the module where it is (on the CPU).
     return self
@@ -251,8 +359,16 @@ _REPLACEMENTS: dict[str, Any] = {
     "get_default_causal_mask": _cpu_default_causal_mask,
     "get_sliding_window_causal_mask": _cpu_sliding_window_causal_mask,
     "synchronize": _cpu_synchronize,
-    "torch": _TorchWithCpuZeros(),
+    ("megatron.core.pipeline_parallel.schedules", "torch"): _TorchWithCpuZeros(),
+    ("megatron.core.transformer.moe.token_dispatcher", "torch"): _TorchWithCpuStreams(),
+    "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream": _CpuStream(),
+    "maybe_move_tensor_to_cpu": _cpu_maybe_move_tensor_to_cpu,
 }
+
+
+def _replacement(module_name: str, attr_path: str) -> Any:
+    key = (module_name, attr_path)
+    return _REPLACEMENTS[key] if key in _REPLACEMENTS else _REPLACEMENTS[attr_path]
 
 
 def _resolve(module_name: str, attr_path: str) -> tuple[Any, str]:
@@ -293,7 +409,7 @@ def apply() -> bool:
     resolved, missing = [], []
     for module_name, attr_path in _TARGETS:
         try:
-            resolved.append((*_resolve(module_name, attr_path), attr_path))
+            resolved.append((*_resolve(module_name, attr_path), module_name, attr_path))
         except (ImportError, AttributeError):
             missing.append(f"{module_name}.{attr_path}")
     if missing:
@@ -308,12 +424,17 @@ def apply() -> bool:
             f"megatron_cpu patch is verified on megatron-core {VERIFIED_MEGATRON_CORE}, found {version}",
             stacklevel=2,
         )
-    for owner, name, attr_path in resolved:
+    for owner, name, module_name, attr_path in resolved:
         # Read from __dict__ so that undo restores exactly what was there (e.g. a plain function
         # on a class rather than a bound method).
         original = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
         _saved.append((owner, name, original))
-        setattr(owner, name, _REPLACEMENTS[attr_path])
+        setattr(owner, name, _replacement(module_name, attr_path))
+    for module_name, name, value in _DEFINE_IF_MISSING:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            _saved.append((module, name, _ABSENT))
+            setattr(module, name, value)
     logging.getLogger(_RNG_LOGGER).addFilter(_rng_filter)
     return True
 
@@ -322,7 +443,10 @@ def undo() -> None:
     """Restore every patched symbol. Idempotent; a no-op when the patch is not applied."""
     while _saved:
         owner, name, original = _saved.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     logging.getLogger(_RNG_LOGGER).removeFilter(_rng_filter)
 
 

@@ -178,3 +178,80 @@ def test_bridge_context_parallel_2_matches_hf(checkpoints, references):
     trees (64-token trees, prompt straddling the split) give HF's log-probs on every rank."""
     for rank in run_spawned(_cp2_worker, 2, checkpoints["qwen3"], cp=2, tp=1):
         assert max_err(rank, references["qwen3"]) <= LOGP_TOL
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+MOE_CASES = {  # name: (arch, HF config overrides)
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_no_norm_topk": ("qwen3_moe", {"norm_topk_prob": False}),
+    "qwen2_moe": ("qwen2_moe", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """{case: (path, HF log-probs on each branching sequence alone)} for the tiny MoE checkpoints."""
+    from megatron_tree.testing.models import hf_logprobs, make_hf_checkpoint
+
+    out = {}
+    for case, (arch, overrides) in MOE_CASES.items():
+        path = str(tmp_path_factory.mktemp(case))
+        make_hf_checkpoint(arch, path, **overrides)
+        out[case] = (path, hf_logprobs(path, branching_sequences()))
+    return out
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_bridge_moe_tree_logprobs_match_hf(case, moe_checkpoints):
+    """mbridge's Qwen3-MoE / Qwen2-MoE bridges (4 experts, top-2; Qwen2-MoE with its gated shared
+    expert) through the local spec: SequentialMLP experts named after mbridge's grouped ones, the
+    router's softmax order set from the checkpoint's norm_topk_prob (mbridge hard-codes one per
+    architecture), the alltoall dispatcher mbridge configures."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    path, reference = moe_checkpoints[case]
+    bridge, model = _load(path)
+    assert isinstance(model.decoder.layers[0].mlp, MoELayer)
+    assert bridge.config.moe_router_pre_softmax == (not bridge.hf_config.norm_topk_prob)
+    assert bridge.config.moe_token_dispatcher_type == "alltoall"
+    assert max_err(tree_logprobs(model, pack(branching_sequences())), reference) <= LOGP_TOL
+
+
+def _moe_ep2_worker(rank: int, path: str) -> dict:
+    from megatron.core import parallel_state as ps
+
+    bridge, model = _load(path)
+    assert bridge.config.expert_model_parallel_size == 2
+    experts = model.decoder.layers[0].mlp.experts.local_experts
+    return {"ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts),
+            "logprobs": tree_logprobs(model, pack(branching_sequences()))}
+
+
+def test_bridge_moe_expert_parallel_2_matches_hf(moe_checkpoints):
+    """EP=2 (TP=1): each rank loads global experts 2r, 2r+1 of the HF checkpoint into its local
+    experts 0, 1, and tokens cross ranks through the alltoall dispatcher."""
+    path, reference = moe_checkpoints["qwen3_moe"]
+    ranks = run_spawned(_moe_ep2_worker, 2, path, tp=1, ep=2)
+    assert [(r["ep_rank"], r["local_experts"]) for r in ranks] == [(0, 2), (1, 2)]
+    for r in ranks:
+        assert max_err(r["logprobs"], reference) <= LOGP_TOL
+
+
+def test_bridge_moe_refuses_expert_tp_other_than_tp(moe_checkpoints, monkeypatch):
+    from mbridge import AutoBridge
+    from mbridge.core import parallel_states
+
+    from megatron_tree.bridges.mbridge import patch_bridge_for_tree_training
+
+    real = parallel_states.ParallelStates.get_parallel_state
+
+    def etp2():
+        states = real()
+        states.etp_size = 2
+        return states
+
+    monkeypatch.setattr(parallel_states.ParallelStates, "get_parallel_state", staticmethod(etp2))
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 differs from tensor_model_parallel_size=1"):
+        with patch_bridge_for_tree_training():
+            AutoBridge.from_pretrained(moe_checkpoints["qwen3_moe"][0], dtype=torch.float32)

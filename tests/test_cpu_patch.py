@@ -178,3 +178,28 @@ def test_torch_norms_allow_sequence_parallel_and_mark_their_parameters():
     configs["RMSNorm"].persist_layer_norm = False
     with pytest.raises(AssertionError, match="sequence parallel not supported"):
         WrappedTorchNorm(configs["RMSNorm"], 64)
+
+
+def test_moe_router_and_alltoall_dispatcher_on_cpu():
+    """megatron-core 0.16.1 without transformer-engine never defines ``te_general_gemm``, which its
+    router reads (NameError); the patch defines it as None only where it is missing and undo
+    deletes it again. The alltoall dispatcher builds (no CUDA stream) and routes on the CPU; its
+    class-level stream is None again after undo."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_tree.testing.models import build_gpt_model, small_moe_config
+
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    try:
+        single_process_world()
+        assert moe_utils.te_general_gemm is None
+        model = build_gpt_model(small_moe_config(dispatcher="alltoall"), tree=False, vocab_size=128)
+        assert type(model.decoder.layers[0].mlp.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        logits, grad_sq = _forward_backward(model)
+        assert torch.isfinite(logits).all() and grad_sq > 0
+    finally:
+        megatron_cpu.undo()
+    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is stream

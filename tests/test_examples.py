@@ -65,3 +65,24 @@ def test_main_job_bf16_parity(tmp_path):
     base = float(re.search(r"parity of the unshared baseline vs HF\s+(\S+)", out).group(1))
     assert 0 < base < 0.5  # bf16 rounding of log-probs around -8: a few 1e-2
     assert tree <= 2 * base
+
+
+def test_main_job_moe_small(tmp_path):
+    """``--model qwen3_moe_tiny`` at the reduced size: the bundled Qwen3-MoE (8 experts, top-2)
+    through mbridge matches HF per sequence, the tree and baseline losses agree, the FLOP model
+    counts active experts, and the table reports the tokens each expert computed: each of the 4
+    layers sends every token of a step to 2 experts, so the tree's total is below the baseline's
+    in the proportion of the tokens the tree computes."""
+    out = _run("tree_vs_baseline.py", "--model", "qwen3_moe_tiny", "--small", "--parity-sequences", "3",
+               "--out", str(tmp_path))
+    assert "8 experts (top-2)" in out
+    # fp32 on CPU: summation order only (see test_bridge.py), MoE routing included.
+    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    assert parity <= 1e-5
+    assert float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1)) <= 1e-5
+    assert float(re.search(r"ideal speed-up \(FLOP model\)\s+(\S+)x", out).group(1)) > 1.5
+    tree = [int(x) for x in re.search(r"expert tokens, tree .*?\[([\d, ]+)\]", out).group(1).split(",")]
+    base = [int(x) for x in re.search(r"expert tokens, baseline\s+\[([\d, ]+)\]", out).group(1).split(",")]
+    assert len(tree) == len(base) == 8
+    assert sum(tree) % (4 * 2) == 0 and sum(base) % (4 * 2) == 0  # 4 layers x top-2 per token
+    assert sum(tree) < sum(base)

@@ -49,3 +49,67 @@ def test_linear_params_match_a_built_megatron_model():
         if n.endswith("weight") and p.dim() == 2 and "embedding" not in n
     )
     assert GPTShape.from_config(config, vocab=50).linear_params_per_token == matmul_weights
+
+
+def test_moe_active_parameters_by_hand():
+    """Layer 0 MoE (router 8x4, top-2 of 4 SwiGLU experts of width 6, a gated shared expert of
+    width 4), layer 1 dense (SwiGLU 16): a token multiplies by 1272 weights."""
+    import pytest
+
+    shape = GPTShape(hidden=8, layers=2, heads=2, query_groups=1, ffn_hidden=16, vocab=10, num_experts=4, topk=2,
+                     moe_ffn_hidden=6, shared_ffn_hidden=4, shared_expert_gate=True, moe_layers=1)
+    attention = 2 * (8 * (2 + 2) * 4 + 2 * 4 * 8)  # qkv 128 + proj 64, per layer
+    dense_mlp = 8 * 16 * 3
+    moe_mlp = 8 * 4 + 2 * (8 * 6 * 3) + (8 * 4 * 3 + 8)  # router + 2 experts + shared expert and gate
+    assert shape.moe_params_per_token == moe_mlp == 424
+    assert shape.linear_params_per_token == attention + dense_mlp + moe_mlp + 8 * 10 == 1272
+    # Every layer MoE (moe_layers None), no shared expert: 2 x (router + top-2 experts).
+    all_moe = GPTShape(hidden=8, layers=2, heads=2, query_groups=1, ffn_hidden=16, vocab=10, num_experts=4, topk=2,
+                       moe_ffn_hidden=6)
+    assert all_moe.linear_params_per_token == attention + 2 * (32 + 288) + 80
+    with pytest.raises(ValueError, match=r"topk=5 must be in \[1, num_experts=4\]"):
+        GPTShape(hidden=8, layers=2, heads=2, query_groups=1, ffn_hidden=16, vocab=10, num_experts=4, topk=5)
+    with pytest.raises(ValueError, match=r"moe_layers=3 must be in \[0, layers=2\]"):
+        GPTShape(hidden=8, layers=2, heads=2, query_groups=1, ffn_hidden=16, vocab=10, num_experts=4, topk=2,
+                 moe_layers=3)
+
+
+def test_moe_from_config_reads_layer_pattern():
+    import pytest
+    from types import SimpleNamespace
+
+    from megatron_tree.core.flops import _moe_layer_count
+
+    assert _moe_layer_count(1, 4) == 4 and _moe_layer_count(2, 5) == 3 and _moe_layer_count([0, 1, 1, 0], 4) == 2
+    with pytest.raises(ValueError, match="must be an int or a list of num_layers=4 zeros and ones"):
+        _moe_layer_count([1, 1], 4)
+    config = SimpleNamespace(hidden_size=8, num_layers=4, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=16,
+                             gated_linear_unit=True, kv_channels=None, num_moe_experts=4, moe_router_topk=2,
+                             moe_ffn_hidden_size=6, moe_shared_expert_intermediate_size=None,
+                             moe_shared_expert_gate=False, moe_layer_freq=[1, 0, 1, 0])
+    shape = GPTShape.from_config(config, vocab=10)
+    assert (shape.num_experts, shape.topk, shape.moe_ffn_hidden, shape.shared_ffn_hidden, shape.num_moe_layers) == (
+        4, 2, 6, 0, 2)
+
+
+def test_moe_active_parameters_match_a_built_megatron_model():
+    """A local-spec MoE GPT (layers 0 and 2 of 3 MoE, 4 experts, top-2, a gated shared expert): the
+    active weights are every non-expert matmul weight (router and shared expert included) plus 2/4
+    of the expert weights."""
+    from megatron_tree.patches import megatron_cpu
+    from megatron_tree.testing.dist import single_process_world
+    from megatron_tree.testing.models import build_gpt_model, small_moe_config
+
+    single_process_world()
+    try:
+        config = small_moe_config(num_layers=3, moe_layer_freq=[1, 0, 1], moe_shared_expert_intermediate_size=48,
+                                  moe_shared_expert_gate=True)
+        model = build_gpt_model(config, tree=True, vocab_size=50)
+    finally:
+        megatron_cpu.undo()
+    weights = {n: p.numel() for n, p in model.named_parameters()
+               if p.dim() == 2 and "embedding" not in n and "layernorm" not in n}
+    experts = sum(v for n, v in weights.items() if "local_experts" in n)
+    others = sum(v for n, v in weights.items() if "local_experts" not in n)
+    assert any("gate_weight" in n for n in weights) and any("shared_experts.linear_fc1" in n for n in weights)
+    assert GPTShape.from_config(config, vocab=50).linear_params_per_token == others + experts * 2 // 4

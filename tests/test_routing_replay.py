@@ -95,3 +95,83 @@ def test_route_key_errors():
     with pytest.raises(ValueError, match=r"data\['routed_experts'\] must be a tensor shaped \[B, L, ...\]"):
         build_packed_tree_batch({**batch, "routed_experts": batch["routed_experts"][:1]}, max_tokens_per_mb=16,
                                 block_size=16, route_key="routed_experts")
+
+
+# ----------------------------------------------------------------------------- replay in the model
+
+# fp32 on CPU: tree and unpacked reference differ in summation order only (~1e-6 relative); a route
+# not replayed (the model's own top-k instead of the recorded one) moves the loss by >= 1e-2.
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+class _ReplayPerSequence(torch.nn.Module):
+    """The reference: the stock model, each call (one sequence) replaying that sequence's routes."""
+
+    def __init__(self, model, routes):
+        super().__init__()
+        self.model, self.routes, self.calls = model, routes, 0
+
+    def forward(self, ids, positions, attention_mask=None):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routes = self.routes[self.calls]
+        self.calls += 1
+        routers = [m.router for m in self.model.modules() if hasattr(m, "router") and hasattr(m.router, "router_replay")]
+        for router in routers:
+            router.router_replay.clear_indices()
+            router.router_replay.set_target_indices(routes[:, router.layer_number - 1])
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return self.model(ids, positions, attention_mask=attention_mask)
+
+
+def _recorded_routes(seqs, seed: int) -> list[torch.Tensor]:
+    """Routes that depend on the token prefix (so shared prefixes agree), except that sequence 1
+    disagrees at its token 5, as a rollout engine may."""
+    routes = []
+    for s in seqs:
+        r = torch.empty(len(s), LAYERS, TOPK, dtype=torch.int64)
+        for t in range(len(s)):
+            g = torch.Generator().manual_seed(seed + hash(tuple(s[: t + 1].tolist())) % 100003)
+            r[t] = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(LAYERS)])
+        routes.append(r)
+    routes[1][5, 0] = routes[1][5, 0].flip(0) if routes[1][5, 0, 0] != routes[1][5, 0, 1] else routes[1][5, 0]
+    routes[1][5, 1, 0] = (routes[1][5, 1, 1] + 1) % EXPERTS
+    return routes
+
+
+def test_step_replays_recorded_routes_like_the_unpacked_reference(world):
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_tree.core.losses import ppo_clipped_loss
+    from megatron_tree.mcore.step import tree_forward_backward
+    from megatron_tree.testing.models import VOCAB, branching_sequences, build_gpt_model, small_moe_config
+    from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
+
+    seqs = branching_sequences()
+    routes = _recorded_routes(seqs, seed=3)
+    batch = _batch(seqs, routes)
+    g = torch.Generator().manual_seed(2)
+    lengths = batch["attention_mask"].sum(1)
+    width = batch["input_ids"].shape[1]
+    batch["loss_mask"] = (torch.arange(width)[None] < (lengths - 1)[:, None]).float()
+    batch["old_logprobs"] = -3 * torch.rand(len(seqs), width, generator=g) - 3.5
+    batch["advantages"] = torch.randn(len(seqs), 1, generator=g).expand(-1, width).contiguous()
+    try:
+        config = small_moe_config(num_layers=LAYERS, moe_enable_routing_replay=True)
+        reference = build_gpt_model(config, tree=False, vocab_size=VOCAB)
+        tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+        tree.load_state_dict(reference.state_dict())
+        reference_batch = {k: v for k, v in batch.items() if k != "routed_experts"}
+        want_loss = unpacked_reference_step(_ReplayPerSequence(reference, routes), reference_batch, ppo_clipped_loss)
+        result = tree_forward_backward(tree, batch, ppo_clipped_loss, route_key="routed_experts",
+                                       max_tokens_per_mb=64, block_size=16)
+        assert float(result.loss) == pytest.approx(float(want_loss), rel=LOSS_RTOL)
+        errors = gradient_errors({n: p.grad for n, p in tree.named_parameters() if p.grad is not None},
+                                 {n: p.grad for n, p in reference.named_parameters() if p.grad is not None})
+        assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+        # Without replay the model routes by its own top-k: a different loss.
+        own = tree_forward_backward(tree, batch, ppo_clipped_loss, max_tokens_per_mb=64, block_size=16,
+                                    forward_only=True)
+        assert abs(float(own.loss) - float(want_loss)) > 1e-2 * abs(float(want_loss))
+    finally:
+        RouterReplay.clear_global_router_replay_instances()

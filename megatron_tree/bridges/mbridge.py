@@ -34,6 +34,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import re
 from typing import Any, Iterator
 
 from mbridge.core import bridge as bridge_module
@@ -70,12 +71,14 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
     mlp = dict(type(bridge)._MLP_MAPPING)
     other = dict(type(bridge)._OTHER_MAPPING)
     input_norm = attention.get("self_attention.linear_qkv.layer_norm_weight")
-    pre_mlp_norm = mlp.get("mlp.linear_fc1.layer_norm_weight")
+    # Dense TE specs fuse the pre-MLP norm into linear_fc1; MoE specs keep a separate
+    # pre_mlp_layernorm, which mbridge's MoE bridges already map (as the local spec names it).
+    pre_mlp_norm = mlp.get("mlp.linear_fc1.layer_norm_weight", mlp.get("pre_mlp_layernorm"))
     if input_norm is None or pre_mlp_norm is None:
         raise ValueError(
             f"{type(bridge).__name__} has no fused-norm weight mapping to derive the local spec's "
             "norm names from; tree training through mbridge without transformer-engine supports "
-            "dense GPT bridges (Qwen2, Qwen3, Llama, ...)"
+            "GPT bridges with RMSNorm/LayerNorm layers (Qwen2, Qwen3, Llama, Qwen3-MoE, ...)"
         )
     # mbridge routes names without ".self_attention." and without "mlp" to _OTHER_MAPPING, and
     # "pre_mlp_layernorm" (it contains "mlp") to _MLP_MAPPING.
@@ -85,13 +88,83 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
     bridge._MLP_MAPPING = mlp
 
 
+# The local spec's SequentialMLP experts: decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc{1,2}.weight
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _match_hf_router(bridge: Any) -> None:
+    """Set Megatron's softmax order to the HF model's ``norm_topk_prob``.
+
+    HF Qwen2-MoE / Qwen3-MoE take a softmax over all experts, keep the top k and, only with
+    ``norm_topk_prob``, renormalize them to sum to 1. Megatron's softmax router renormalizes when
+    the softmax follows the top-k (``moe_router_pre_softmax=False``) and does not when it precedes
+    it (``True``). mbridge 0.15.1 hard-codes one order per architecture (Qwen3-MoE: renormalized,
+    Qwen2-MoE: not), which is wrong for checkpoints with the other setting.
+
+    Also: HF Qwen2-MoE scales its shared expert by ``sigmoid(shared_expert_gate(x))``; mbridge maps
+    that weight to Megatron's ``shared_experts.gate_weight`` but never sets
+    ``moe_shared_expert_gate``, so the gate would be missing (log-probs off by O(1)).
+    """
+    if not bridge.config.num_moe_experts:
+        return
+    extra = {}
+    norm_topk_prob = getattr(bridge.hf_config, "norm_topk_prob", None)
+    if (norm_topk_prob is not None and bridge.config.moe_router_score_function == "softmax"
+            and bridge.config.moe_router_pre_softmax != (not norm_topk_prob)):
+        extra["moe_router_pre_softmax"] = not norm_topk_prob
+    if (bridge.config.moe_shared_expert_intermediate_size and not bridge.config.moe_shared_expert_gate
+            and "shared_experts.gate_weight" in type(bridge)._MLP_MAPPING):
+        extra["moe_shared_expert_gate"] = True
+    if extra:
+        bridge.set_extra_args(**extra)
+
+
+def _bind_local_moe(bridge: Any) -> None:
+    """MoE through the local spec: SequentialMLP experts, no CUDA-only options, weight names.
+
+    mbridge's MoE maps know TE's grouped experts (``mlp.experts.linear_fc1.weight{e}``, ``e`` the
+    global expert); the local spec without grouped GEMM names them
+    ``mlp.experts.local_experts.{i}.linear_fc1.weight`` (``i`` the expert on this expert-parallel
+    rank). The bound bridge maps the latter to the former (global index ``i + ep_rank *
+    num_local_experts``), so mbridge's HF names, gate/up merge and TP split apply unchanged.
+    """
+    # Grouped GEMM needs transformer-engine or the grouped_gemm package; persist_layer_norm is
+    # apex-only (the torch norms assert it off); the shared-expert overlap creates a CUDA stream.
+    bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, moe_shared_expert_overlap=False)
+    mpu = bridge.mpu
+    if mpu.etp_size != mpu.tp_size:
+        raise ValueError(
+            f"expert_tensor_parallel_size={mpu.etp_size} differs from tensor_model_parallel_size="
+            f"{mpu.tp_size}: without transformer-engine, tree training through mbridge loads experts "
+            "as the local spec's SequentialMLP, split like the dense layers; initialize "
+            "parallel_state with expert_tensor_parallel_size equal to the tensor-parallel size"
+        )
+    original = bridge._weight_name_mapping_mcore_local_to_global
+
+    def local_to_global(model, consider_ep: bool = True) -> dict[str, str]:
+        names = original(model, consider_ep=False)
+        per_rank = bridge.config.num_moe_experts // mpu.ep_size
+        offset = per_rank * mpu.ep_rank if consider_ep else 0
+        for local, name in names.items():
+            match = _LOCAL_EXPERT.match(name)
+            if match:
+                prefix, expert, fc = match.groups()
+                names[local] = f"{prefix}.{fc}.weight{int(expert) + offset}"
+        return names
+
+    bridge._weight_name_mapping_mcore_local_to_global = local_to_global
+
+
 def _bind(bridge: Any, backend: str, block_size: int) -> None:
     """Make ``bridge`` build tree-attention models from now on (idempotent)."""
     if getattr(bridge, _BOUND_ATTR, None) is not None:
         return
     use_te = _transformer_engine_available()
+    _match_hf_router(bridge)
     if not use_te:
         _extend_weight_maps_for_local_spec(bridge)
+        if bridge.config.num_moe_experts:
+            _bind_local_moe(bridge)
         if bridge.config.sequence_parallel:
             logger.info("tree training without transformer-engine: sequence_parallel switched off")
             bridge.set_extra_args(sequence_parallel=False)

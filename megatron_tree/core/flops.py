@@ -1,6 +1,7 @@
 """A FLOP model of a GPT forward+backward over packed trees, for ideal speed-ups.
 
-Linear layers cost ``2 * params`` per packed token; attention costs ``4 * heads * head_dim`` per allowed
+Linear layers cost ``2 * params`` per packed token (for a mixture of experts, the parameters a token
+uses: its top-k routed experts, the shared experts and the router; see :class:`GPTShape`); attention costs ``4 * heads * head_dim`` per allowed
 (query, key) pair per layer (QK^T and PV), with the allowed pairs read off ``subtree_end`` in O(N)
 (equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
 is twice a forward. Padding is not counted: the model gives the ideal of the layout.
@@ -21,7 +22,16 @@ from .tree import PackedTree
 
 @dataclass(frozen=True)
 class GPTShape:
-    """The sizes that set a GPT's FLOPs."""
+    """The sizes that set a GPT's FLOPs.
+
+    Mixture of experts: with ``num_experts > 0``, ``moe_layers`` of the ``layers`` (default: all)
+    replace the dense MLP (``ffn_hidden``) by a router (``hidden x num_experts``), the ``topk``
+    experts a token is routed to (each an MLP of width ``moe_ffn_hidden``) and an always-active
+    shared expert of width ``shared_ffn_hidden`` (0: none; ``shared_expert_gate`` adds its
+    ``hidden x 1`` sigmoid gate). Token-choice routing without a capacity factor computes every
+    token in exactly ``topk`` experts, so the active-parameter count per token is exact; the
+    dispatch itself (permutation, all-to-all) does no FLOPs.
+    """
 
     hidden: int
     layers: int
@@ -31,14 +41,40 @@ class GPTShape:
     vocab: int
     gated_mlp: bool = True
     head_dim: int | None = None  # default hidden // heads
+    num_experts: int = 0
+    topk: int = 0
+    moe_ffn_hidden: int | None = None  # default ffn_hidden
+    shared_ffn_hidden: int = 0
+    shared_expert_gate: bool = False
+    moe_layers: int | None = None  # default: every layer when num_experts > 0
+
+    def __post_init__(self):
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.topk <= self.num_experts):
+            raise ValueError(
+                f"topk={self.topk} must be in [1, num_experts={self.num_experts}] for a mixture of "
+                "experts (num_experts=0 is a dense model)"
+            )
+        if self.moe_layers is not None and not 0 <= self.moe_layers <= self.layers:
+            raise ValueError(f"moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
 
     @classmethod
     def from_config(cls, config, vocab: int) -> "GPTShape":
-        """From a Megatron ``TransformerConfig`` and the vocabulary size (dense models only)."""
-        if getattr(config, "num_moe_experts", None):
-            raise ValueError(
-                "GPTShape models dense MLPs only; this config has num_moe_experts="
-                f"{config.num_moe_experts} (count active expert FLOPs yourself)"
+        """From a Megatron ``TransformerConfig`` (dense or MoE) and the vocabulary size.
+
+        MoE fields read: ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
+        ``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate`` and ``moe_layer_freq``
+        (an int N: every N-th layer from layer 0 is MoE; or a list of 0/1 per layer).
+        """
+        num_experts = getattr(config, "num_moe_experts", None) or 0
+        moe = {}
+        if num_experts:
+            moe = dict(
+                num_experts=num_experts,
+                topk=config.moe_router_topk,
+                moe_ffn_hidden=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                shared_ffn_hidden=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
+                shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
+                moe_layers=_moe_layer_count(getattr(config, "moe_layer_freq", 1), config.num_layers),
             )
         return cls(
             hidden=config.hidden_size,
@@ -49,6 +85,7 @@ class GPTShape:
             vocab=vocab,
             gated_mlp=bool(config.gated_linear_unit),
             head_dim=config.kv_channels,
+            **moe,
         )
 
     @property
@@ -56,13 +93,47 @@ class GPTShape:
         """heads x head_dim: the width of QK^T and PV per layer."""
         return self.heads * (self.head_dim or self.hidden // self.heads)
 
+    def _mlp_params(self, width: int) -> int:
+        return self.hidden * width * (3 if self.gated_mlp else 2)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        if not self.num_experts:
+            return 0
+        return self.layers if self.moe_layers is None else self.moe_layers
+
+    @property
+    def moe_params_per_token(self) -> int:
+        """Weights one token uses in one MoE layer's MLP: router, top-k experts, shared expert."""
+        routed = self.topk * self._mlp_params(self.moe_ffn_hidden or self.ffn_hidden)
+        shared = self._mlp_params(self.shared_ffn_hidden) + (self.hidden if self.shared_expert_gate else 0)
+        return self.hidden * self.num_experts + routed + (shared if self.shared_ffn_hidden else 0)
+
     @property
     def linear_params_per_token(self) -> int:
+        """Weights one token multiplies by (active parameters for MoE), embedding lookup excluded."""
         head_dim = self.head_dim or self.hidden // self.heads
         qkv = self.hidden * (self.heads + 2 * self.query_groups) * head_dim
         proj = self.heads * head_dim * self.hidden
-        mlp = self.hidden * self.ffn_hidden * (3 if self.gated_mlp else 2)
-        return self.layers * (qkv + proj + mlp) + self.hidden * self.vocab
+        moe_layers = self.num_moe_layers
+        dense_layers = self.layers - moe_layers
+        mlp = dense_layers * self._mlp_params(self.ffn_hidden) + moe_layers * self.moe_params_per_token
+        return self.layers * (qkv + proj) + mlp + self.hidden * self.vocab
+
+
+def _moe_layer_count(freq, num_layers: int) -> int:
+    """MoE layers of Megatron's ``moe_layer_freq`` (int N: layers 0, N, 2N, ...; or a 0/1 list)."""
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
+        return sum(1 for i in range(num_layers) if i % freq == 0)
+    pattern = list(freq)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(
+            f"moe_layer_freq={freq!r} must be an int or a list of num_layers={num_layers} zeros and ones"
+        )
+    return sum(pattern)
 
 
 def attention_pairs(tree: PackedTree) -> int:

@@ -164,3 +164,65 @@ def token_multiplicity(tree, positions: torch.Tensor | None = None) -> torch.Ten
     packed position (0 for padding), the weight of that token in the unpacked batch."""
     counts = torch.bincount(tree.token_index, minlength=tree.padded_length).to(torch.float32)
     return (counts if positions is None else counts[positions.to(counts.device)])[None]
+
+
+def _replaying_routers(chunk) -> list:
+    """The routers of a model chunk that replay recorded routes (``moe_enable_routing_replay``)."""
+    return [m.router for m in chunk.modules()
+            if isinstance(m, MoELayer) and getattr(m.router, "router_replay", None) is not None]
+
+
+class RoutingReplay:
+    """Feeds each micro-batch's recorded routes to Megatron's router replay during a tree step.
+
+    The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal on
+    every sequence through a position), here laid out per packed position, cut to this rank's rows
+    (context parallel split, then the sequence-parallel shard the router sees) and set as each
+    router's target for its layer. Before a micro-batch's forward the routers replay forward; after
+    it they replay for backward, so activation recomputation pops the same routes in micro-batch
+    order (Megatron's ``REPLAY_BACKWARD`` list).
+
+    Args:
+        chunks: the step's model chunks.
+        route_key: the micro-batch key holding routes [T, num_layers, topk] (global layer order).
+    """
+
+    def __init__(self, chunks, route_key: str):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.action = RouterReplayAction
+        self.route_key = route_key
+        self.routers = {id(chunk): _replaying_routers(chunk) for chunk in chunks}
+        if not any(self.routers.values()):
+            raise ValueError(
+                f"route_key={route_key!r} needs routers that replay: build the model with "
+                "moe_enable_routing_replay=True"
+            )
+        config = next(r for routers in self.routers.values() for r in routers).config
+        self.tp_shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+    def before_forward(self, chunk, micro_batch: dict, split, tp_rank: int) -> None:
+        from ..core.results import values_per_position
+
+        tree = micro_batch["tree"]
+        if self.route_key not in micro_batch:
+            raise ValueError(f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the batch)")
+        routes = values_per_position(micro_batch[self.route_key], tree)  # [N, layers, topk]
+        topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
+        routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
+        if split is not None:
+            routes = routes[split.local_positions.to(routes.device)]
+        rows = routes.shape[0] // self.tp_shards
+        routes = routes[tp_rank * rows:(tp_rank + 1) * rows] if self.tp_shards > 1 else routes
+        for router in self.routers[id(chunk)]:
+            router.router_replay.set_target_indices(routes[:, router.layer_number - 1].to(torch.int64))
+            router.router_replay.set_router_replay_action(self.action.REPLAY_FORWARD)
+
+    def after_forward(self, chunk) -> None:
+        for router in self.routers[id(chunk)]:
+            router.router_replay.set_router_replay_action(self.action.REPLAY_BACKWARD)
+
+    def close(self) -> None:
+        for router in (r for routers in self.routers.values() for r in routers):
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()

@@ -12,6 +12,7 @@ skipped silently.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -36,6 +37,8 @@ def _module_class(spec_or_class: Any) -> Any:
     module = spec_or_class.module if isinstance(spec_or_class, ModuleSpec) else spec_or_class
     if isinstance(module, tuple):
         module = import_module(module)
+    if isinstance(module, functools.partial):  # megatron-core >= 0.19 builds some modules from partials
+        module = module.func
     return module
 
 
@@ -93,12 +96,17 @@ def _rewrite_moe(subs: Any, where: str) -> None:
     mlp_cls = _module_class(mlp) if mlp is not None else None
     if not (isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer)) or issubclass(mlp_cls, TreeMoELayer):
         return
-    if mlp_cls is not MoELayer or not isinstance(mlp, ModuleSpec):
+    if mlp_cls is not MoELayer:
         raise ValueError(
             f"{where}: custom MoE layer {_class_name(mlp_cls)}: its router losses would count a shared "
             "tree token once; derive it from megatron_tree.mcore.moe.TreeMoELayer instead of MoELayer"
         )
-    mlp.module = TreeMoELayer
+    if isinstance(mlp, ModuleSpec):
+        mlp.module = TreeMoELayer
+    elif isinstance(mlp, functools.partial):
+        subs.mlp = functools.partial(TreeMoELayer, *mlp.args, **mlp.keywords)
+    else:
+        raise ValueError(f"{where}: cannot rewrite the MoE layer given as {type(mlp).__name__}")
 
 
 def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 128) -> Any:

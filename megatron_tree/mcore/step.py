@@ -40,7 +40,8 @@ from ..core.losses import loss_weights
 from ..core.mask import tree_attention_mask
 from ..core.packing import _dummy_tree, build_packed_tree_batch
 from ..core.results import merge_packed_tree_results
-from .moe import step_loss_scale, token_multiplicity
+from .moe import RoutingReplay, step_loss_scale, token_multiplicity
+from .moe_stats import ExpertTokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,15 @@ class TreeStepResult:
     add up to it); None on pipeline stages other than the last. ``tree_outputs`` (with
     ``collect_outputs=True``, last stage only): each head output (``logprobs``, ``entropy`` or
     ``values``) as one detached [T] tensor per micro-batch of ``packed``, ready for
-    ``packed.attach``; :meth:`merged_outputs` turns them into [B, L].
+    ``packed.attach``; :meth:`merged_outputs` turns them into [B, L]. ``expert_tokens`` (with
+    ``moe_stats=True``): int64 [E], tokens this rank routed to each expert, summed over its layers.
     """
 
     loss: torch.Tensor | None
     packed: PackedTreeBatch
     seconds: dict[str, float] = field(default_factory=dict)
     tree_outputs: dict[str, list[torch.Tensor]] | None = None
+    expert_tokens: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -94,6 +97,7 @@ class TreeStepResult:
             f"tree step: loss={loss} sequences={p.batch_size} trees={len(p)} (dummy "
             f"{p.num_dummy_trees}) tokens real={p.num_real_tokens} tree={p.num_tree_tokens} "
             f"padded={p.num_padded_tokens} tree_token_ratio={p.tree_token_ratio:.4f} {times}"
+            + ("" if self.expert_tokens is None else f" expert_tokens={self.expert_tokens.tolist()}")
         )
 
 
@@ -139,6 +143,28 @@ def _as_packed(batch, packing: dict, dp_group, pp_size: int, align: int) -> Pack
     kwargs = {k: v for k, v in packing.items() if v is not None and k != "pad_to_max"}
     kwargs["parallel_size"] = math.lcm(kwargs.get("parallel_size", 1), align)
     return build_packed_tree_batch(batch, pad_to_max=pad_to_max, dp_group=dp_group, **kwargs)
+
+
+def _check_expert_parallel(config, dp_group, packing: dict, prepacked: bool) -> None:
+    """Expert parallelism exchanges tokens between data-parallel ranks in every micro-batch: they
+    must run as many trees (and, with the allgather dispatcher, trees of one length)."""
+    ep = parallel_state.get_expert_model_parallel_world_size() if config.num_moe_experts else 1
+    if ep <= 1:
+        return
+    if dp_group is None:
+        raise ValueError(
+            f"expert_model_parallel_size={ep}: expert-parallel ranks are data-parallel ranks and must run "
+            "the same number of trees; pass dp_group=parallel_state.get_data_parallel_group()"
+        )
+    if config.moe_token_dispatcher_type != "allgather" or prepacked:
+        return  # a pre-packed batch: pack it with pad_to_max=True for this dispatcher
+    if packing["pad_to_max"] is None:
+        packing["pad_to_max"] = True
+    elif not packing["pad_to_max"]:
+        raise ValueError(
+            "the allgather token dispatcher gathers equal-length token blocks from the expert-parallel "
+            "ranks: use pad_to_max=True (or the alltoall dispatcher)"
+        )
 
 
 def _context_parallel_group(config, cp_group):
@@ -228,6 +254,8 @@ def tree_forward_backward(
     parallel_size: int | None = None,
     pad_to_max: bool | None = None,
     share_prefixes: bool | None = None,
+    route_key: str | None = None,
+    moe_stats: bool = False,
 ) -> TreeStepResult:
     """Run a packed batch forward (and backward) through Megatron's schedule.
 
@@ -259,6 +287,12 @@ def tree_forward_backward(
             gradients itself (per-token mode with a ``finalize_model_grads_func``).
         forward_only: no backward (old / reference log-probs, evaluation).
         collect_outputs: keep the head's outputs (``result.tree_outputs``).
+        route_key: MoE routing replay: the per-token input holding the routes the rollout engine
+            recorded, [B, L, num_layers, topk] in a padded batch (packed with the trie keyed on
+            token + route) or already packed in the :class:`PackedTreeBatch`; the model needs
+            ``moe_enable_routing_replay=True``. Each micro-batch's routers replay them.
+        moe_stats: count the tokens each expert receives (``result.expert_tokens``, summed over
+            layers, in the log line; a host read per router call).
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
@@ -280,8 +314,10 @@ def tree_forward_backward(
     cp_group = _context_parallel_group(config, cp_group)
     t0 = time.perf_counter()
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
-                   pad_to_max=pad_to_max, share_prefixes=share_prefixes)
+                   pad_to_max=pad_to_max, share_prefixes=share_prefixes,
+                   route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    _check_expert_parallel(config, dp_group, packing, prepacked=isinstance(batch, PackedTreeBatch))
     align = config.context_parallel_size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
     packed = _as_packed(batch, packing, dp_group, pp_size, align)
     vocab_size = getattr(_unwrap(chunks[0]), "vocab_size", None)
@@ -302,10 +338,12 @@ def tree_forward_backward(
     timings = {"prepare": time.perf_counter() - t0}
 
     collected: list[dict] = []
+    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
     forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
-                                      collected if collect_outputs else None)
+                                      collected if collect_outputs else None, replay)
     t1 = time.perf_counter()
-    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale):
+    counter = ExpertTokenCounter(chunks) if moe_stats else contextlib.nullcontext()
+    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(replay), counter:
         logs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(enumerate(on_device)) for _ in chunks] if len(chunks) > 1 else iter(enumerate(on_device)),
@@ -322,7 +360,8 @@ def tree_forward_backward(
     tree_outputs = None
     if collected:
         tree_outputs = {name: [c[name] for c in collected[: len(packed)]] for name in collected[0]}
-    result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs)
+    result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs,
+                            expert_tokens=counter.totals() if moe_stats and counter.per_layer else None)
     logger.info(result.log_line())
     return result
 
@@ -349,7 +388,16 @@ def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
     return ranks / max(total, 1e-30)
 
 
-def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks, collected):
+@contextlib.contextmanager
+def _closing(replay):
+    try:
+        yield
+    finally:
+        if replay is not None:
+            replay.close()
+
+
+def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks, collected, replay):
     """Megatron's ``forward_step_func`` over ``enumerate(packed micro-batches)``.
 
     The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
@@ -383,7 +431,11 @@ def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_gro
         if i not in prepared:
             prepared[i] = prepare(mb)
         split, input_ids, position_ids, kwargs = prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
+        if replay is not None:
+            replay.before_forward(model_chunk, mb, split, parallel_state.get_tensor_model_parallel_rank())
         output = model_chunk(input_ids, position_ids, **kwargs)
+        if replay is not None:
+            replay.after_forward(model_chunk)
 
         def loss_func(output_tensor):
             outputs = gather.gather(output_tensor, tree, tp_group, split)

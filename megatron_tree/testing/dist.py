@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict |
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
                 context_parallel_size=layout["cp"], virtual_pipeline_model_parallel_size=layout["vpp"],
+                expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
             )
             mp_random.model_parallel_cuda_manual_seed(1234)
         result = ("ok", fn(rank, *args))
@@ -79,6 +80,8 @@ def run_spawned(
     pp: int = 1,
     cp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     megatron: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on a fresh gloo world of ``world_size`` processes; results by rank.
@@ -88,12 +91,16 @@ def run_spawned(
         world_size: number of processes.
         tp, pp, cp, vpp: Megatron layout: TP = ``tp`` (default: the whole world / (``pp`` x
             ``cp``)), PP = ``pp``, CP = ``cp``, virtual pipeline size ``vpp``, DP = the rest.
+        ep, etp: expert parallel size ``ep`` and expert tensor parallel size ``etp`` (default: the
+            TP size), carved by Megatron out of the data x context x tensor parallel ranks
+            (``ep x etp x pp`` must divide ``world_size``).
         megatron: set up Megatron's parallel_state (with the CPU runtime patch and the model-parallel
             seed 1234); False gives a plain gloo world (``dist.group.WORLD``).
     """
     layout = None
     if megatron:
-        layout = {"tp": world_size // (pp * cp) if tp is None else tp, "pp": pp, "cp": cp, "vpp": vpp}
+        layout = {"tp": world_size // (pp * cp) if tp is None else tp, "pp": pp, "cp": cp, "vpp": vpp, "ep": ep,
+                  "etp": etp}
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_worker, args=(world_size, directory, fn, args, layout), nprocs=world_size, join=True)
         results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False)

@@ -18,11 +18,30 @@ from .synthetic import pad_sequences
 VOCAB = 128
 
 ARCHS = ("qwen2", "qwen3", "llama")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+
+# The tiny MoE checkpoints of the tests: 4 experts, top-2, expert FFN 32, every layer sparse.
+# Qwen3-MoE renormalizes the chosen experts' weights (norm_topk_prob, as in Qwen3-30B-A3B);
+# Qwen2-MoE does not and adds a sigmoid-gated shared expert (FFN 48).
+MOE_TINY = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0, head_dim=16),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
+                      router_aux_loss_coef=0.0),
+}
 
 
-def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0) -> None:
-    """Save a tiny random ``arch`` model (hidden 64, 2 layers, 4 heads, 2 KV heads) to ``path``."""
+def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> None:
+    """Save a tiny random ``arch`` model (hidden 64, 2 layers, 4 heads, 2 KV heads) to ``path``.
+
+    ``arch`` is one of ``ARCHS`` (dense) or ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`);
+    ``overrides`` replace HF config fields (e.g. ``norm_topk_prob=False``).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHS + MOE_ARCHS:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHS + MOE_ARCHS}")
 
     common = dict(
         vocab_size=VOCAB,
@@ -39,6 +58,8 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0) -> None:
     )
     if arch == "qwen3":
         common["head_dim"] = 16
+    common.update(MOE_TINY.get(arch, {}))
+    common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -162,7 +183,9 @@ def build_gpt_model(
     vp_stage: int | None = None,
 ):
     """A local-spec GPT for this pipeline stage (and virtual stage ``vp_stage``): ``TreeGPTModel`` with tree attention, or the stock
-    ``GPTModel`` (the reference), with untied output weights and rope.
+    ``GPTModel`` (the reference), with untied output weights and rope. A config with
+    ``num_moe_experts`` gets Megatron's local block spec (SequentialMLP experts in the layers
+    ``moe_layer_freq`` names; see :func:`small_moe_config`).
 
     The same ``seed`` and config give the same weights for both kinds (tree attention has no
     parameters of its own), so a reference can also load the tree model's state dict.
@@ -175,7 +198,13 @@ def build_gpt_model(
     from ..mcore.spec import tree_attention_spec
     from ..mcore.value_head import attach_value_head
 
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    if config.num_moe_experts:  # the block spec: MoE and dense layers as config.moe_layer_freq says
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
     cls = GPTModel
     if tree:
         spec, cls = tree_attention_spec(spec, backend=backend, block_size=block_size), TreeGPTModel
@@ -192,3 +221,40 @@ def build_gpt_model(
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     return attach_value_head(model) if critic else model
+
+
+def small_moe_config(*, dispatcher: str = "allgather", num_experts: int = 4, topk: int = 2, **overrides):
+    """A ``small_gpt_config`` whose MLPs are mixtures of experts: ``num_experts`` experts of FFN 32,
+    top-``topk`` softmax routing renormalized over the chosen experts, no token dropping (no
+    capacity factor), the ``dispatcher`` token dispatcher, the expert-parallel size of
+    ``parallel_state``, and no load-balancing loss or z-loss (their token means differ between a
+    tree and the unpacked batch; ``overrides`` can switch them on)."""
+    from megatron.core import parallel_state as ps
+
+    fields = dict(
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False, moe_router_pre_softmax=False,
+        moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_router_load_balancing_type="aux_loss",
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), init_method_std=0.15,
+    )
+    fields.update(overrides)
+    return small_gpt_config(**fields)
+
+
+def moe_layer_spec(config):
+    """The local layer spec of ``config``'s MoE layers (SequentialMLP experts, no grouped GEMM)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization=config.normalization)
+
+
+def global_expert_name(name: str, *, ep_rank: int, num_local_experts: int) -> str:
+    """A parameter name on expert-parallel rank ``ep_rank`` with its local expert index replaced by
+    the global one (``...local_experts.{i}...`` -> ``{i + ep_rank * num_local_experts}``)."""
+    parts = name.split(".")
+    if "local_experts" in parts:
+        at = parts.index("local_experts") + 1
+        parts[at] = str(int(parts[at]) + ep_rank * num_local_experts)
+    return ".".join(parts)
