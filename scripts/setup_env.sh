@@ -21,6 +21,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
+# pip resumes an interrupted download only a few times; a flaky network can still drop a large
+# wheel (the CUDA torch build of Python 3.12), so each install gets up to three attempts.
+pip_install() {
+  local attempt
+  for attempt in 1 2 3; do
+    "$PY" -m pip install --quiet "$@" && return 0
+    echo "[setup] pip install failed (attempt $attempt of 3)" >&2
+    sleep $((attempt * 10))
+  done
+  return 1
+}
+
 stamp="$VENV/.megatron_tree_stamp"
 want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ $BRIDGE"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatron_tree" 2>/dev/null; then
@@ -28,13 +40,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatr
   exit 0
 fi
 
-"$PY" -m pip install --quiet --upgrade pip
+pip_install --upgrade pip
 if [ "$TORCH_REQ" != "skip" ]; then
   echo "[setup] installing $TORCH_REQ"
-  "$PY" -m pip install --quiet "$TORCH_REQ"
+  pip_install "$TORCH_REQ"
 fi
 echo "[setup] installing megatron_tree[megatron,test] (editable) ${MCORE_REQ}"
-"$PY" -m pip install --quiet -e ".[megatron,test]" $MCORE_REQ
+pip_install -e ".[megatron,test]" $MCORE_REQ
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   # Megatron-Bridge 0.6.2 declares a large GPU dependency set (flashinfer, nvidia-resiliency-ext,
   # wandb, ...); building, loading and exporting GPT models imports only these. Keep torch and
@@ -42,8 +54,8 @@ if [ "$BRIDGE" = "megatron-bridge" ]; then
   echo "[setup] installing megatron-bridge 0.6.2 (--no-deps), transformers 5.8-5.12, omegaconf"
   constraints="$(mktemp)"
   "$PY" -m pip freeze | grep -iE '^(torch|megatron-core)==' >"$constraints" || true
-  "$PY" -m pip install --quiet --no-deps "megatron-bridge==0.6.2"
-  "$PY" -m pip install --quiet -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
+  pip_install --no-deps "megatron-bridge==0.6.2"
+  pip_install -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
   rm -f "$constraints"
 elif [ -n "$BRIDGE" ]; then
   echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge" >&2
