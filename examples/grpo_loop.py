@@ -243,14 +243,10 @@ def sync_weights(bridge, models: list, generator_model) -> int:
 
 def grpo_loss(outputs: dict, micro_batch: dict, *, clip_eps: float, kl_coef: float) -> torch.Tensor:
     """PPO clipped surrogate plus ``kl_coef`` times the k3 estimate of KL(policy || reference) per
-    token [T]: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0)."""
+    token [T] (``ppo_clipped_loss`` with ``kl_coef``; the micro-batch carries ``ref_logprobs``)."""
     from megatron_tree import ppo_clipped_loss
 
-    loss = ppo_clipped_loss(outputs, micro_batch, clip_eps=clip_eps)
-    if kl_coef:
-        log_ratio = micro_batch["ref_logprobs"] - outputs["logprobs"]
-        loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
-    return loss
+    return ppo_clipped_loss(outputs, micro_batch, clip_eps=clip_eps, kl_coef=kl_coef)
 
 
 @torch.no_grad()

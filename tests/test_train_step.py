@@ -457,3 +457,15 @@ def test_value_head_through_wrappers(world):
     assert isinstance(wrapped.module.output_layer, ValueHead)
     with pytest.raises(ValueError, match="needs a GPTModel .optionally wrapped., got Linear"):
         attach_value_head(torch.nn.Linear(2, 2))
+
+
+def test_ppo_kl_term_by_hand():
+    """k3 KL estimate against a hand computation: r = ref - logp, exp(r) - r - 1 per token."""
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    mb = {"old_logprobs": logp.clone(), "advantages": torch.zeros(3), "ref_logprobs": torch.tensor([-1.5, -2.0, 0.0])}
+    got = ppo_clipped_loss({"logprobs": logp}, mb, kl_coef=0.5)
+    r = torch.tensor([-0.5, 0.0, 0.5])
+    want = 0.5 * torch.tensor([torch.exp(x) - x - 1 for x in r])
+    assert torch.allclose(got, want)
+    with pytest.raises(ValueError, match="attach them as 'ref_logprobs'"):
+        ppo_clipped_loss({"logprobs": logp}, {k: v for k, v in mb.items() if k != "ref_logprobs"}, kl_coef=0.5)

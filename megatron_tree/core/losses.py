@@ -41,18 +41,27 @@ def loss_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normaliza
 
 
 def ppo_clipped_loss(
-    outputs: dict, micro_batch: dict, *, clip_eps: float = 0.2, entropy_coef: float = 0.0
+    outputs: dict, micro_batch: dict, *, clip_eps: float = 0.2, entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
 ) -> torch.Tensor:
     """PPO/GRPO clipped surrogate per token [T] (a shipped example of ``loss_fn``).
 
     Reads ``outputs["logprobs"]`` / ``outputs["entropy"]`` and the micro-batch's ``old_logprobs``
-    and ``advantages`` [T], all in the rolled convention (entry t is about token t + 1).
+    and ``advantages`` [T], all in the rolled convention (entry t is about token t + 1). With
+    ``kl_coef`` it adds ``kl_coef`` times the k3 estimate of KL(policy || reference),
+    ``exp(r) - r - 1`` with ``r = ref_logprobs - logprobs`` (unbiased, >= 0), reading the
+    micro-batch's ``ref_logprobs`` (a forward-only pass of the reference model, attached).
     """
     ratio = torch.exp(outputs["logprobs"] - micro_batch["old_logprobs"])
     adv = micro_batch["advantages"]
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if entropy_coef:
         loss = loss - entropy_coef * outputs["entropy"]
+    if kl_coef:
+        if "ref_logprobs" not in micro_batch:
+            raise ValueError("kl_coef needs the reference log-probs: attach them as 'ref_logprobs' [T]")
+        log_ratio = micro_batch["ref_logprobs"] - outputs["logprobs"]
+        loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
     return loss
 
 
