@@ -16,7 +16,7 @@ from megatron_tree.core.context_parallel import attention_work, context_parallel
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, attention_reference, branching_sequences, pack
-from megatron_tree.testing.synthetic import pad_sequences
+from megatron_tree.testing.synthetic import rl_batch
 
 # fp32 on CPU: the tree step at CP=2 and the unpacked reference differ only in summation order
 # (~1e-6 relative to each gradient's norm here); a wrong split, a missing key or a double-counted
@@ -111,16 +111,7 @@ NUM_LAYERS = 2
 
 
 def _batch(seqs: list[torch.Tensor]) -> dict:
-    batch = pad_sequences(seqs)
-    b, width = batch["input_ids"].shape
-    g = torch.Generator().manual_seed(11)
-    lengths = batch["attention_mask"].sum(1)
-    pos = torch.arange(width)[None]
-    batch["loss_mask"] = ((pos >= 2) & (pos < (lengths - 1)[:, None])).float()  # rolled
-    batch["old_logprobs"] = -3 * torch.rand(b, width, generator=g) - 3.5
-    batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
-    batch["returns"] = torch.randn(b, width, generator=g)
-    return batch
+    return rl_batch(seqs, response_start=2)
 
 
 def _short_sequences() -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from megatron_tree.testing.models import (
     small_moe_config,
 )
 from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
-from megatron_tree.testing.synthetic import pad_sequences
+from megatron_tree.testing.synthetic import rl_batch
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
@@ -48,15 +48,7 @@ DISPATCHERS = ("allgather", "alltoall")
 
 
 def _batch() -> dict:
-    batch = pad_sequences(branching_sequences())
-    b, width = batch["input_ids"].shape
-    g = torch.Generator().manual_seed(11)
-    lengths = batch["attention_mask"].sum(1)
-    pos = torch.arange(width)[None]
-    batch["loss_mask"] = ((pos >= 5) & (pos < (lengths - 1)[:, None])).float()  # rolled
-    batch["old_logprobs"] = -3 * torch.rand(b, width, generator=g) - 3.5
-    batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
-    return batch
+    return rl_batch(branching_sequences(), response_start=5)
 
 
 def _loss_fn(outputs, mb):

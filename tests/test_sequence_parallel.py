@@ -27,7 +27,7 @@ from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, branching_sequences, build_gpt_model, small_gpt_config
 from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
-from megatron_tree.testing.synthetic import pad_sequences
+from megatron_tree.testing.synthetic import rl_batch
 
 # fp32 on CPU: the tree and unpacked runs (and the split of the norms' gradient sums over two
 # ranks) differ only in summation order, ~1e-6 relative to each parameter's gradient norm; a token
@@ -53,17 +53,8 @@ def _config(*, sequence_parallel: bool, normalization: str, recompute: str = "no
 
 
 def _batch() -> dict:
-    batch = pad_sequences(branching_sequences())
-    b, width = batch["input_ids"].shape
-    g = torch.Generator().manual_seed(11)
-    lengths = batch["attention_mask"].sum(1)
-    pos = torch.arange(width)[None]
     # Rolled loss mask: entries about tokens 6.. of each sequence, none at the end.
-    batch["loss_mask"] = ((pos >= 5) & (pos < (lengths - 1)[:, None])).float()
-    batch["old_logprobs"] = -3 * torch.rand(b, width, generator=g) - 3.5
-    batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
-    batch["returns"] = torch.randn(b, width, generator=g)
-    return batch
+    return rl_batch(branching_sequences(), response_start=5)
 
 
 def _loss_fn(critic: bool):

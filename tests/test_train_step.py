@@ -16,7 +16,7 @@ from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
-from megatron_tree.testing.synthetic import pad_sequences
+from megatron_tree.testing.synthetic import rl_batch
 
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, branching_sequences
@@ -61,17 +61,8 @@ def _build(kind: str, critic: bool, recompute: str = "none", state: dict | None 
 
 
 def _batch(seqs: list[torch.Tensor]) -> dict:
-    batch = pad_sequences(seqs)
-    b, width = batch["input_ids"].shape
-    g = torch.Generator().manual_seed(11)
-    lengths = batch["attention_mask"].sum(1)
-    pos = torch.arange(width)[None]
     # Rolled loss mask: entries about tokens 6.. of each sequence (a "response"), none at the end.
-    batch["loss_mask"] = ((pos >= 5) & (pos < (lengths - 1)[:, None])).float()
-    batch["old_logprobs"] = -3 * torch.rand(b, width, generator=g) - 3.5
-    batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
-    batch["returns"] = torch.randn(b, width, generator=g)
-    return batch
+    return rl_batch(seqs, response_start=5)
 
 
 def _loss_fn(critic: bool):

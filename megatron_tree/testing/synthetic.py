@@ -113,3 +113,19 @@ def agent_batch(*, seed: int = 95, **overrides) -> dict:
     with the default seed); ``overrides`` go to :func:`multi_turn_batch`."""
     kwargs = dict(num_tasks=6, rollouts_per_task=4, turns=(2, 5), system_len=300, seed=seed)
     return multi_turn_batch(**{**kwargs, **overrides})
+
+
+def rl_batch(seqs: list[torch.Tensor], *, response_start: int = 5, seed: int = 11) -> dict:
+    """The padded batch of the step tests: ``seqs`` right-padded, a rolled ``loss_mask`` on the
+    entries about tokens ``response_start + 1..`` of each sequence (none at its end), random
+    ``old_logprobs``, per-sequence ``advantages`` and per-token ``returns`` [B, L]."""
+    batch = pad_sequences(seqs)
+    b, width = batch["input_ids"].shape
+    g = torch.Generator().manual_seed(seed)
+    lengths = batch["attention_mask"].sum(1)
+    pos = torch.arange(width)[None]
+    batch["loss_mask"] = ((pos >= response_start) & (pos < (lengths - 1)[:, None])).float()
+    batch["old_logprobs"] = -3 * torch.rand(b, width, generator=g) - 3.5
+    batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
+    batch["returns"] = torch.randn(b, width, generator=g)
+    return batch
