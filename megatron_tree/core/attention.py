@@ -84,10 +84,11 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
             "(or PackedTree.subtree_end, or a dense bool mask)"
         )
     plan = attention_mask.plan if isinstance(attention_mask, TreeMask) else None
-    if sq != sk and (plan is None or plan.cp is None):
+    if sq != sk and (plan is None or plan.query_positions is None):
         raise ValueError(
-            f"tree attention is self-attention; got {sq} queries and {sk} keys (only a "
-            "context-parallel tree mask, tree_attention_mask(tree, cp), has fewer queries than keys)"
+            f"tree attention is self-attention; got {sq} queries and {sk} keys (only a tree mask "
+            "whose plan names its query positions, a context-parallel one or a trunk-reuse branch's, "
+            "has fewer queries than keys)"
         )
     if attention_mask.dtype == torch.bool:
         return None, _dense_form(attention_mask, sq, sk)

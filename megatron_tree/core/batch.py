@@ -15,15 +15,23 @@ from typing import Iterator
 
 import torch
 
-from .flops import GPTShape, tree_cost
+from .flops import GPTShape, cost_weights, tree_cost
 from .tree import PackedTree
 
-RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask")
+RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask", "part")
 
 
 def micro_batch(tree: PackedTree) -> dict:
     """A micro-batch dict for ``tree``: ``input_ids`` / ``position_ids`` [1, N] (views of the tree's)."""
     return {"input_ids": tree.input_ids[None], "position_ids": tree.position_ids[None], "tree": tree}
+
+
+def part_micro_batch(view: PackedTree, part) -> dict:
+    """A trunk-reuse micro-batch: its rows' ``input_ids`` / ``position_ids`` [1, n] (read from the
+    group's tree), ``tree`` the group's tree with the sequences whose loss it takes, and ``part``
+    (:class:`~megatron_tree.core.trunk.TreePart`)."""
+    return {"input_ids": part.rows(part.tree.input_ids)[None], "position_ids": part.rows(part.tree.position_ids)[None],
+            "tree": view, "part": part}
 
 
 def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +40,17 @@ def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
     rows = tree.sequence_ids.repeat_interleave(lengths)
     starts = tree.cu_seqlens[:-1].repeat_interleave(lengths)
     return rows, torch.arange(tree.num_sequence_tokens, device=rows.device) - starts
+
+
+def _cost(mb: dict, shape: GPTShape) -> float:
+    """FLOPs of a micro-batch: its tree's, or a trunk-reuse part's own rows (each real row at depth
+    d attends d + 1 keys)."""
+    if "part" not in mb:
+        return tree_cost(mb["tree"], shape)
+    per_token, per_pair = cost_weights(shape)
+    part = mb["part"]
+    depth = part.rows(part.tree.position_ids)[: part.num_real]
+    return per_token * part.num_real + per_pair * float((depth + 1).sum())
 
 
 def _check_name(name) -> None:
@@ -72,9 +91,12 @@ class PackedTreeBatch(Sequence):
         self.num_real_tokens = num_real_tokens
         self.max_token_id = max_token_id
         self.cost_model = cost_model
-        self.num_tree_tokens = sum(mb["tree"].num_tree_tokens for mb in micro_batches)
-        self.num_padded_tokens = sum(mb["tree"].padded_length for mb in micro_batches)
-        self.num_dummy_trees = sum(mb["tree"].is_dummy for mb in micro_batches)
+        # A trunk-reuse part counts its own rows: the group's trunk is counted once.
+        self.num_tree_tokens = sum(mb["part"].num_real if "part" in mb else mb["tree"].num_tree_tokens
+                                   for mb in micro_batches)
+        self.num_padded_tokens = sum(mb["part"].num_rows if "part" in mb else mb["tree"].padded_length
+                                     for mb in micro_batches)
+        self.num_dummy_trees = sum(mb["tree"].is_dummy and "part" not in mb for mb in micro_batches)
         self._costs: list[float] | None = None
 
     @property
@@ -92,9 +114,9 @@ class PackedTreeBatch(Sequence):
         if shape is None and self.cost_model is None:
             raise ValueError("tree_costs needs a shape: pass a GPTShape, or pack with cost_model=...")
         if shape is not None and shape != self.cost_model:
-            return [tree_cost(tree, shape) for tree in self.trees]
+            return [_cost(mb, shape) for mb in self.micro_batches]
         if self._costs is None:
-            self._costs = [tree_cost(tree, self.cost_model) for tree in self.trees]
+            self._costs = [_cost(mb, self.cost_model) for mb in self.micro_batches]
         return self._costs
 
     @property
@@ -112,7 +134,7 @@ class PackedTreeBatch(Sequence):
     def _real_tree_costs(self) -> list[float]:
         if self.cost_model is None:
             return []
-        return [c for c, tree in zip(self.tree_costs(), self.trees) if not tree.is_dummy]
+        return [c for c, mb in zip(self.tree_costs(), self.micro_batches) if "part" in mb or not mb["tree"].is_dummy]
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -182,7 +204,9 @@ class PackedTreeBatch(Sequence):
         moved = []
         for mb in self.micro_batches:
             new = micro_batch(mb["tree"].to(device))
-            new.update({k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "tree")})
+            if "part" in mb:
+                new = part_micro_batch(new["tree"], mb["part"].to(device))
+            new.update({k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "tree", "part")})
             moved.append(new)
         return PackedTreeBatch(
             moved, self.batch_size, self.num_real_tokens, self.max_token_id, cost_model=self.cost_model

@@ -61,6 +61,15 @@ class ContextParallelSplit:
         """int64 [n]: the global positions of this rank's rows."""
         return self.positions[self.rank]
 
+    @property
+    def num_rows(self) -> int:
+        """n, the rows each rank holds."""
+        return int(self.positions.shape[1])
+
+    def share(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token outputs of this rank's rows -> complete on every rank (:func:`share_outputs`)."""
+        return share_outputs(outputs, self)
+
     @functools.cached_property
     def key_order(self) -> torch.Tensor:
         """int64 [N]: row of the rank-ordered all-gather that holds each global position."""

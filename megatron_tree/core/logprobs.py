@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_int, check_positive_number, debug_checks
-from .context_parallel import ContextParallelSplit, share_outputs
+from .context_parallel import ContextParallelSplit
 from .tree import PackedTree
 
 __all__ = [
@@ -104,7 +104,7 @@ def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, cp: ContextParall
         raise ValueError(
             f"{name} must be [N, X], [1, N, X] or [N, 1, X], got {tuple(tensor.shape)}"
         )
-    expected = tree.padded_length if cp is None else cp.positions.shape[1]
+    expected = tree.padded_length if cp is None else cp.num_rows
     if tensor.shape[0] != expected:
         where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
         raise ValueError(f"{name} has {tensor.shape[0]} positions but {where} is {expected}")
@@ -366,7 +366,7 @@ def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, 
             rows = torch.where(rows >= 0, rows, row_entropy.shape[0])
             row_entropy = torch.cat([row_entropy, row_entropy.new_zeros(1)])
         outputs.append(row_entropy[rows])
-    return outputs if cp is None else share_outputs(outputs, cp)
+    return outputs if cp is None else cp.share(outputs)
 
 
 def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, cp):

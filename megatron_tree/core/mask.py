@@ -354,24 +354,41 @@ class TreeMaskPlan:
     global layers of one model each build theirs once.
 
     Args:
-        subtree_end: int [r, N], one encoding per micro-batch row.
+        subtree_end: int [r, N], one encoding per micro-batch row (N keys).
         cp: the micro-batch's context-parallel split: the queries are this rank's rows
             (``cp.local_positions``, nq of them) and the keys the whole tree's N positions.
+        query_positions: int64 [nq] ascending, the queries' key positions when they are a subset
+            of the keys without a CP split (a trunk-reuse branch, :mod:`megatron_tree.core.trunk`).
+        keys_values: ``hook(key, value, layer_number) -> (key, value)`` the attention applies to
+            its keys and values before attending (trunk reuse records or extends them here).
+
+    Attributes:
+        rotary_length: how deep a rotary table must reach for this micro-batch's rows (None: its
+            length), read by ``TreeGPTModel``.
     """
 
-    def __init__(self, subtree_end: torch.Tensor, cp: ContextParallelSplit | None = None):
+    def __init__(self, subtree_end: torch.Tensor, cp: ContextParallelSplit | None = None, *,
+                 query_positions: torch.Tensor | None = None, keys_values: Callable | None = None):
+        if cp is not None and query_positions is not None:
+            raise ValueError("pass cp or query_positions, not both (a CP split names its queries)")
         self.subtree_end = subtree_end
         self.cp = None if cp is None else cp.to(subtree_end.device)
+        if cp is not None:
+            query_positions = self.cp.local_positions
+        self._queries = None if query_positions is None else query_positions.to(subtree_end.device)
+        self.keys_values = keys_values
+        self.rotary_length: int | None = None
         self._forms: dict[Any, Any] = {}
 
     @property
     def query_positions(self) -> torch.Tensor | None:
-        """int64 [nq] under context parallelism, else None (the queries are all N positions)."""
-        return None if self.cp is None else self.cp.local_positions
+        """int64 [nq] when the queries are some of the keys (a CP rank's rows, a branch), else None
+        (the queries are all N positions)."""
+        return self._queries
 
     @property
     def num_queries(self) -> int:
-        return self.subtree_end.shape[-1] if self.cp is None else self.cp.positions.shape[1]
+        return self.subtree_end.shape[-1] if self._queries is None else self._queries.shape[0]
 
     def _get(self, key: Any, build: Callable[[], Any]) -> Any:
         if key not in self._forms:
@@ -382,7 +399,7 @@ class TreeMaskPlan:
         """bool [r, 1, nq, N], True = attend (torch SDPA's polarity), under a depth ``window``."""
         def build():
             keys = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
-            queries = keys if self.cp is None else self.query_positions
+            queries = keys if self._queries is None else self._queries
             return torch.stack([
                 allowed(ends, queries[:, None], keys[None, :], None if window is None else tree_depth(ends), window)
                 for ends in self.subtree_end
@@ -400,7 +417,7 @@ class TreeMaskPlan:
         micro-batch) under a depth ``window``."""
         def build():
             ends = pad_encoding(self.subtree_end[0], padded_keys).to(torch.int32)
-            queries = None if self.cp is None else padded_query_positions(self.query_positions, padded_queries)
+            queries = None if self._queries is None else padded_query_positions(self._queries, padded_queries)
             return build_block_mask_from_trie(ends, block_size, queries, window=window)
 
         return self._get(("block_mask", block_size, padded_queries, padded_keys, window), build)

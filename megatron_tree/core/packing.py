@@ -28,12 +28,13 @@ import math
 
 import torch
 
-from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
+from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch, part_micro_batch
 from .checks import check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
 from .partition import TrieCounts, _lexicographic_order, _neighbour_lcp, balance_by_cost, cut_tries, pack_pieces
 from .tree import PackedTree
+from .trunk import first_fit, plan_trunk, split_group
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,48 @@ def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, keys * num_routes + route_id.view(batch, width), -1)
 
 
+def _trunk_tries(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, layout) -> tuple[list[list[int]], torch.Tensor]:
+    """Which tries get a trunk, grouped into trunk groups, and the sorted indices of the others.
+
+    A trie gets a trunk when it holds more than ``capacity`` unique tokens (so it would be cut and
+    its upper part repeated) and its trunk (nodes whose subtree exceeds ``capacity``) fits one
+    micro-batch; tries are grouped first-fit-decreasing by trunk size, a group's trunks together
+    fitting one micro-batch.
+
+    Args:
+        lcp, lengths: int64 [B] in sorted order.
+        layout: ``layout(first, end) -> PackedTree`` of sorted sequences ``first..end-1``.
+
+    Returns:
+        (per group, its tries' ``(first, end)`` runs; int64 [B'] sorted indices of the other tries).
+    """
+    starts = torch.nonzero(lcp == 0).flatten().tolist() + [len(lengths)]
+    unique = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum((lengths - lcp).cpu(), dim=0, out=unique[1:])
+    tries, sizes, plain = [], [], []
+    for first, end in zip(starts[:-1], starts[1:]):
+        if int(unique[end] - unique[first]) > capacity:
+            tree = layout(first, end)
+            trunk, _ = plan_trunk(tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity)
+            if int(trunk.sum()) <= capacity:
+                tries.append((first, end))
+                sizes.append(int(trunk.sum()))
+                continue
+            logger.info("trie of sequences %d..%d: its trunk (%d tokens) exceeds the capacity %d; "
+                        "packed by cutting instead", first, end - 1, int(trunk.sum()), capacity)
+        plain.append(torch.arange(first, end))
+    groups = [sorted(tries[i] for i in b) for b in first_fit(sizes, capacity)]
+    rest = torch.cat(plain) if plain else torch.zeros(0, dtype=torch.int64)
+    return groups, rest
+
+
+def _unpadded(tree: PackedTree) -> PackedTree:
+    """``tree`` cut to its real positions."""
+    u = tree.num_tree_tokens
+    return PackedTree(tree.input_ids[:u], tree.position_ids[:u], tree.subtree_end[:u], tree.parent_index[:u],
+                      tree.sequence_ids, tree.cu_seqlens, tree.token_index, u)
+
+
 def build_packed_tree_batch(
     data: dict[str, torch.Tensor],
     *,
@@ -326,6 +369,7 @@ def build_packed_tree_batch(
     cost_model: GPTShape | None = None,
     balance_cost: bool = False,
     route_key: str | None = None,
+    share_trunks: bool = False,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -364,6 +408,14 @@ def build_packed_tree_batch(
             MoE routing replay: a tree position has one route, so sharing stops at the first token
             whose routes differ (the trie key is token + route). Its tree-layout values are then
             equal on every sequence through a position (``values_per_position`` reads them).
+        share_trunks: trunk reuse (:mod:`megatron_tree.core.trunk`): a trie larger than
+            ``max_tokens_per_mb`` whose trunk (the nodes whose subtree is larger) fits one
+            micro-batch is not cut; its trunk runs once as a micro-batch and the subtrees below it
+            are bin-packed into branch micro-batches that attend to the trunk's keys and values, so
+            no prefix is computed twice. Other tries are packed as without it. Those micro-batches
+            carry ``"part"`` (a :class:`~megatron_tree.core.trunk.TreePart`); ``tree_forward_backward``
+            runs them (no pipeline or context parallelism, no MoE). The statistics count a trunk
+            once.
 
     Returns:
         :class:`PackedTreeBatch`.
@@ -394,19 +446,13 @@ def build_packed_tree_batch(
     lcp = _neighbour_lcp(sorted_trie_keys, sorted_lengths)
     if not share_prefixes:
         lcp = torch.zeros_like(lcp)
-    plan = _plan_trees(
-        lcp, sorted_lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost
-    )
-
-    micro_batches = []
-    for tree_runs in plan:
-        members = torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
+    def layout(members: torch.Tensor, padded_length: int | None) -> PackedTree:
         tree_lengths = sorted_lengths[members]
         width_mb = int(tree_lengths.max())
         ids, pos, end, parent, token_index, unique = layout_tree(
             sorted_keys[members, :width_mb],
             tree_lengths,
-            padded_length=max_tokens_per_mb if pad_to_max else None,
+            padded_length=padded_length,
             align=align,
             pad_token_id=pad_token_id,
             share_prefixes=share_prefixes,
@@ -414,8 +460,31 @@ def build_packed_tree_batch(
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
-        tree = PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
-        micro_batches.append(micro_batch(tree))
+        return PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
+
+    groups, members = [], torch.arange(len(lcp), device=device)
+    if share_trunks and share_prefixes:
+        groups, members = _trunk_tries(
+            lcp, sorted_lengths, max_tokens_per_mb, lambda a, b: layout(torch.arange(a, b, device=device), None)
+        )
+        members = members.to(device)
+    micro_batches = []
+    if len(members):
+        plan = _plan_trees(
+            lcp[members], sorted_lengths[members], max_tokens_per_mb, packing=packing, weights=weights,
+            balance=balance_cost,
+        )
+        for tree_runs in plan:
+            picked = members[torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)]
+            micro_batches.append(micro_batch(layout(picked, max_tokens_per_mb if pad_to_max else None)))
+    for g, runs in enumerate(groups):
+        picked = torch.cat([torch.arange(first, end) for first, end in runs]).to(device)
+        tree = _unpadded(layout(picked, None))
+        # Parts pad only to the alignment, whatever pad_to_max says: they never cross pipeline
+        # stages, and a trunk is often much shorter than the capacity.
+        pad_to = lambda n: max(-(-n // align), 1) * align  # noqa: E731
+        for view, part in split_group(tree, max_tokens_per_mb, g, pad_to=pad_to, pad_token_id=pad_token_id):
+            micro_batches.append(part_micro_batch(view, part))
 
     if dp_group is not None:
         target = _sync_num_micro_batches(len(micro_batches), dp_group)

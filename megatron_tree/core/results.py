@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .context_parallel import ContextParallelSplit, share_outputs
+from .context_parallel import ContextParallelSplit
 from .logprobs import rows_of
 from .tree import PackedTree
 
@@ -61,7 +61,7 @@ def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
         [T] in ``tree.token_index`` order: entry t of a sequence is the value at its token t.
         A position shared by several sequences receives the sum of their gradients.
     """
-    expected = tree.padded_length if cp is None else cp.positions.shape[1]
+    expected = tree.padded_length if cp is None else cp.num_rows
     if values.numel() != expected:
         where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
         raise ValueError(f"values has {values.numel()} elements, expected {where} {expected}")
@@ -71,7 +71,7 @@ def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
         return flat[token_index]
     rows = cp.local_index.to(values.device)[token_index]
     mine = torch.where(rows >= 0, flat[rows.clamp(min=0)], 0.0)
-    return share_outputs([mine], cp)[0]
+    return cp.share([mine])[0]
 
 
 def values_per_position(values: torch.Tensor, tree: PackedTree, *, fill: float = 0) -> torch.Tensor:

@@ -139,7 +139,9 @@ class TreeCoreAttention(MegatronModule):
 
         Under context parallelism (``config.context_parallel_size > 1``) N is this rank's n rows
         and the mask is ``tree_attention_mask(tree, split)``: the whole tree's keys and values are
-        all-gathered over the split's group (their gradients reduce-scattered in backward).
+        all-gathered over the split's group (their gradients reduce-scattered in backward). A trunk
+        reuse part's mask (:func:`megatron_tree.core.trunk.part_attention_mask`) records the
+        trunk's keys and values, or prepends them to a branch's.
         """
         cp_size = self.config.context_parallel_size
         plan = getattr(attention_mask, "plan", None)
@@ -153,6 +155,9 @@ class TreeCoreAttention(MegatronModule):
             )
         if split is not None and split.size > 1:
             key, value = gather_keys_values(key, value, split)
+        hook = getattr(plan, "keys_values", None)
+        if hook is not None:  # trunk reuse: record the trunk's keys/values, or prepend them
+            key, value = hook(key, value, self.layer_number)
         if attention_bias is not None:
             raise ValueError("tree attention does not take attention_bias")
         if packed_seq_params is not None:

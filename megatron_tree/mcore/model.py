@@ -24,6 +24,15 @@ class TreeGPTModel(GPTModel):
     passes its rows' tokens and depths (``tree_forward_backward`` splits the tree).
     """
 
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        # A trunk-reuse branch's rows sit deeper than its length: its mask says how deep the rotary
+        # table must reach (a host int set at packing time).
+        self._rotary_length = getattr(getattr(attention_mask, "plan", None), "rotary_length", None)
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            self._rotary_length = None
+
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         rotary = getattr(self, "rotary_pos_emb", None)
         cp_group = getattr(rotary, "cp_group", None)
@@ -31,11 +40,17 @@ class TreeGPTModel(GPTModel):
             # Without its CP group the rotary module returns the table for every packed position
             # (not this rank's zigzag slice): the depths of this rank's rows index the whole table.
             rotary.cp_group = None
+        reach = getattr(self, "_rotary_length", None)
+        if reach is not None and rotary is not None:
+            length_of = rotary.get_rotary_seq_len
+            rotary.get_rotary_seq_len = lambda *a, **k: max(length_of(*a, **k), reach)
         try:
             output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         finally:
             if cp_group is not None:
                 rotary.cp_group = cp_group
+            if reach is not None and rotary is not None:
+                del rotary.get_rotary_seq_len
         rotary_pos_emb = output[1]
         if rotary_pos_emb is None or self.position_embedding_type not in ("rope", "yarn"):
             return output

@@ -42,6 +42,7 @@ from ..core.packing import _dummy_tree, build_packed_tree_batch
 from ..core.results import merge_packed_tree_results
 from .moe import RoutingReplay, step_loss_scale, token_multiplicity
 from .moe_stats import ExpertTokenCounter
+from .trunk_step import check_trunk_parts, run_with_trunks
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +255,7 @@ def tree_forward_backward(
     parallel_size: int | None = None,
     pad_to_max: bool | None = None,
     share_prefixes: bool | None = None,
+    share_trunks: bool | None = None,
     route_key: str | None = None,
     moe_stats: bool = False,
 ) -> TreeStepResult:
@@ -293,6 +295,11 @@ def tree_forward_backward(
             ``moe_enable_routing_replay=True``. Each micro-batch's routers replay them.
         moe_stats: count the tokens each expert receives (``result.expert_tokens``, summed over
             layers, in the log line; a host read per router call).
+        share_trunks: trunk reuse for a padded ``batch`` (see ``build_packed_tree_batch``): a prompt
+            group larger than ``max_tokens_per_mb`` computes its shared trunk once and its branches
+            attend to the trunk's keys and values. None (default): on wherever it is supported
+            (one pipeline stage and model chunk, no context parallelism, no MoE, no routing replay);
+            False switches it off. A packed ``batch`` carries its own choice.
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
@@ -313,10 +320,14 @@ def tree_forward_backward(
     config = get_model_config(chunks[0])
     cp_group = _context_parallel_group(config, cp_group)
     t0 = time.perf_counter()
-    packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
-                   pad_to_max=pad_to_max, share_prefixes=share_prefixes,
-                   route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if share_trunks is None and not isinstance(batch, PackedTreeBatch):
+        # Trunk reuse by default wherever its loop runs (one stage, one chunk, no CP, dense model).
+        share_trunks = (pp_size == 1 and len(chunks) == 1 and cp_group is None and not config.num_moe_experts
+                        and route_key is None)
+    packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
+                   pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
+                   route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
     _check_expert_parallel(config, dp_group, packing, prepacked=isinstance(batch, PackedTreeBatch))
     align = config.context_parallel_size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
     packed = _as_packed(batch, packing, dp_group, pp_size, align)
@@ -338,6 +349,15 @@ def tree_forward_backward(
     timings = {"prepare": time.perf_counter() - t0}
 
     collected: list[dict] = []
+    if check_trunk_parts(on_device):
+        _check_trunk_reuse(config, len(chunks), pp_size, cp_group, route_key)
+        t1 = time.perf_counter()
+        with _schedule_mode(config, interleaved=False):
+            logs = run_with_trunks(chunks[0], on_device, config=config, weights=weights, counts=counts, scale=scale,
+                                   gather=gather, loss_fn=loss_fn, tp_group=tp_group, forward_only=forward_only,
+                                   collected=collected if collect_outputs else None)
+        timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
+        return _result(logs, total, packed, collected, timings, None)
     replay = RoutingReplay(chunks, route_key) if route_key is not None else None
     forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
                                       collected if collect_outputs else None, replay)
@@ -354,6 +374,11 @@ def tree_forward_backward(
             forward_only=forward_only,
         )
     timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
+    return _result(logs, total, packed, collected, timings,
+                   counter.totals() if moe_stats and counter.per_layer else None)
+
+
+def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepResult:
     loss = None
     if logs:
         loss = (torch.stack([d["loss"][0] for d in logs]).sum() / max(total, 1e-30)).float()
@@ -361,9 +386,25 @@ def tree_forward_backward(
     if collected:
         tree_outputs = {name: [c[name] for c in collected[: len(packed)]] for name in collected[0]}
     result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs,
-                            expert_tokens=counter.totals() if moe_stats and counter.per_layer else None)
+                            expert_tokens=expert_tokens)
     logger.info(result.log_line())
     return result
+
+
+def _check_trunk_reuse(config, num_chunks: int, pp_size: int, cp_group, route_key) -> None:
+    """Trunk reuse runs its own loop on one model chunk: refuse what that loop does not do."""
+    unsupported = [
+        (pp_size > 1 or num_chunks > 1, f"pipeline parallelism (size {pp_size}, {num_chunks} model chunks)"),
+        (cp_group is not None, "context parallelism"),
+        (bool(config.num_moe_experts), "MoE models (their router losses are per micro-batch)"),
+        (route_key is not None, "routing replay"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(
+                f"the batch is packed with trunk reuse (share_trunks=True), which does not support {what} "
+                "yet; pack with share_trunks=False"
+            )
 
 
 def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
@@ -395,6 +436,34 @@ def _closing(replay):
     finally:
         if replay is not None:
             replay.close()
+
+
+def micro_batch_loss(outputs: dict, mb: dict, weights: torch.Tensor, count: float, scale: float, loss_fn,
+                     collected: list | None, report: bool = True):
+    """Megatron's ``(loss, num_tokens, logs)`` of one micro-batch from its head outputs [T].
+
+    ``loss`` is the weighted loss sum times ``scale``, ``num_tokens`` the loss-token count (0 when
+    ``report`` is False: another context-parallel rank reports it) and ``logs["loss"]`` the unscaled
+    (sum, count) pair. ``collected`` (if given) gets the detached outputs.
+    """
+    tree = mb["tree"]
+    if collected is not None:
+        collected.append({k: v.detach() for k, v in outputs.items()})
+    device = next(iter(outputs.values())).device
+    if loss_fn is None:
+        per_token = torch.zeros(tree.num_sequence_tokens, device=device)
+    else:
+        per_token = loss_fn(outputs, mb)
+    if per_token.shape != (tree.num_sequence_tokens,):
+        raise ValueError(
+            f"loss_fn must return a per-token loss of shape [{tree.num_sequence_tokens}] "
+            f"(the micro-batch's sequence tokens), got {tuple(per_token.shape)}"
+        )
+    total = (per_token.float() * weights).sum()
+    reported = round(count) if report else 0
+    num_tokens = torch.tensor(reported, dtype=torch.int, device=total.device)
+    pair = torch.stack([total.detach().double(), torch.tensor(count, dtype=torch.float64, device=total.device)])
+    return total * scale, num_tokens, {"loss": pair}
 
 
 def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks, collected, replay):
@@ -439,22 +508,7 @@ def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_gro
 
         def loss_func(output_tensor):
             outputs = gather.gather(output_tensor, tree, tp_group, split)
-            if collected is not None:
-                collected.append({k: v.detach() for k, v in outputs.items()})
-            if loss_fn is None:
-                per_token = torch.zeros(tree.num_sequence_tokens, device=output_tensor.device)
-            else:
-                per_token = loss_fn(outputs, mb)
-            if per_token.shape != (tree.num_sequence_tokens,):
-                raise ValueError(
-                    f"loss_fn must return a per-token loss of shape [{tree.num_sequence_tokens}] "
-                    f"(the micro-batch's sequence tokens), got {tuple(per_token.shape)}"
-                )
-            total = (per_token.float() * weights[i]).sum()
-            count = torch.tensor(counts[i], dtype=torch.float64, device=total.device)
-            reported = round(counts[i]) if cp_rank == 0 else 0
-            num_tokens = torch.tensor(reported, dtype=torch.int, device=total.device)
-            return total * scale, num_tokens, {"loss": torch.stack([total.detach().double(), count])}
+            return micro_batch_loss(outputs, mb, weights[i], counts[i], scale, loss_fn, collected, cp_rank == 0)
 
         return output, loss_func
 
