@@ -15,7 +15,6 @@ backward for sequence parallelism, with Megatron's own function: the gradients o
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, branching_sequences, build_gpt_model, small_gpt_config
-from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
+from megatron_tree.testing.reference import finalize_sequence_parallel_grads, gradient_errors, unpacked_reference_step
 from megatron_tree.testing.synthetic import rl_batch
 
 # fp32 on CPU: the tree and unpacked runs (and the split of the norms' gradient sums over two
@@ -67,21 +66,6 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _finalize_sequence_parallel_grads(model) -> None:
-    """Megatron's TP reduction of ``finalize_model_grads`` on a model without DDP.
-
-    ``_allreduce_non_tensor_model_parallel_grads`` sums ``param.grad`` (no ``main_grad`` without
-    DDP) over the TP group for parameters marked ``sequence_parallel``; it only reads
-    ``ddp_config.use_megatron_fsdp`` from the DDP wrapper, which the stand-in provides.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
-
-    ddp_like = types.SimpleNamespace(module=model, ddp_config=DistributedDataParallelConfig())
-    _allreduce_non_tensor_model_parallel_grads([ddp_like], model.config, ps.get_tensor_model_parallel_group())
-
-
 def _sp_worker(rank: int) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -108,7 +92,7 @@ def _sp_worker(rank: int) -> dict:
             # lengths even; several trees exercise the micro-batch normalization.
             max_tokens_per_mb=64, block_size=1, parallel_size=TP,
         )
-        _finalize_sequence_parallel_grads(tree)
+        finalize_sequence_parallel_grads(tree)
         grads = _grads(tree)
         # A batch packed without parallel_size has odd lengths, which the sequence split refuses
         # (before the forward) with a fix to apply.

@@ -105,6 +105,33 @@ def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
     return seqs
 
 
+def trunk_sequences(seed: int = 0) -> list[torch.Tensor]:
+    """Prompt groups larger than a 64-token micro-batch, for trunk reuse (block size 16).
+
+    One 24-token system prompt with two task prompts whose rollouts exceed 64 tokens each (so the
+    trunk holds the system prompt and both tasks), a sequence sharing only the first token (a branch
+    attached at the trunk's root), a strict prefix of a task prompt and the task prompt itself
+    (sequences ending inside the trunk and at a trunk leaf), a multi-turn chain below one task, a
+    second large group (a second trunk group) and a small group packed as an ordinary tree.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(1, VOCAB, (n,), generator=g)
+
+    system = rand(24)
+    task_a, task_b = torch.cat([system, rand(10)]), torch.cat([system, rand(8)])
+    seqs = [torch.cat([task_a, rand(n)]) for n in (22, 16, 20, 12)]
+    turn = torch.cat([task_b, rand(14)])
+    seqs += [turn, torch.cat([turn, rand(9)]), torch.cat([task_b, rand(26)]), torch.cat([task_b, rand(20)])]
+    seqs += [torch.cat([system[:1], rand(25)]), task_a[:29].clone(), task_a.clone()]
+    other = rand(30)
+    seqs += [torch.cat([other, rand(n)]) for n in (20, 11, 17, 24)]
+    small = rand(9)
+    seqs += [torch.cat([small, rand(n)]) for n in (6, 10)]
+    return seqs
+
+
 def pack(seqs: list[torch.Tensor], *, block_size: int = 16, max_tokens: int = 512) -> list[dict]:
     batch = pad_sequences(seqs)
     return list(build_packed_tree_batch(batch, max_tokens_per_mb=max_tokens, block_size=block_size, pad_to_max=False))

@@ -83,3 +83,20 @@ def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
         name: float((got[name].float() - want[name].float()).norm() / want[name].float().norm().clamp(min=1e-30))
         for name in want
     }
+
+
+def finalize_sequence_parallel_grads(model) -> None:
+    """Megatron's TP reduction of ``finalize_model_grads`` on a model without DDP.
+
+    ``_allreduce_non_tensor_model_parallel_grads`` sums ``param.grad`` (no ``main_grad`` without
+    DDP) over the TP group for parameters marked ``sequence_parallel``; it only reads
+    ``ddp_config.use_megatron_fsdp`` from the DDP wrapper, which the stand-in provides.
+    """
+    import types
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    ddp_like = types.SimpleNamespace(module=model, ddp_config=DistributedDataParallelConfig())
+    _allreduce_non_tensor_model_parallel_grads([ddp_like], model.config, ps.get_tensor_model_parallel_group())

@@ -1,0 +1,176 @@
+"""Trunk reuse in the training step: loss, every gradient and the outputs equal the unpacked reference.
+
+The batch (``trunk_sequences``) has prompt groups larger than the 64-token micro-batch: a trunk
+holding a system prompt and two tasks, branches attached at the trunk's root and at its leaves, a
+multi-turn chain, sequences ending inside the trunk and at a trunk leaf, a second trunk group and an
+ordinary tree. The reference runs every sequence alone through the stock GPTModel.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.step import _check_trunk_reuse, tree_forward_backward
+from megatron_tree.mcore.trunk_step import check_trunk_parts
+from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.models import VOCAB, build_gpt_model, small_gpt_config, trunk_sequences
+from megatron_tree.testing.reference import finalize_sequence_parallel_grads, gradient_errors, unpacked_reference_step
+from megatron_tree.testing.synthetic import rl_batch
+
+# fp32 on CPU: trunk reuse and the unpacked run differ only in summation order (~1e-6 relative to
+# each gradient's norm here); a branch missing the trunk's keys, a lost trunk gradient or a wrong
+# depth moves gradients by >= 1e-2.
+GRAD_RTOL = 1e-4
+LOSS_RTOL = 1e-5
+OUTPUT_ATOL = 1e-5  # per-token log-probs / values, fp32 vs the float64 log-softmax reference
+CAPACITY = 64
+RECOMPUTE = {
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
+
+
+def _build(tree: bool, critic: bool, recompute: str = "none", state: dict | None = None, **overrides):
+    from megatron.core import parallel_state as ps
+
+    config = small_gpt_config(
+        num_layers=3, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), **RECOMPUTE[recompute], **overrides,
+    )
+    model = build_gpt_model(config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _loss_fn(critic: bool):
+    if critic:
+        return value_loss
+    return lambda outputs, mb: ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)
+
+
+def _packed(batch: dict):
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
+                                     share_trunks=True)
+    parts = [mb["part"] for mb in packed if "part" in mb]
+    assert {p.group for p in parts} == {0, 1} and any("part" not in mb for mb in packed)
+    return packed
+
+
+def _step(model, batch, critic: bool, **kwargs):
+    from megatron.core import parallel_state as ps
+
+    return tree_forward_backward(model, batch, _loss_fn(critic), gather=Values() if critic else LogProbs(),
+                                 tp_group=ps.get_tensor_model_parallel_group(), **kwargs)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(critic: bool, recompute: str, sequence_parallel: bool = False):
+    batch = rl_batch(trunk_sequences(), response_start=5)
+    reference = _build(False, critic)
+    want_outputs: dict = {}
+    want_loss = unpacked_reference_step(reference, batch, _loss_fn(critic), critic=critic, outputs=want_outputs)
+    model = _build(True, critic, recompute, state=reference.state_dict(), sequence_parallel=sequence_parallel)
+    result = _step(model, _packed(batch), critic, collect_outputs=True)
+    if sequence_parallel:
+        finalize_sequence_parallel_grads(model)
+    return float(result.loss), float(want_loss), _grads(model), _grads(reference), result, want_outputs
+
+
+def _assert_close(got_loss, want_loss, got, want):
+    assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
+    errors = gradient_errors(got, want)
+    assert errors and max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _assert_outputs_close(result, want_outputs: dict) -> None:
+    merged = result.merged_outputs()
+    for name, values in merged.items():
+        for i, want in want_outputs.items():
+            got = values[i, : want[name].shape[0]].double()
+            assert torch.allclose(got, want[name].double(), atol=OUTPUT_ATOL, rtol=0), (name, i)
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+def test_trunk_reuse_equals_unpacked(world, critic, recompute):
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute)
+    _assert_close(got_loss, want_loss, got, want)
+    _assert_outputs_close(result, want_outputs)
+
+
+def test_trunk_is_computed_once(world):
+    batch = rl_batch(trunk_sequences(), response_start=5)
+    prefixes = {tuple(s[: i + 1].tolist()) for s in trunk_sequences() for i in range(len(s))}
+    shared = _packed(batch)
+    cut = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False)
+    assert shared.num_tree_tokens == len(prefixes) < cut.num_tree_tokens
+    assert shared.tree_token_ratio == pytest.approx(len(prefixes) / shared.num_real_tokens)
+
+
+def test_forward_only_outputs_and_pack_once(world):
+    """Old log-probs from a forward-only pass, attached to the packed batch, then a training step."""
+    batch = rl_batch(trunk_sequences(), response_start=5)
+    reference = _build(False, False)
+    want_outputs: dict = {}
+    unpacked_reference_step(reference, batch, _loss_fn(False), outputs=want_outputs, backward=False)
+    model = _build(True, False, state=reference.state_dict())
+    packed = _packed(batch)
+    old = _step(model, packed, False, forward_only=True, collect_outputs=True)
+    assert all(p.grad is None for p in model.parameters())
+    _assert_outputs_close(old, want_outputs)
+    packed.attach("old_logprobs", old.tree_outputs["logprobs"])
+    result = _step(model, packed, False)
+    # On-policy (old = current): the clipped ratio is 1 and the loss is -mean(advantage) plus the
+    # entropy term, the same as the reference fed its own log-probs.
+    batch["old_logprobs"] = torch.zeros_like(batch["old_logprobs"])
+    for i, out in want_outputs.items():
+        batch["old_logprobs"][i, : out["logprobs"].shape[0]] = out["logprobs"].float()
+    reference.zero_grad()
+    want = unpacked_reference_step(reference, batch, _loss_fn(False))
+    _assert_close(float(result.loss), float(want), _grads(model), _grads(reference))
+
+
+def test_refusals():
+    config = types.SimpleNamespace(num_moe_experts=None)
+    _check_trunk_reuse(config, 1, 1, None, None)
+    for args, what in [((1, 2, None, None), "pipeline"), ((2, 1, None, None), "pipeline"),
+                       ((1, 1, object(), None), "context parallelism"), ((1, 1, None, "routes"), "routing replay")]:
+        with pytest.raises(ValueError, match=f"share_trunks=True.*{what}"):
+            _check_trunk_reuse(config, *args)
+    with pytest.raises(ValueError, match="MoE"):
+        _check_trunk_reuse(types.SimpleNamespace(num_moe_experts=4), 1, 1, None, None)
+    packed = build_packed_tree_batch(rl_batch(trunk_sequences()), max_tokens_per_mb=CAPACITY, block_size=16,
+                                     pad_to_max=False, share_trunks=True)
+    mbs = list(packed)
+    first = next(i for i, mb in enumerate(mbs) if "part" in mb)
+    assert check_trunk_parts(mbs) and not check_trunk_parts([mb for mb in mbs if "part" not in mb])
+    with pytest.raises(ValueError, match="trunk first"):
+        check_trunk_parts(mbs[first + 1:])
+    with pytest.raises(ValueError, match="ends before"):
+        check_trunk_parts(mbs[: first + 2])
+
+
+def _tp_worker(rank: int, sequence_parallel: bool) -> dict:
+    out = {}
+    for critic, recompute in [(False, "full"), (True, "none")]:
+        got_loss, want_loss, got, want, _, _ = _compare(critic, recompute, sequence_parallel=sequence_parallel)
+        out[(critic, recompute)] = (got_loss, want_loss, got, want)
+    return out
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_2_trunk_reuse_equals_unpacked(sequence_parallel):
+    for rank_result in run_spawned(_tp_worker, 2, sequence_parallel):
+        for key, value in rank_result.items():
+            _assert_close(*value)
