@@ -174,3 +174,18 @@ def test_tensor_parallel_2_trunk_reuse_equals_unpacked(sequence_parallel):
     for rank_result in run_spawned(_tp_worker, 2, sequence_parallel):
         for key, value in rank_result.items():
             _assert_close(*value)
+
+
+def test_a_trunk_that_does_not_pay_is_not_used():
+    """Sequences sharing only a BOS token: a 1-token trunk would save a token per micro-batch and
+    cost a whole padded micro-batch, so the packer keeps the cut plan."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.cat([torch.tensor([1]), torch.randint(2, VOCAB, (n,), generator=g)]) for n in (40, 50, 33, 61, 45)]
+    batch = rl_batch(seqs)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
+    assert len(packed) > 1 and not any("part" in mb for mb in packed)
+    # The same trie below a 30-token shared prompt pays: trunk and branches.
+    prompt = torch.randint(2, VOCAB, (30,), generator=g)
+    seqs = [torch.cat([prompt, s[: 64 - 30]]) for s in seqs]
+    packed = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
+    assert [mb["part"].index for mb in packed] == list(range(len(packed)))

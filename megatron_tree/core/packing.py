@@ -312,16 +312,20 @@ def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, keys * num_routes + route_id.view(batch, width), -1)
 
 
-def _trunk_tries(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, layout) -> tuple[list[list[int]], torch.Tensor]:
+def _trunk_tries(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, align: int, layout
+                 ) -> tuple[list[list[tuple[int, int]]], torch.Tensor]:
     """Which tries get a trunk, grouped into trunk groups, and the sorted indices of the others.
 
     A trie gets a trunk when it holds more than ``capacity`` unique tokens (so it would be cut and
-    its upper part repeated) and its trunk (nodes whose subtree exceeds ``capacity``) fits one
-    micro-batch; tries are grouped first-fit-decreasing by trunk size, a group's trunks together
-    fitting one micro-batch.
+    its upper part repeated), its trunk (nodes whose subtree exceeds ``capacity``) fits one
+    micro-batch, and the trunk pays: cut, each of the b micro-batches its branches need would
+    repeat about the trunk, so it saves about ``trunk * (b - 1)`` tokens, which must exceed the
+    padding of its own micro-batch (a trie sharing only a BOS token keeps the cut plan). Tries are
+    grouped first-fit-decreasing by trunk size, a group's trunks together fitting one micro-batch.
 
     Args:
         lcp, lengths: int64 [B] in sorted order.
+        align: the packed-length alignment (a trunk's padding).
         layout: ``layout(first, end) -> PackedTree`` of sorted sequences ``first..end-1``.
 
     Returns:
@@ -334,13 +338,16 @@ def _trunk_tries(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, layout
     for first, end in zip(starts[:-1], starts[1:]):
         if int(unique[end] - unique[first]) > capacity:
             tree = layout(first, end)
-            trunk, _ = plan_trunk(tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity)
-            if int(trunk.sum()) <= capacity:
+            trunk, pieces = plan_trunk(tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity)
+            size = int(trunk.sum())
+            branches = len(first_fit([b - a for a, b in pieces], capacity))
+            padding = -size % align
+            if size <= capacity and size * (branches - 1) > padding:
                 tries.append((first, end))
-                sizes.append(int(trunk.sum()))
+                sizes.append(size)
                 continue
-            logger.info("trie of sequences %d..%d: its trunk (%d tokens) exceeds the capacity %d; "
-                        "packed by cutting instead", first, end - 1, int(trunk.sum()), capacity)
+            logger.info("trie of sorted sequences %d..%d: no trunk (%d tokens over %d branch micro-batches, "
+                        "capacity %d); packed by cutting", first, end - 1, size, branches, capacity)
         plain.append(torch.arange(first, end))
     groups = [sorted(tries[i] for i in b) for b in first_fit(sizes, capacity)]
     rest = torch.cat(plain) if plain else torch.zeros(0, dtype=torch.int64)
@@ -412,7 +419,10 @@ def build_packed_tree_batch(
             ``max_tokens_per_mb`` whose trunk (the nodes whose subtree is larger) fits one
             micro-batch is not cut; its trunk runs once as a micro-batch and the subtrees below it
             are bin-packed into branch micro-batches that attend to the trunk's keys and values, so
-            no prefix is computed twice. Other tries are packed as without it. Those micro-batches
+            no prefix is computed twice. Only where it pays: the tokens the trunk saves (about its
+            size times its branch micro-batches less one) must exceed its micro-batch's padding.
+            Other tries are packed as without it; trunk-reuse parts are padded to the alignment
+            only (``pad_to_max`` does not apply to them). Those micro-batches
             carry ``"part"`` (a :class:`~megatron_tree.core.trunk.TreePart`); ``tree_forward_backward``
             runs them (no pipeline or context parallelism, no MoE). The statistics count a trunk
             once.
@@ -465,7 +475,7 @@ def build_packed_tree_batch(
     groups, members = [], torch.arange(len(lcp), device=device)
     if share_trunks and share_prefixes:
         groups, members = _trunk_tries(
-            lcp, sorted_lengths, max_tokens_per_mb, lambda a, b: layout(torch.arange(a, b, device=device), None)
+            lcp, sorted_lengths, max_tokens_per_mb, align, lambda a, b: layout(torch.arange(a, b, device=device), None)
         )
         members = members.to(device)
     micro_batches = []
