@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 scripts/torchrun_parity.py --pp 2 --vpp 2
     torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2 --tp 2
     torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2        # CP=2 x DP=2
+    torchrun --nproc-per-node 2 scripts/torchrun_parity.py --tp 2 --trunk  # trunk reuse
 
 gloo on CPU (with the CPU patch), NCCL on CUDA. Each rank first builds the whole model at TP=tp
 (no CP, PP or SP) and runs the unpacked reference step on the whole batch (every sequence alone,
@@ -40,6 +41,8 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--critic", action="store_true")
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
+    p.add_argument("--trunk", action="store_true",
+                   help="trunk reuse: prompt groups larger than the 64-token micro-batch (share_trunks=True)")
     return p.parse_args()
 
 
@@ -73,8 +76,12 @@ def tree_chunks(args, device, state):
     return chunks, names
 
 
-def batch(vocab: int) -> dict:
-    from megatron_tree.testing.synthetic import multi_turn_batch
+def batch(vocab: int, trunk: bool) -> dict:
+    from megatron_tree.testing.models import trunk_sequences
+    from megatron_tree.testing.synthetic import multi_turn_batch, rl_batch
+
+    if trunk:
+        return rl_batch(trunk_sequences(), response_start=5)
 
     b = multi_turn_batch(num_tasks=2, rollouts_per_task=3, turns=3, system_len=24, task_len=8,
                          observation_len=(3, 9), action_len=(4, 12), vocab_size=vocab, seed=5)
@@ -108,7 +115,7 @@ def main() -> int:
     if world % (args.tp * args.pp * args.cp):
         raise ValueError(f"world size {world} must be a multiple of --tp {args.tp} x --pp {args.pp} x --cp {args.cp}")
     loss_fn = value_loss if args.critic else ppo_clipped_loss
-    data = batch(args.vocab)
+    data = batch(args.vocab, args.trunk)
 
     # 1. Reference: whole model at TP=tp, every sequence of the whole batch alone.
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
@@ -130,9 +137,9 @@ def main() -> int:
     mine = {k: v[dp_rank::dp] for k, v in data.items()}
     result = tree_forward_backward(
         chunks if args.vpp else chunks[0], mine, loss_fn, gather=Values() if args.critic else LogProbs(),
-        max_tokens_per_mb=128, block_size=16, tp_group=ps.get_tensor_model_parallel_group(),
+        max_tokens_per_mb=64 if args.trunk else 128, block_size=16, tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group() if dp > 1 else None, pad_to_max=args.pp > 1,
-        collect_outputs=True,
+        collect_outputs=True, share_trunks=True if args.trunk else None,
     )
     got = {names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     for chunk in chunks:  # finalize_model_grads: sequence-parallel (norm) weights hold per-shard sums
@@ -161,7 +168,8 @@ def main() -> int:
                       for j, i in enumerate(rows))
         ok = ok and out_err <= OUTPUT_ATOL
         line += f"; max |{name} tree - unpacked| {out_err:.1e}"
-    line += f"; trees {result.num_micro_batches}, tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
+    parts = sum("part" in mb for mb in result.packed)
+    line += f"; trees {result.num_micro_batches} ({parts} trunk-reuse parts), tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
     print(line, flush=True)
     flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tree step vs. unpacked reference under torchrun: TP=2, PP=2 (actor and critic), TP=2 x PP=2,
-# CP=2 (actor and critic), CP=2 x TP=2, CP=2 x DP=2, CP=2 x PP=2, PP=2 x VPP=2, TP=2 + SP (actor and critic).
+# CP=2 (actor and critic), CP=2 x TP=2, CP=2 x DP=2, CP=2 x PP=2, PP=2 x VPP=2, TP=2 + SP (actor and critic),
+# trunk reuse at TP=2 (actor and critic), DP=2, TP=2 x DP=2 and TP=2 + SP.
 # gloo + the CPU patch on a CPU machine, NCCL on a CUDA machine (one GPU per rank), unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,8 @@ TORCHRUN="$VENV/bin/torchrun"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 for layout in "2 --tp 2" "2 --pp 2" "2 --pp 2 --critic" "2 --tp 2 --critic" "4 --tp 2 --pp 2" \
     "2 --cp 2" "2 --cp 2 --critic" "4 --cp 2 --tp 2" "4 --cp 2" "4 --cp 2 --pp 2" "2 --pp 2 --vpp 2" \
-    "2 --tp 2 --sp" "2 --tp 2 --sp --critic"; do
+    "2 --tp 2 --sp" "2 --tp 2 --sp --critic" "2 --tp 2 --trunk" "2 --tp 2 --trunk --critic" \
+    "2 --trunk" "4 --tp 2 --trunk" "2 --tp 2 --sp --trunk"; do
   set -- $layout
   n=$1; shift
   echo "== torchrun --nproc-per-node $n scripts/torchrun_parity.py $*"

@@ -90,6 +90,13 @@ class TreeStepResult:
             for name, values in self.tree_outputs.items()
         }
 
+    def _trunk_summary(self) -> str:
+        parts = [mb["part"] for mb in self.packed if "part" in mb]
+        if not parts:
+            return ""
+        trunks = [p.num_real for p in parts if p.is_trunk]
+        return f" trunks={len(trunks)} (tokens {sum(trunks)}) branches={len(parts) - len(trunks)}"
+
     def log_line(self) -> str:
         p = self.packed
         times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
@@ -97,7 +104,8 @@ class TreeStepResult:
         return (
             f"tree step: loss={loss} sequences={p.batch_size} trees={len(p)} (dummy "
             f"{p.num_dummy_trees}) tokens real={p.num_real_tokens} tree={p.num_tree_tokens} "
-            f"padded={p.num_padded_tokens} tree_token_ratio={p.tree_token_ratio:.4f} {times}"
+            f"padded={p.num_padded_tokens} tree_token_ratio={p.tree_token_ratio:.4f}"
+            f"{self._trunk_summary()} {times}"
             + ("" if self.expert_tokens is None else f" expert_tokens={self.expert_tokens.tolist()}")
         )
 
