@@ -98,7 +98,7 @@ def test_attention_refuses_fewer_queries_without_a_split():
     tree = pack(branching_sequences())[0]["tree"]
     n = tree.padded_length
     q, kv = torch.randn(n // 2, 1, 2, 8), torch.randn(n, 1, 2, 8)
-    with pytest.raises(ValueError, match="only a context-parallel tree mask"):
+    with pytest.raises(ValueError, match="only a tree mask whose plan names its query positions"):
         tree_attention(q, kv, kv, tree_attention_mask(tree))
     split = context_parallel_split(tree, 4, 0)
     with pytest.raises(ValueError, match=f"the tree mask is for {n // 4} query rows, got {n // 2}"):

@@ -26,6 +26,16 @@ from megatron_tree.testing.synthetic import multi_turn_batch, pad_sequences
 PAD = 0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These batches are tiny: on a busy 2-core machine torch's intra-op threads only wait for each
+    other (one ``repeat_interleave`` of 5 elements took ~10 ms with 2 threads, ~10 us with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------
 # Brute-force reference
 # ---------------------------------------------------------------------------------------------
