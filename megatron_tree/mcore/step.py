@@ -361,9 +361,11 @@ def tree_forward_backward(
         _check_trunk_reuse(config, len(chunks), pp_size, cp_group, route_key)
         t1 = time.perf_counter()
         with _schedule_mode(config, interleaved=False):
-            logs = run_with_trunks(chunks[0], on_device, config=config, weights=weights, counts=counts, scale=scale,
-                                   gather=gather, loss_fn=loss_fn, tp_group=tp_group, forward_only=forward_only,
-                                   collected=collected if collect_outputs else None)
+            logs = run_with_trunks(
+                chunks[0], on_device, config=config, gather=gather, tp_group=tp_group, forward_only=forward_only,
+                loss_of=lambda i, outputs, mb: micro_batch_loss(outputs, mb, weights[i], counts[i], scale, loss_fn,
+                                                                collected if collect_outputs else None),
+            )
         timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
         return _result(logs, total, packed, collected, timings, None)
     replay = RoutingReplay(chunks, route_key) if route_key is not None else None

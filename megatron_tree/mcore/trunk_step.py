@@ -85,18 +85,16 @@ def check_trunk_parts(packed) -> bool:
     return found
 
 
-def run_with_trunks(model, packed, *, config, weights, counts, scale, gather, loss_fn, tp_group,
-                    forward_only: bool, collected: list | None) -> list[dict]:
+def run_with_trunks(model, packed, *, config, gather, tp_group, forward_only: bool, loss_of) -> list[dict]:
     """Forward (and backward) every micro-batch of ``packed`` in order; returns Megatron-style logs.
 
     Args:
         model: the model (one chunk, one pipeline stage).
         packed: the micro-batches on the model's device.
-        weights, counts, scale: per micro-batch loss weights [T] and counts, and the loss scale
-            (see ``tree_forward_backward``).
+        gather: the head reading per-token outputs; tp_group: its vocab-parallel group.
+        loss_of: ``loss_of(i, outputs, micro_batch) -> (loss, num_tokens, logs)``, Megatron's loss
+            protocol for micro-batch ``i`` (the step's weighting and scale).
     """
-    from .step import micro_batch_loss
-
     logs: list[dict] = []
     total_tokens = 0
     last = len(packed) - 1
@@ -127,7 +125,7 @@ def run_with_trunks(model, packed, *, config, weights, counts, scale, gather, lo
             else:
                 own = gather.gather(output, mb["tree"], tp_group, part)
                 outputs = {k: v + trunk.read(part.group_tokens)[k] for k, v in own.items()}
-            loss, num_tokens, log = micro_batch_loss(outputs, mb, weights[i], counts[i], scale, loss_fn, collected)
+            loss, num_tokens, log = loss_of(i, outputs, mb)
             logs.append(log)
             total_tokens += int(num_tokens)
             ends_group = part is not None and part.index == part.num_parts - 1
