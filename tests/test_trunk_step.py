@@ -189,3 +189,47 @@ def test_a_trunk_that_does_not_pay_is_not_used():
     seqs = [torch.cat([prompt, s[: 64 - 30]]) for s in seqs]
     packed = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
     assert [mb["part"].index for mb in packed] == list(range(len(packed)))
+
+
+def test_gradient_sync_waits_for_the_trunk_backward(world):
+    """Megatron DDP's protocol: every backward but the step's last runs under ``no_sync`` (gradient
+    reduction would start too early otherwise), the last is a trunk's (it adds the gradients the
+    branches left on the trunk's keys and values), and ``finalize_model_grads`` divides by the
+    global token count: still the unpacked batch's gradients."""
+    import contextlib
+
+    batch = rl_batch(trunk_sequences(), response_start=5)
+    reference = _build(False, False)
+    unpacked_reference_step(reference, batch, _loss_fn(False))
+    model = _build(True, False, state=reference.state_dict())
+    state = {"inside": False, "backwards": [], "tokens": []}
+
+    @contextlib.contextmanager
+    def no_sync():
+        state["inside"] = True
+        try:
+            yield
+        finally:
+            state["inside"] = False
+
+    def finalize(chunks, num_tokens, *args, **kwargs):
+        state["tokens"].append(int(num_tokens))
+        for p in chunks[0].parameters():
+            p.grad /= num_tokens
+
+    # The embedding's gradient hook fires once per backward that reaches the model's first layer.
+    model.embedding.word_embeddings.weight.register_hook(lambda g: state["backwards"].append(state["inside"]))
+    model.config.no_sync_func, model.config.finalize_model_grads_func = no_sync, finalize
+    model.config.calculate_per_token_loss = True
+    try:
+        packed = _packed(batch)
+        _step(model, packed, False)
+    finally:
+        model.config.no_sync_func = model.config.finalize_model_grads_func = None
+        model.config.calculate_per_token_loss = False
+    plain = sum("part" not in mb for mb in packed)
+    branches = sum("part" in mb and not mb["part"].is_trunk for mb in packed)
+    trunks = sum("part" in mb and mb["part"].is_trunk for mb in packed)
+    assert state["backwards"] == [True] * (plain + branches + trunks - 1) + [False]
+    assert "part" in packed[-1] and state["tokens"] == [int(batch["loss_mask"].sum())]
+    _assert_close(0.0, 0.0, _grads(model), _grads(reference))

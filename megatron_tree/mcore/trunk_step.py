@@ -124,10 +124,11 @@ def run_with_trunks(model, packed, *, config, gather, tp_group, forward_only: bo
                 outputs = trunk.read(part.group_tokens)
             else:
                 own = gather.gather(output, mb["tree"], tp_group, part)
-                outputs = {k: v + trunk.read(part.group_tokens)[k] for k, v in own.items()}
+                from_trunk = trunk.read(part.group_tokens)
+                outputs = {k: v + from_trunk[k] for k, v in own.items()}
             loss, num_tokens, log = loss_of(i, outputs, mb)
             logs.append(log)
-            total_tokens += int(num_tokens)
+            total_tokens = total_tokens + num_tokens  # a tensor: no host sync per micro-batch
             ends_group = part is not None and part.index == part.num_parts - 1
             if not forward_only:
                 if config.grad_scale_func is not None:
@@ -142,7 +143,5 @@ def run_with_trunks(model, packed, *, config, gather, tp_group, forward_only: bo
                 trunk.store.clear()
                 trunk = None
     if not forward_only and config.finalize_model_grads_func is not None:
-        device = next(model.parameters()).device
-        count = torch.tensor(total_tokens, dtype=torch.int, device=device)
-        config.finalize_model_grads_func([model], count if config.calculate_per_token_loss else None)
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
     return logs
