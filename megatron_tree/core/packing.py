@@ -421,11 +421,11 @@ def build_packed_tree_batch(
             are bin-packed into branch micro-batches that attend to the trunk's keys and values, so
             no prefix is computed twice. Only where it pays: the tokens the trunk saves (about its
             size times its branch micro-batches less one) must exceed its micro-batch's padding.
-            Other tries are packed as without it; trunk-reuse parts are padded to the alignment
-            only (``pad_to_max`` does not apply to them). Those micro-batches
-            carry ``"part"`` (a :class:`~megatron_tree.core.trunk.TreePart`); ``tree_forward_backward``
-            runs them (no pipeline or context parallelism, no MoE). The statistics count a trunk
-            once.
+            Other tries are packed as without it. The parts carry ``"part"`` (a
+            :class:`~megatron_tree.core.trunk.TreePart`) and are padded to the alignment only
+            (``pad_to_max`` does not apply: they never cross pipeline stages);
+            ``tree_forward_backward`` runs them (no pipeline or context parallelism, no MoE). The
+            statistics count a trunk once.
 
     Returns:
         :class:`PackedTreeBatch`.
