@@ -1,7 +1,7 @@
 """Trunk reuse benchmark on the CPU: tokens, FLOPs, step time and peak memory of one agent batch.
 
     .venv/bin/python scripts/bench_trunk.py [--repeats 5] [--skip-unshared] [--capacity 8192]
-                                            [--hidden 128] [--layers 2] [--seed 4]
+                                            [--hidden 128] [--layers 2] [--seed 4] [--threads 1]
 
 The batch: one 1500-token system prompt shared by 10 tasks, 4 multi-turn rollouts per task
 (``multi_turn_batch``; ~390K tokens, ~35K unique), too large for one micro-batch of ``--capacity``
@@ -187,14 +187,15 @@ def time_steps(packed, args) -> dict:
             log(f"unshared step {r + 1}/{args.unshared_repeats}")
             times["unshared"].append(train_step(model, packed["unshared"]))
             log(f"unshared step: {times['unshared'][-1]:.2f} s")
-    return {mode: statistics.median(t) for mode, t in times.items()}
+    paired = statistics.median(a / b for a, b in zip(times["tree"], times["trunk"]))
+    return {mode: statistics.median(t) for mode, t in times.items()}, paired
 
 
 def peak_memory(mode: str, args) -> dict:
     """Run before this process grows: a child inherits its parent's ru_maxrss through exec."""
     log(f"peak memory: one {mode} step in a fresh process")
     parent = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    cmd = [sys.executable, __file__, "--child", mode, "--capacity", str(args.capacity), "--hidden",
+    cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads), "--capacity", str(args.capacity), "--hidden",
            str(args.hidden), "--layers", str(args.layers), "--seed", str(args.seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -208,15 +209,19 @@ def peak_memory(mode: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per mode (tree, trunk), alternating")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per mode (tree, trunk), alternating")
     parser.add_argument("--unshared-repeats", type=int, default=1, help="timed steps of the unshared baseline")
     parser.add_argument("--skip-unshared", action="store_true", help="no step time or memory of the baseline")
     parser.add_argument("--capacity", type=int, default=8192, help="max_tokens_per_mb")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=4, help="seed of the synthetic batch")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on this shared 2-core machine two threads made "
+                             "step times vary by up to 1.5x from run to run)")
     parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.child:
         return child(args)
 
@@ -228,10 +233,10 @@ def main() -> None:
           f"vocab {VOCAB}, block_sparse tiles of {BLOCK}; torch threads {torch.get_num_threads()}")
     log("building the batch")
     batch = make_batch(args.seed)
-    packed, costs, unique = packing_table(batch, args, list(MODES), shape)
+    packed, unique, costs = packing_table(batch, args, list(MODES), shape)
     print_layout(packed["trunk"])
 
-    seconds = time_steps(packed, args)
+    seconds, paired = time_steps(packed, args)
     print(f"\n3. training step (forward + backward), median of {args.repeats} alternating runs after a warm-up")
     for mode, s in seconds.items():
         print(f"  {mode:9} {s:8.2f} s   x{s / seconds['trunk']:.2f} of trunk reuse"
@@ -247,11 +252,11 @@ def main() -> None:
     print(f"  [{'PASS' if over <= 1.10 else 'FAIL'}] trunk-reuse tokens {packed['trunk'].num_tree_tokens} within 10% "
           f"of the single trie's {unique} (x{over:.3f})")
     flops = [t / r for t, r in zip(costs["tree"], costs["trunk"])]
-    print(f"  FLOP model, tree / trunk: x{flops[0]:.3f} on the CPU model, x{flops[1]:.3f} on the 8B-class model")
+    print(f"  FLOP model, tree / trunk: x{flops[0]:.3f} on the CPU model, x{flops[1]:.3f} on the 8B-class model "
+          f"(tokens x{packed['tree'].num_tree_tokens / packed['trunk'].num_tree_tokens:.3f})")
     print(f"  [{'PASS' if speedup >= 1.25 else 'FAIL'}] trunk-reuse step x{speedup:.3f} faster than tree packing "
-          f"(goal >= 1.25; tree {seconds['tree']:.2f} s, trunk {seconds['trunk']:.2f} s)")
-    print(f"  (the FLOP model of this shape predicts x{costs['tree'] / costs['trunk']:.3f}; tokens x"
-          f"{packed['tree'].num_tree_tokens / packed['trunk'].num_tree_tokens:.3f})")
+          f"(goal >= 1.25; tree {seconds['tree']:.2f} s, trunk {seconds['trunk']:.2f} s; median of the "
+          f"{args.repeats} paired ratios x{paired:.3f})")
 
 
 if __name__ == "__main__":
