@@ -280,20 +280,6 @@ def _sync_num_micro_batches(num: int, dp_group) -> int:
     return int(count.item())
 
 
-def _dummy_tree(padded_length: int, pad_token_id: int, device) -> PackedTree:
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    return PackedTree(
-        input_ids=torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device),
-        position_ids=torch.zeros(padded_length, dtype=torch.int64, device=device),
-        subtree_end=padding_subtree_end(0, padded_length, device).to(torch.int32),
-        parent_index=torch.full((padded_length,), -1, dtype=torch.int64, device=device),
-        sequence_ids=empty,
-        cu_seqlens=torch.zeros(1, dtype=torch.int64, device=device),
-        token_index=empty,
-        num_tree_tokens=0,
-    )
-
-
 def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
     """Trie keys [B, W] that differ where tokens or routes differ: token * R + route id, where the
     route id numbers the distinct values of ``data[route_key]`` per token (-1 past each length)."""
@@ -500,7 +486,7 @@ def build_packed_tree_batch(
         target = _sync_num_micro_batches(len(micro_batches), dp_group)
         padded = max_tokens_per_mb if pad_to_max else align
         while len(micro_batches) < target:
-            micro_batches.append(micro_batch(_dummy_tree(padded, pad_token_id, device)))
+            micro_batches.append(micro_batch(PackedTree.all_padding(padded, pad_token_id, device)))
 
     result = PackedTreeBatch(
         micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model

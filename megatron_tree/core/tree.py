@@ -67,6 +67,22 @@ class PackedTree:
         """True for an all-padding tree added to keep data-parallel ranks in step."""
         return self.num_sequences == 0
 
+    @classmethod
+    def all_padding(cls, padded_length: int, pad_token_id: int = 0, device=None) -> "PackedTree":
+        """A dummy tree: ``padded_length`` padding positions and no sequence (keeps data-parallel
+        ranks, or pipeline micro-batch counts, in step)."""
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(
+            input_ids=torch.full((padded_length,), pad_token_id, dtype=torch.int64, device=device),
+            position_ids=torch.zeros(padded_length, dtype=torch.int64, device=device),
+            subtree_end=torch.arange(1, padded_length + 1, dtype=torch.int32, device=device),
+            parent_index=torch.full((padded_length,), -1, dtype=torch.int64, device=device),
+            sequence_ids=empty,
+            cu_seqlens=torch.zeros(1, dtype=torch.int64, device=device),
+            token_index=empty,
+            num_tree_tokens=0,
+        )
+
     def sequence_token_index(self, i: int) -> torch.Tensor:
         """int64 [L_i], packed positions of the tokens of the i-th sequence (tree order)."""
         return self.token_index[int(self.cu_seqlens[i]) : int(self.cu_seqlens[i + 1])]

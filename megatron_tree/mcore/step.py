@@ -38,7 +38,8 @@ from ..core.context_parallel import context_parallel_split
 from ..core.heads import LogProbs, Values
 from ..core.losses import loss_weights
 from ..core.mask import tree_attention_mask
-from ..core.packing import _dummy_tree, build_packed_tree_batch
+from ..core.packing import build_packed_tree_batch
+from ..core.tree import PackedTree
 from ..core.results import merge_packed_tree_results
 from .moe import RoutingReplay, step_loss_scale, token_multiplicity
 from .moe_stats import ExpertTokenCounter
@@ -198,7 +199,7 @@ def _pad_for_interleaving(packed: PackedTreeBatch, pp_size: int) -> PackedTreeBa
     tree = first["tree"]
     dummies = []
     for _ in range(missing):
-        mb = micro_batch(_dummy_tree(tree.padded_length, 0, tree.input_ids.device))
+        mb = micro_batch(PackedTree.all_padding(tree.padded_length, 0, tree.input_ids.device))
         mb.update({k: v[:0] for k, v in first.items() if k not in mb})
         dummies.append(mb)
     return PackedTreeBatch(list(packed) + dummies, packed.batch_size, packed.num_real_tokens, packed.max_token_id)
