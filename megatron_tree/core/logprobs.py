@@ -131,7 +131,8 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
         rows = local[rows]
         mine = rows >= 0
         rows, nodes = rows[mine], nodes[mine]
-        num_rows = int((cp.local_positions < num_nodes).sum())
+        known = getattr(cp, "num_real", None)  # a trunk-reuse part knows it: no host sync
+        num_rows = known if known is not None else int((cp.local_positions < num_nodes).sum())
     labels = tokens[nodes] - tp_rank * vocab_local
     owned = (labels >= 0) & (labels < vocab_local)
     chunk_starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
