@@ -573,6 +573,17 @@ def _nice_max(v: float) -> float:
     return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= v)
 
 
+def _panel(cv: "_Canvas", left: int, top: int, pw: int, ph: int, title: str, labels: list[str], label_dx: int) -> None:
+    """A plot panel: its title, one grid line per y label (bottom to top, evenly spaced) and its axes."""
+    cv.text(left, 18, title)
+    for k, label in enumerate(labels):
+        y = top + ph - k * ph / (len(labels) - 1)
+        cv.line(left, y, left + pw, y, _COLOURS["grid"], width=1)
+        cv.text(left - label_dx, y - 5, label)
+    cv.line(left, top, left, top + ph, _COLOURS["axis"], 1)
+    cv.line(left, top + ph, left + pw, top + ph, _COLOURS["axis"], 1)
+
+
 def save_plot(loop: Loop, path: Path) -> Path:
     """Left: mean reward per step, both runs. Right: each step's seconds of both runs (tree left,
     unshared right of each pair), stacked by phase."""
@@ -610,13 +621,8 @@ def save_plot(loop: Loop, path: Path) -> Path:
     cv = _Canvas(1200, 480)
     left, top, pw, ph = 70, 50, 480, 360
     # reward panel
-    cv.text(left, 18, "MEAN REWARD PER STEP: TREE (BLUE) / UNSHARED (ORANGE DASHED)")
-    for k in range(5):
-        y = top + ph - k * ph / 4
-        cv.line(left, y, left + pw, y, _COLOURS["grid"], width=1)
-        cv.text(left - 40, y - 5, f"{k / 4:.2f}")
-    cv.line(left, top, left, top + ph, _COLOURS["axis"], 1)
-    cv.line(left, top + ph, left + pw, top + ph, _COLOURS["axis"], 1)
+    _panel(cv, left, top, pw, ph, "MEAN REWARD PER STEP: TREE (BLUE) / UNSHARED (ORANGE DASHED)",
+           [f"{k / 4:.2f}" for k in range(5)], label_dx=40)
     cv.text(left, top + ph + 10, "1")
     cv.text(left + pw - 20, top + ph + 10, str(steps))
     cv.text(left + pw // 2 - 16, top + ph + 10, "STEP")
@@ -628,13 +634,8 @@ def save_plot(loop: Loop, path: Path) -> Path:
     left2 = left + pw + 110
     totals = [sum(r["seconds"].values()) for name in RUNS for r in hist[name]]
     ymax = _nice_max(max(totals))
-    cv.text(left2, 18, "SECONDS PER STEP BY PHASE: TREE (LEFT) / UNSHARED (RIGHT)")
-    for k in range(5):
-        y = top + ph - k * ph / 4
-        cv.line(left2, y, left2 + pw, y, _COLOURS["grid"], width=1)
-        cv.text(left2 - 44, y - 5, f"{ymax * k / 4:.3g}")
-    cv.line(left2, top, left2, top + ph, _COLOURS["axis"], 1)
-    cv.line(left2, top + ph, left2 + pw, top + ph, _COLOURS["axis"], 1)
+    _panel(cv, left2, top, pw, ph, "SECONDS PER STEP BY PHASE: TREE (LEFT) / UNSHARED (RIGHT)",
+           [f"{ymax * k / 4:.3g}" for k in range(5)], label_dx=44)
     slot = pw / steps
     for i in range(steps):
         for j, name in enumerate(RUNS):
