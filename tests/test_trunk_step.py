@@ -16,7 +16,7 @@ import torch
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import _check_trunk_reuse, tree_forward_backward
+from megatron_tree.mcore.step import _trunk_reuse_unsupported, tree_forward_backward
 from megatron_tree.mcore.trunk_step import check_trunk_parts
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, build_gpt_model, small_gpt_config, trunk_sequences
@@ -141,15 +141,16 @@ def test_forward_only_outputs_and_pack_once(world):
     _assert_close(float(result.loss), float(want), _grads(model), _grads(reference))
 
 
-def test_refusals():
+def test_refusals(world):
+    model = _build(True, False)
+    with pytest.raises(ValueError, match="share_trunks=True.*routing replay.*share_trunks=False"):
+        _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="routes")
     config = types.SimpleNamespace(num_moe_experts=None)
-    _check_trunk_reuse(config, 1, 1, None, None)
+    assert _trunk_reuse_unsupported(config, 1, 1, None, None) is None
     for args, what in [((1, 2, None, None), "pipeline"), ((2, 1, None, None), "pipeline"),
                        ((1, 1, object(), None), "context parallelism"), ((1, 1, None, "routes"), "routing replay")]:
-        with pytest.raises(ValueError, match=f"share_trunks=True.*{what}"):
-            _check_trunk_reuse(config, *args)
-    with pytest.raises(ValueError, match="MoE"):
-        _check_trunk_reuse(types.SimpleNamespace(num_moe_experts=4), 1, 1, None, None)
+        assert what in _trunk_reuse_unsupported(config, *args)
+    assert "MoE" in _trunk_reuse_unsupported(types.SimpleNamespace(num_moe_experts=4), 1, 1, None, None)
     packed = build_packed_tree_batch(rl_batch(trunk_sequences()), max_tokens_per_mb=CAPACITY, block_size=16,
                                      pad_to_max=False, share_trunks=True)
     mbs = list(packed)

@@ -198,14 +198,10 @@ def part_attention_mask(part: TreePart, store: TrunkKeyValues) -> TreeMask:
     if part.is_trunk:
         hook = store.record
     else:
-        hook = functools.partial(_extend, store, order)
+        hook = functools.partial(store.extend, order=order)
     plan = TreeMaskPlan(subtree_end[None], query_positions=queries, keys_values=hook)
     plan.rotary_length = part.max_depth + 1
     return TreeMask(subtree_end, plan)
-
-
-def _extend(store: TrunkKeyValues, order: torch.Tensor, key, value, layer):
-    return store.extend(key, value, layer, order)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -331,9 +331,8 @@ def tree_forward_backward(
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if share_trunks is None and not isinstance(batch, PackedTreeBatch):
-        # Trunk reuse by default wherever its loop runs (one stage, one chunk, no CP, dense model).
-        share_trunks = (pp_size == 1 and len(chunks) == 1 and cp_group is None and not config.num_moe_experts
-                        and route_key is None)
+        # Trunk reuse by default wherever its loop runs.
+        share_trunks = _trunk_reuse_unsupported(config, len(chunks), pp_size, cp_group, route_key) is None
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
                    pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
                    route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
@@ -359,7 +358,12 @@ def tree_forward_backward(
 
     collected: list[dict] = []
     if check_trunk_parts(on_device):
-        _check_trunk_reuse(config, len(chunks), pp_size, cp_group, route_key)
+        unsupported = _trunk_reuse_unsupported(config, len(chunks), pp_size, cp_group, route_key)
+        if unsupported is not None:
+            raise ValueError(
+                f"the batch is packed with trunk reuse (share_trunks=True), which does not support {unsupported} "
+                "yet; pack with share_trunks=False"
+            )
         t1 = time.perf_counter()
         with _schedule_mode(config, interleaved=False):
             logs = run_with_trunks(
@@ -402,20 +406,15 @@ def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepR
     return result
 
 
-def _check_trunk_reuse(config, num_chunks: int, pp_size: int, cp_group, route_key) -> None:
-    """Trunk reuse runs its own loop on one model chunk: refuse what that loop does not do."""
+def _trunk_reuse_unsupported(config, num_chunks: int, pp_size: int, cp_group, route_key) -> str | None:
+    """What the trunk-reuse loop (one model chunk, its own order) does not support here, or None."""
     unsupported = [
         (pp_size > 1 or num_chunks > 1, f"pipeline parallelism (size {pp_size}, {num_chunks} model chunks)"),
         (cp_group is not None, "context parallelism"),
         (bool(config.num_moe_experts), "MoE models (their router losses are per micro-batch)"),
         (route_key is not None, "routing replay"),
     ]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(
-                f"the batch is packed with trunk reuse (share_trunks=True), which does not support {what} "
-                "yet; pack with share_trunks=False"
-            )
+    return next((what for bad, what in unsupported if bad), None)
 
 
 def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
