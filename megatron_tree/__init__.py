@@ -18,7 +18,7 @@ first access (this module's ``__getattr__``).
 from .core.attention import tree_attention
 from .core.batch import PackedTreeBatch
 from .core.checks import set_debug_checks
-from .core.context_parallel import ContextParallelSplit, context_parallel_split
+from .core.context_parallel import context_parallel_split
 from .core.flops import GPTShape, train_flops
 from .core.heads import LogProbs, Values
 from .core.logprobs import (
@@ -26,6 +26,7 @@ from .core.logprobs import (
     gather_packed_tree_logprobs_entropy,
     gather_packed_tree_logprobs_entropy_from_hidden,
 )
+from .core.rows import KeyValueStore, TreeRows
 from .core.losses import loss_weights, ppo_clipped_loss, value_loss
 from .core.mask import (
     TreeMask,
@@ -77,7 +78,7 @@ def __getattr__(name: str):
 
 __all__ = sorted(
     [
-        "ContextParallelSplit", "GPTShape", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "Values",
+        "GPTShape", "KeyValueStore", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "TreeRows", "Values",
         "build_attention_mask_from_trie", "build_block_mask_from_trie", "build_packed_tree_batch",
         "context_parallel_split", "depth_rotary_pos_emb", "depth_window", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
         "gather_packed_tree_logprobs_entropy_from_hidden", "gather_packed_tree_values",

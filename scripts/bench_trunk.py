@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_trunk.py [--repeats 5] [--skip-unshared] [--capacity 8192]
                                             [--hidden 128] [--layers 2] [--seed 4] [--threads 1]
+                                            [--layout pp1|cp2|pp2]
 
 The batch: one 1500-token system prompt shared by 10 tasks, 4 multi-turn rollouts per task
 (``multi_turn_batch``; ~390K tokens, ~35K unique), too large for one micro-batch of ``--capacity``
@@ -11,7 +12,14 @@ tokens. Three packings are compared (all ``pad_to_max=False``):
 * tree:      tree packing today (``share_trunks=False``): the trie is cut at branch points and the
              shared prefix is recomputed in every micro-batch holding a piece of it;
 * trunk:     trunk reuse (``share_trunks=True``): the trunk runs once, branches attend to its keys
-             and values.
+             and values;
+* trunk-rc:  trunk reuse with ``recompute_trunks=True`` (the pipeline-parallel path: a no-grad trunk
+             pass, the branches, the trunk recomputed; one micro-batch's activations at a time).
+
+``--layout cp2`` / ``pp2`` run tree packing and trunk reuse on a 2-process gloo world (context
+parallelism 2, or pipeline parallelism 2 with constant shapes, ``pad_to_max=True``) and print per
+rank the median step time (alternating) and the peak RSS growth of one step (a fresh world per
+mode).
 
 It prints (1) a packing table: micro-batches, tokens computed, padded tokens, tokens over the
 single-trie unique-token count (counted here by sorting, independently of the packer) and the FLOP
@@ -38,7 +46,7 @@ import torch
 
 from megatron_tree.core.flops import GPTShape
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.testing.synthetic import multi_turn_batch
+from megatron_tree.testing.synthetic import long_history_sequences, multi_turn_batch, rl_batch
 
 BATCH = dict(num_tasks=10, rollouts_per_task=4, turns=(3, 7), system_len=1500, task_len=200,
              observation_len=(40, 140), action_len=(50, 150))
@@ -47,6 +55,7 @@ MODES = {
     "tree": dict(share_prefixes=True, share_trunks=False),
     "trunk": dict(share_prefixes=True, share_trunks=True),
 }
+STEP_OPTIONS = {"trunk-rc": dict(recompute_trunks=True)}  # modes that step differently on a packing
 VOCAB, BLOCK = 1024, 128
 # An 8B-class shape (Llama-3-8B): the FLOP model's speed-up where linear layers outweigh attention,
 # unlike the CPU model, whose attention over 1.5-3K-token contexts dominates.
@@ -57,9 +66,13 @@ def log(msg: str) -> None:
     print(f"[bench_trunk {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_batch(seed: int) -> dict:
-    """The agent batch with the per-token inputs of a PPO step (loss mask rolled: entry t is about
-    token t + 1, so it marks the entries that predict generated tokens)."""
+def make_batch(seed: int, kind: str = "agent") -> dict:
+    """The agent batch (or, ``kind="long"``, a 24,000-token history shared by 10 tasks) with the
+    per-token inputs of a PPO step (loss mask rolled: entry t is about token t + 1, so it marks
+    the entries that predict generated tokens)."""
+    if kind == "long":
+        return rl_batch(long_history_sequences(history_len=24000, num_tasks=10, vocab_size=VOCAB, seed=seed),
+                        response_start=24000)
     batch = multi_turn_batch(**BATCH, vocab_size=VOCAB, seed=seed)
     b, width = batch["input_ids"].shape
     generated = batch["loss_mask"]
@@ -87,16 +100,17 @@ def unique_prefix_count(batch: dict) -> int:
     return total
 
 
-def pack(batch: dict, capacity: int, mode: str):
-    return build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=BLOCK, pad_to_max=False,
-                                   **MODES[mode])
+def pack(batch: dict, capacity: int, mode: str, pad_to_max: bool = False):
+    packing = MODES["trunk" if mode in STEP_OPTIONS else mode]
+    return build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=BLOCK, pad_to_max=pad_to_max,
+                                   **packing)
 
 
-def config_for(args):
+def config_for(args, **parallel):
     from megatron_tree.testing.models import small_gpt_config
 
     return small_gpt_config(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-                            num_query_groups=2, ffn_hidden_size=4 * args.hidden)
+                            num_query_groups=2, ffn_hidden_size=4 * args.hidden, **parallel)
 
 
 def build_model(args):
@@ -107,7 +121,7 @@ def build_model(args):
     return build_gpt_model(config_for(args), tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=BLOCK)
 
 
-def train_step(model, packed) -> float:
+def train_step(model, packed, mode: str = "tree") -> float:
     """One forward + backward of a packed batch (gradients zeroed first); seconds."""
     from megatron_tree.core.heads import LogProbs
     from megatron_tree.core.losses import ppo_clipped_loss
@@ -116,16 +130,16 @@ def train_step(model, packed) -> float:
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     tree_forward_backward(model, packed, lambda out, mb: ppo_clipped_loss(out, mb, clip_eps=0.2, entropy_coef=0.01),
-                          gather=LogProbs())
+                          gather=LogProbs(), **STEP_OPTIONS.get(mode, {}))
     return time.perf_counter() - t0
 
 
 def child(args) -> None:
     """One step of ``args.child`` in this fresh process; prints {"mib": peak RSS growth} as JSON."""
     model = build_model(args)
-    packed = pack(make_batch(args.seed), args.capacity, args.child)
+    packed = pack(make_batch(args.seed, args.batch), args.capacity, args.child)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    train_step(model, packed)
+    train_step(model, packed, args.child)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"mib": (after - before) / 1024, "before_mib": before / 1024}))
 
@@ -160,27 +174,27 @@ def packing_table(batch, args, modes, shape):
 def print_layout(packed) -> None:
     print("\n2. trunk-reuse layout (rows real/padded, sequences whose loss the micro-batch takes)")
     for i, mb in enumerate(packed):
-        part = mb.get("part")
-        if part is None:
+        rows = mb["rows"]
+        if rows.group is None:
             tree = mb["tree"]
             print(f"  mb {i}: plain tree  rows {tree.num_tree_tokens}/{tree.padded_length}, {tree.num_sequences} seqs")
         else:
-            kind = "trunk " if part.is_trunk else f"branch {part.index}"
-            print(f"  mb {i}: group {part.group} {kind:9} rows {part.num_real}/{part.num_rows}, "
-                  f"{mb['tree'].num_sequences} seqs, depth <= {part.max_depth}")
+            kind = f"trunk {rows.index}" if rows.is_trunk else f"branch {rows.index}"
+            print(f"  mb {i}: group {rows.group} {kind:9} rows {rows.num_real}/{rows.num_rows}, "
+                  f"{mb['tree'].num_sequences} seqs, depth < {rows.reach}")
 
 
 def time_steps(packed, args) -> dict:
     log("building the model")
     model = build_model(args)
-    times = {"tree": [], "trunk": []}
+    times = {"tree": [], "trunk": [], "trunk-rc": []}
     for mode in times:  # warm-up, one each
         log(f"warm-up step: {mode}")
-        train_step(model, packed[mode])
+        train_step(model, packed[mode if mode in packed else "trunk"], mode)
     for r in range(args.repeats):
         for mode in times:
-            times[mode].append(train_step(model, packed[mode]))
-        log(f"repeat {r + 1}/{args.repeats}: tree {times['tree'][-1]:.2f} s, trunk {times['trunk'][-1]:.2f} s")
+            times[mode].append(train_step(model, packed[mode if mode in packed else "trunk"], mode))
+        log(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{m} {t[-1]:.2f} s" for m, t in times.items()))
     if not args.skip_unshared:
         times["unshared"] = []
         for r in range(args.unshared_repeats):
@@ -196,7 +210,7 @@ def peak_memory(mode: str, args) -> dict:
     log(f"peak memory: one {mode} step in a fresh process")
     parent = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads), "--capacity", str(args.capacity), "--hidden",
-           str(args.hidden), "--layers", str(args.layers), "--seed", str(args.seed)]
+           str(args.hidden), "--layers", str(args.layers), "--seed", str(args.seed), "--batch", args.batch]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.stderr.write(proc.stderr)
@@ -205,6 +219,82 @@ def peak_memory(mode: str, args) -> dict:
     if result["before_mib"] <= parent:  # the child's baseline may be the parent's inherited peak
         log(f"warning: {mode} child's RSS before the step <= this process's peak ({parent:.0f} MiB)")
     return result
+
+
+def _layout_worker(rank: int, args, modes: list[str], repeats: int) -> dict:
+    """One rank of a cp2 / pp2 world: per mode, step times (alternating) and the peak RSS growth of
+    the first step (meaningful when ``modes`` holds one mode: a fresh world per mode)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.testing.models import build_gpt_model
+
+    torch.set_num_threads(args.threads)
+    pp, cp = ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    config = config_for(args, pipeline_model_parallel_size=pp, context_parallel_size=cp)
+    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=BLOCK)
+    batch = make_batch(args.seed)
+    packed = {m: pack(batch, args.capacity, m, pad_to_max=pp > 1) for m in modes}
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = {m: [train_step(model, packed[m], m)] for m in modes}
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    for _ in range(repeats):
+        for m in modes:
+            times[m].append(train_step(model, packed[m], m))
+    return {"seconds": {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in times.items()},
+            "mib": grown, "micro_batches": {m: len(p) for m, p in packed.items()},
+            "rows": {m: p.num_padded_tokens for m, p in packed.items()}}
+
+
+def layout_main(args) -> None:
+    """Tree packing vs trunk reuse on a 2-process CP or PP world."""
+    from megatron_tree.testing.dist import run_spawned
+
+    layout = {"cp2": dict(cp=2, tp=1), "pp2": dict(pp=2, tp=1)}[args.layout]
+    modes = ["tree", "trunk"]
+    memory = {}
+    for m in modes:
+        log(f"{args.layout}: peak memory of one {m} step (a fresh 2-process world)")
+        memory[m] = [r["mib"] for r in run_spawned(_layout_worker, 2, args, [m], 0, **layout)]
+    log(f"{args.layout}: {args.repeats} alternating steps per mode after a first one")
+    ranks = run_spawned(_layout_worker, 2, args, modes, args.repeats, **layout)
+    print(f"layout {args.layout}: {args.layers} layers, hidden {args.hidden}, capacity {args.capacity}"
+          f"{', pad_to_max' if args.layout == 'pp2' else ''}; torch threads {args.threads} per rank")
+    print(f"{'mode':8} {'micro-b':>7} {'rows':>8} " + " ".join(f"{'rank%d s' % r:>9} {'rank%d MiB' % r:>10}"
+                                                              for r in range(2)))
+    for m in modes:
+        cells = " ".join(f"{ranks[r]['seconds'][m]:9.2f} {memory[m][r]:10.1f}" for r in range(2))
+        print(f"{m:8} {ranks[0]['micro_batches'][m]:7d} {ranks[0]['rows'][m]:8d} {cells}")
+    ratio = max(r["seconds"]["tree"] for r in ranks) / max(r["seconds"]["trunk"] for r in ranks)
+    print(f"  trunk reuse x{ratio:.3f} faster than tree packing (slowest rank's median step)")
+
+
+def long_main(args) -> None:
+    """The long-history batch: tokens against the single trie, then trunk reuse with the trunk
+    parts' activations kept (the one-stage loop) against recompute_trunks=True (memory-bounded)."""
+    modes = ["trunk", "trunk-rc"]
+    memory = {mode: peak_memory(mode, args) for mode in modes}
+    batch = make_batch(args.seed, "long")
+    unique = unique_prefix_count(batch)
+    packed = pack(batch, args.capacity, "trunk")
+    parts = [mb["rows"] for mb in packed]
+    print(f"long history: {batch['input_ids'].shape[0]} sequences, {int(batch['attention_mask'].sum())} tokens, "
+          f"{unique} unique, longest {int(batch['attention_mask'].sum(1).max())}; capacity {args.capacity}")
+    print(f"  trunk reuse: {len(packed)} micro-batches ({sum(p.records for p in parts)} trunk parts), tokens "
+          f"{packed.num_tree_tokens} (x{packed.num_tree_tokens / unique:.4f} of unique), padded {packed.num_padded_tokens}")
+    log("building the model")
+    model = build_model(args)
+    times = {m: [] for m in modes}
+    for r in range(args.repeats + 1):  # the first round warms up
+        for m in modes:
+            seconds = train_step(model, packed, m)
+            if r:
+                times[m].append(seconds)
+            log(f"round {r}: {m} {seconds:.2f} s")
+    for m in modes:
+        print(f"  {m:9} step {statistics.median(times[m]):8.2f} s (median of {args.repeats}), peak RSS growth "
+              f"{memory[m]['mib']:8.1f} MiB")
+    over = packed.num_tree_tokens / unique
+    print(f"  [{'PASS' if over <= 1.02 else 'FAIL'}] tokens within 2% of the single trie (x{over:.4f})")
 
 
 def main() -> None:
@@ -219,14 +309,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: on this shared 2-core machine two threads made "
                              "step times vary by up to 1.5x from run to run)")
-    parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=["pp1", "cp2", "pp2"], default="pp1",
+                        help="pp1: one process (all tables); cp2 / pp2: a 2-process world, tree vs trunk")
+    parser.add_argument("--batch", choices=["agent", "long"], default="agent",
+                        help="long: a 24,000-token history shared by 10 tasks (trunk reuse only: tree packing "
+                             "refuses sequences longer than a micro-batch); trunk vs trunk-rc")
+    parser.add_argument("--child", choices=list(MODES) + list(STEP_OPTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
         return child(args)
+    if args.layout != "pp1":
+        return layout_main(args)
+    if args.batch == "long":
+        return long_main(args)
 
     modes = [m for m in MODES if not (args.skip_unshared and m == "unshared")]
-    memory = {mode: peak_memory(mode, args) for mode in modes}  # first, while this process is small
+    memory = {mode: peak_memory(mode, args) for mode in modes + list(STEP_OPTIONS)}  # while this process is small
     config = config_for(args)
     shape = GPTShape.from_config(config, VOCAB)
     print(f"model: {args.layers} layers, hidden {args.hidden}, 4 heads / 2 query groups, FFN {4 * args.hidden}, "
@@ -243,6 +342,7 @@ def main() -> None:
               + ("  (median of %d)" % args.unshared_repeats if mode == "unshared" else ""))
 
     print("\n4. peak RSS growth of one training step (fresh process; ru_maxrss after - before the step)")
+    print("   (trunk-rc: recompute_trunks=True, the trunk's activations not kept; one more trunk forward)")
     for mode, m in memory.items():
         print(f"  {mode:9} {m['mib']:8.1f} MiB   (RSS before the step {m['before_mib']:.0f} MiB)")
 

@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2 --tp 2
     torchrun --nproc-per-node 4 scripts/torchrun_parity.py --cp 2        # CP=2 x DP=2
     torchrun --nproc-per-node 2 scripts/torchrun_parity.py --tp 2 --trunk  # trunk reuse
+    torchrun --nproc-per-node 2 scripts/torchrun_parity.py --pp 2 --chains # trunk parts in chains
 
 gloo on CPU (with the CPU patch), NCCL on CUDA. Each rank first builds the whole model at TP=tp
 (no CP, PP or SP) and runs the unpacked reference step on the whole batch (every sequence alone,
@@ -43,6 +44,8 @@ def parse_args():
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
     p.add_argument("--trunk", action="store_true",
                    help="trunk reuse: prompt groups larger than the 64-token micro-batch (share_trunks=True)")
+    p.add_argument("--chains", action="store_true",
+                   help="trunk reuse with chains: a 150-token history and a 140-token sequence at capacity 64")
     return p.parse_args()
 
 
@@ -76,10 +79,12 @@ def tree_chunks(args, device, state):
     return chunks, names
 
 
-def batch(vocab: int, trunk: bool) -> dict:
-    from megatron_tree.testing.models import trunk_sequences
+def batch(vocab: int, trunk: bool, chains: bool = False) -> dict:
+    from megatron_tree.testing.models import long_context_sequences, trunk_sequences
     from megatron_tree.testing.synthetic import multi_turn_batch, rl_batch
 
+    if chains:
+        return rl_batch(long_context_sequences(), response_start=5)
     if trunk:
         return rl_batch(trunk_sequences(), response_start=5)
 
@@ -115,7 +120,8 @@ def main() -> int:
     if world % (args.tp * args.pp * args.cp):
         raise ValueError(f"world size {world} must be a multiple of --tp {args.tp} x --pp {args.pp} x --cp {args.cp}")
     loss_fn = value_loss if args.critic else ppo_clipped_loss
-    data = batch(args.vocab, args.trunk)
+    args.trunk = args.trunk or args.chains
+    data = batch(args.vocab, args.trunk, args.chains)
 
     # 1. Reference: whole model at TP=tp, every sequence of the whole batch alone.
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
@@ -168,7 +174,7 @@ def main() -> int:
                       for j, i in enumerate(rows))
         ok = ok and out_err <= OUTPUT_ATOL
         line += f"; max |{name} tree - unpacked| {out_err:.1e}"
-    parts = sum("part" in mb for mb in result.packed)
+    parts = sum(mb["rows"].group is not None for mb in result.packed)
     line += f"; trees {result.num_micro_batches} ({parts} trunk-reuse parts), tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
     print(line, flush=True)
     flag = torch.tensor([0 if ok else 1], device=device)

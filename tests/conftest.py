@@ -1,10 +1,38 @@
 """Fixtures shared by test files: Megatron on a one-process gloo world, and tiny HuggingFace
 checkpoints with their fp32 references, built once per session (the bridge tests and the GPU tests
-read the same ones)."""
+read the same ones); and the Hypothesis profiles."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# Hypothesis profiles, chosen by HYPOTHESIS_PROFILE. "ci" (the default) draws the same examples on
+# every run and machine, so the property tests gate a merge reproducibly; "wide" draws new random
+# examples, WIDE_FACTOR times as many. A test's own @settings override only the values they name.
+WIDE_FACTOR = 5
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile(
+    "wide", derandomize=False, deadline=None, print_blob=True, max_examples=WIDE_FACTOR * 100
+)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in ("ci", "wide"):
+    raise ValueError(f"HYPOTHESIS_PROFILE={PROFILE!r} must be 'ci' (the default) or 'wide'")
+settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(items):
+    """Under "wide", scale the max_examples a test names too (it overrides the profile's)."""
+    if PROFILE != "wide":
+        return
+    functions = (getattr(item.obj, "__func__", item.obj) for item in items if hasattr(item, "obj"))
+    for test in {id(f): f for f in functions}.values():  # a parametrized test once
+        own = getattr(test, "_hypothesis_internal_use_settings", None)  # set by @given/@settings
+        if own is not None and own.max_examples != settings.default.max_examples:
+            scaled = settings(own, max_examples=WIDE_FACTOR * own.max_examples)
+            test._hypothesis_internal_use_settings = scaled
 
 
 @pytest.fixture(scope="module")

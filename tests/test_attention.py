@@ -149,7 +149,7 @@ def test_mask_errors_name_the_sizes():
     wrong = build_attention_mask_from_trie(tree)[:-16, :-16]
     with pytest.raises(ValueError, match=rf"shape \({n - 16}, {n - 16}\).*{n} query and {n} key"):
         tree_attention(q, k, v, wrong, backend="sdpa")
-    with pytest.raises(ValueError, match=rf"has shape \({n - 1},\).*{n} positions"):
+    with pytest.raises(ValueError, match=rf"has shape \({n - 1},\).*{n} keys"):
         tree_attention(q, k, v, tree.subtree_end[:-1])
     with pytest.raises(ValueError, match="integer subtree_end or a bool mask"):
         tree_attention(q, k, v, torch.zeros(n, n))

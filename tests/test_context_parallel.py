@@ -12,10 +12,17 @@ import pytest
 import torch
 
 from megatron_tree.core.attention import tree_attention
-from megatron_tree.core.context_parallel import attention_work, context_parallel_split
+from megatron_tree.core.context_parallel import attention_work, context_parallel_split, split_positions
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
+from megatron_tree.core.tree import PackedTree
 from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import VOCAB, attention_reference, branching_sequences, pack
+from megatron_tree.testing.models import (
+    VOCAB,
+    attention_reference,
+    branching_sequences,
+    long_context_sequences,
+    pack,
+)
 from megatron_tree.testing.synthetic import rl_batch
 
 # fp32 on CPU: the tree step at CP=2 and the unpacked reference differ only in summation order
@@ -36,7 +43,7 @@ def test_split_covers_every_position_once_with_equal_rows():
     tree = pack(branching_sequences())[0]["tree"]
     for cp, unit in [(2, None), (4, None), (2, 4), (4, 1)]:
         splits = [context_parallel_split(tree, cp, r, unit=unit) for r in range(cp)]
-        positions = splits[0].positions
+        positions = splits[0].cp_positions
         assert positions.shape == (cp, tree.padded_length // cp)
         assert torch.equal(positions.reshape(-1).sort().values, torch.arange(tree.padded_length))
         assert all(bool((p[1:] > p[:-1]).all()) for p in positions)  # ascending on each rank
@@ -52,27 +59,30 @@ def test_split_balances_attention_work():
     with one deep branch at the end, the deep rows are spread too."""
     depth = _chain(4096)
     for cp in (2, 4, 8):
-        work = attention_work(depth, context_parallel_split(depth, cp, 0))
+        work = attention_work(depth, split_positions(depth, cp))
         contiguous = (depth + 1).view(cp, -1).sum(1)
         assert float(work.max() / work.min()) < 1.01
         assert float(contiguous.max() / contiguous.min()) > 2.0
     # A shallow wide part (many short branches of depth <= 40) then one 2048-deep chain.
     wide = torch.cat([torch.arange(40)] * 50)
     tree_depth = torch.cat([wide, torch.arange(2048), torch.zeros(48, dtype=torch.int64)])
-    work = attention_work(tree_depth, context_parallel_split(tree_depth, 4, 0, unit=16))
+    work = attention_work(tree_depth, split_positions(tree_depth, 4, unit=16))
     assert float(work.max() / work.min()) < 1.05
 
 
 def test_split_errors():
     depth = _chain(48)
+    tree = PackedTree.all_padding(48)
     with pytest.raises(ValueError, match="packed length 48 is not a multiple of the context-parallel size 5"):
-        context_parallel_split(depth, 5, 0)
+        split_positions(depth, 5)
     with pytest.raises(ValueError, match="rank=2 must be below cp_size=2"):
-        context_parallel_split(depth, 2, 2)
+        context_parallel_split(tree, 2, 2)
     with pytest.raises(ValueError, match="unit=5 must divide the 24 rows"):
-        context_parallel_split(depth, 2, 0, unit=5)
-    split = context_parallel_split(depth, 2, 0)
-    with pytest.raises(ValueError, match="split covers 48 positions, the tree 32"):
+        context_parallel_split(tree, 2, 0, unit=5)
+    split = context_parallel_split(tree, 2, 0)
+    with pytest.raises(ValueError, match="already split"):
+        context_parallel_split(split, 2, 0)
+    with pytest.raises(ValueError, match="rows are of a tree of 48 positions, the mask's tree has 32"):
         tree_attention_mask(torch.arange(1, 33), split)
 
 
@@ -98,7 +108,7 @@ def test_attention_refuses_fewer_queries_without_a_split():
     tree = pack(branching_sequences())[0]["tree"]
     n = tree.padded_length
     q, kv = torch.randn(n // 2, 1, 2, 8), torch.randn(n, 1, 2, 8)
-    with pytest.raises(ValueError, match="only a tree mask whose plan names its query positions"):
+    with pytest.raises(ValueError, match=r"only the mask of a micro-batch's rows, tree_attention_mask\(rows, \.\.\.\)"):
         tree_attention(q, kv, kv, tree_attention_mask(tree))
     split = context_parallel_split(tree, 4, 0)
     with pytest.raises(ValueError, match=f"the tree mask is for {n // 4} query rows, got {n // 2}"):
@@ -172,8 +182,9 @@ def _cp_worker(rank: int, tp: int, cp: int, cases: list[tuple]) -> list[dict]:
     from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
 
     results = []
-    for name, critic, recompute, seqs, max_tokens in cases:
+    for name, critic, recompute, seqs, max_tokens, *options in cases:
         batch = _batch(seqs)
+        options = options[0] if options else {}
         loss_fn = value_loss if critic else ppo_clipped_loss
         _init(tp, 1)
         reference = _model(False, critic, 1, {})
@@ -187,7 +198,7 @@ def _cp_worker(rank: int, tp: int, cp: int, cases: list[tuple]) -> list[dict]:
         model.load_state_dict(state)
         result = tree_forward_backward(
             model, batch, loss_fn, gather=Values() if critic else LogProbs(), max_tokens_per_mb=max_tokens,
-            block_size=16, tp_group=ps.get_tensor_model_parallel_group(), collect_outputs=True,
+            block_size=16, tp_group=ps.get_tensor_model_parallel_group(), collect_outputs=True, **options,
         )
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
@@ -195,7 +206,9 @@ def _cp_worker(rank: int, tp: int, cp: int, cases: list[tuple]) -> list[dict]:
         errors = gradient_errors(grads, want)
         row = {"case": name, "loss_rel": abs(float(result.loss) - want_loss) / abs(want_loss),
                "grad_rel": max(errors.values()), "trees": result.num_micro_batches,
-               "lengths": [t.padded_length for t in result.packed.trees]}
+               "lengths": [t.padded_length for t in result.packed.trees],
+               "trunk_parts": sum(mb["rows"].records for mb in result.packed),
+               "branches": sum(mb["rows"].group is not None and not mb["rows"].records for mb in result.packed)}
         if not critic:
             got = result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]
             row["logprob_err"] = float((got.double() - want_logprobs).abs().max())
@@ -214,27 +227,40 @@ FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompu
 SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
 
 
+NO_TRUNKS = {"share_trunks": False}
+
+
 def test_context_parallel_2_equals_unpacked():
-    """CP=2: the branching trie in 64-token trees (its 24-token shared prompt straddles the split),
-    the critic with full recompute, and a 16-token tree (shorter than CP x block) with selective
-    recompute."""
+    """CP=2: the branching trie in 64-token trees cut at its branch points (its 24-token shared
+    prompt straddles the split), the critic with full recompute, a 16-token tree (shorter than
+    CP x block) with selective recompute; and trunk reuse split across the CP ranks (the default):
+    the branching trie's trunk, and a 150-token history plus a 140-token sequence that each run as
+    a chain of trunk parts."""
     cases = [
-        ("actor", False, {}, branching_sequences(), 64),
-        ("critic+full", True, FULL, branching_sequences(), 64),
-        ("short tree+selective", False, SELECTIVE, _short_sequences(), 64),
+        ("actor", False, {}, branching_sequences(), 64, NO_TRUNKS),
+        ("critic+full", True, FULL, branching_sequences(), 64, NO_TRUNKS),
+        ("short tree+selective", False, SELECTIVE, _short_sequences(), 64, NO_TRUNKS),
+        ("trunk actor", False, {}, branching_sequences(), 64),
+        ("chains actor+full", False, FULL, long_context_sequences(), 64),
+        ("chains critic", True, {}, long_context_sequences(), 64),
     ]
     ranks = run_spawned(_cp_worker, 2, 1, 2, cases, megatron=False)
     for rows in ranks:
         _check(rows)
     short = ranks[0][2]
     assert short["lengths"] == [16] and short["trees"] == 1
-    assert ranks[0][0]["trees"] > 1
+    assert ranks[0][0]["trees"] > 1 and ranks[0][0]["trunk_parts"] == 0
+    assert ranks[0][3]["trunk_parts"] >= 1 and ranks[0][3]["branches"] >= 1
+    assert ranks[0][4]["trunk_parts"] >= 4  # 150-token history: 3 parts; 140-token sequence: 2
 
 
 def test_context_parallel_2_x_tensor_parallel_2_equals_unpacked():
     cases = [
-        ("actor", False, {}, branching_sequences(), 64),
-        ("critic", True, {}, branching_sequences(), 64),
+        ("actor", False, {}, branching_sequences(), 64, NO_TRUNKS),
+        ("chains actor", False, {}, long_context_sequences(), 64),
+        ("chains critic", True, {}, long_context_sequences(), 64),
     ]
-    for rows in run_spawned(_cp_worker, 4, 2, 2, cases, megatron=False):
+    ranks = run_spawned(_cp_worker, 4, 2, 2, cases, megatron=False)
+    for rows in ranks:
         _check(rows)
+    assert ranks[0][1]["trunk_parts"] >= 4

@@ -107,7 +107,8 @@ def test_random_tries_match_brute_force(sequences, block_size, pad_to_max):
     batch = make_batch(sequences)
     capacity = block_size * (-(-max(map(len, sequences)) // block_size) + 2)
     packed = build_packed_tree_batch(
-        batch, max_tokens_per_mb=capacity, block_size=block_size, pad_to_max=pad_to_max
+        batch, max_tokens_per_mb=capacity, block_size=block_size, pad_to_max=pad_to_max,
+        share_trunks=False,  # whole trees, cut at branch points (trunk parts: test_trunk_packing.py)
     )
     check_packed(batch, packed, capacity)
     for mb in packed:
@@ -210,7 +211,7 @@ def _ok():
         (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": -1}, "pad_token_id must be an integer >= 0, got -1"),
         (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": 9, "vocab_size": 9}, "pad_token_id=9 must be < vocab_size=9"),
         (None, {"max_tokens_per_mb": 16, "block_size": 8, "vocab_size": 3}, r"input_ids'\] holds token id \d+, outside the vocabulary \[0, 3\)"),
-        (lambda b: b.update(input_ids=torch.ones(2, 20, dtype=torch.int64), attention_mask=torch.ones(2, 20), advantages=torch.ones(2, 20), old_logprobs=torch.ones(2, 20)), {"max_tokens_per_mb": 16, "block_size": 8}, "sequence 0 has 20 tokens, more than max_tokens_per_mb=16"),
+        (lambda b: b.update(input_ids=torch.ones(2, 20, dtype=torch.int64), attention_mask=torch.ones(2, 20), advantages=torch.ones(2, 20), old_logprobs=torch.ones(2, 20)), {"max_tokens_per_mb": 16, "block_size": 8, "share_trunks": False}, "sequence 0 has 20 tokens, more than max_tokens_per_mb=16.*share_trunks=True"),
         (lambda b: b["attention_mask"].__setitem__((0, 0), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"rows \[0\] are not right-padded"),
         (lambda b: b["attention_mask"].__setitem__((1, slice(None)), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"sequences \[1\] are empty"),
         (lambda b: b.update(attention_mask=torch.ones(2, 4)), {"max_tokens_per_mb": 16, "block_size": 8}, "data\\['attention_mask'\\] has shape \\(2, 4\\)"),
@@ -360,7 +361,9 @@ def optimum(sequences, capacity) -> tuple[int, int]:
 
 
 def plans(sequences, capacity, **kwargs):
+    """Both plans, with trees cut at branch points (no trunk reuse unless asked for)."""
     batch = make_batch(sequences)
+    kwargs = {"share_trunks": False, **kwargs}
     return {m: build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=1, packing=m, **kwargs)
             for m in ("runs", "trie")}
 
@@ -376,12 +379,17 @@ WORSE_ALONE = [
       [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1, 0, 0, 1, 1, 0],
       [1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1], [1, 0, 0, 1, 1, 1, 1], [1, 1, 1], [1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 1, 1, 1]], 12),
 ]
+# The previous plan's runs [0,2,0,0,0,0,0] and [0,2,1,0,1] share a tree and [0, 2]: it holds
+# (3, 32), not the (3, 34) its runs add up to; the cut plan alone packs (3, 33) (capacity 13).
+RUNS_SHARE = ([[0, 2, 1, 0, 0, 0, 0, 0, 0], [0, 2, 1, 0, 1], [0, 0, 0, 0, 0, 0],
+               [0, 2, 1, 0, 0, 1, 0, 0, 0], [0], [0, 2, 0, 0, 0, 0, 0], [0], [0, 1, 0, 0], [0]], 4)
 
 
 @settings(max_examples=60, deadline=None)
 @given(random_tries(), st.integers(0, 8))
 @example(*WORSE_ALONE[0])
 @example(*WORSE_ALONE[1])
+@example(*RUNS_SHARE)
 def test_cuts_at_branch_points_never_pack_worse_than_runs(sequences, slack):
     """Valid tries, and never more trees, nor more tokens in as many trees, than the previous plan."""
     capacity = max(map(len, sequences)) + slack
@@ -389,6 +397,15 @@ def test_cuts_at_branch_points_never_pack_worse_than_runs(sequences, slack):
     check_packed(make_batch(sequences), packed["trie"], capacity)
     runs, trie = packed["runs"], packed["trie"]
     assert (len(trie), trie.num_tree_tokens) <= (len(runs), runs.num_tree_tokens)
+
+
+def test_runs_in_one_tree_share_their_prefix():
+    """RUNS_SHARE by hand: the previous plan's trees hold 13 ([0, 2, 1, 0, 0] and two branches of
+    4 and 4), 9 ([0] and branches of 5 and 3) and 10 ([0, 2] and branches of 5 and 3) tokens."""
+    sequences, slack = RUNS_SHARE
+    packed = plans(sequences, max(map(len, sequences)) + slack)
+    assert (len(packed["runs"]), packed["runs"].num_tree_tokens) == (3, 32)
+    assert (len(packed["trie"]), packed["trie"].num_tree_tokens) <= (3, 32)
 
 
 def test_cuts_at_branch_points_near_the_brute_force_optimum():
@@ -467,7 +484,8 @@ def test_piece_bins_count_their_union_trie(sequences, slack):
         assert sorted(p for b in bins for p in b.pieces) == sorted(pieces)
         for b in bins:
             members = [ordered[i] for first, end in b.runs() for i in range(first, end)]
-            assert (b.tokens, b.pairs) == (trie_size(members), trie_pairs(members))
+            brute = (trie_size(members), trie_pairs(members))
+            assert (b.tokens, b.pairs) == counts.union(b.runs()) == brute
             assert b.tokens <= capacity and (b.tokens > 0) == bool(b.pieces)  # empty: fewer pieces than bins
 
 
@@ -522,12 +540,14 @@ def test_balance_cost_evens_out_trees():
 
 @settings(max_examples=40, deadline=None)
 @given(random_tries(), st.integers(0, 8))
+@example([[0] * 9, [0, 0, 1], [0], [0] * 8 + [1]], 0)  # a trie over capacity (found by "wide")
 def test_balanced_packing_is_valid_and_uses_no_more_trees(sequences, slack):
     capacity = max(map(len, sequences)) + slack
     batch = make_batch(sequences)
-    plain = build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=1)
-    balanced = build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=1, cost_model=SHAPE,
-                                       balance_cost=True)
+    # Whole trees cut at branch points, as check_packed reads them (trunk parts: elsewhere).
+    kwargs = {"max_tokens_per_mb": capacity, "block_size": 1, "share_trunks": False}
+    plain = build_packed_tree_batch(batch, **kwargs)
+    balanced = build_packed_tree_batch(batch, **kwargs, cost_model=SHAPE, balance_cost=True)
     check_packed(batch, balanced, capacity)
     assert len(balanced) == len(plain)
 
@@ -543,3 +563,25 @@ def test_balanced_packing_is_valid_and_uses_no_more_trees(sequences, slack):
 def test_packing_option_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_packed_tree_batch(_ok(), max_tokens_per_mb=16, block_size=8, **kwargs)
+
+
+# ----------------------------------------------------------------------------- property tests
+
+
+def test_property_tests_draw_the_same_examples_on_every_run():
+    """The default ("ci") Hypothesis profile is derandomized, and a test's own settings (here
+    max_examples) override only what they name: two runs of one property draw the same examples."""
+    import os
+
+    if os.environ.get("HYPOTHESIS_PROFILE", "ci") != "ci":
+        pytest.skip("the opt-in 'wide' profile draws new random examples on every run")
+    runs = [[], []]
+    for drawn in runs:
+        @settings(max_examples=20)
+        @given(st.lists(st.integers(0, 10**9), min_size=3, max_size=3))
+        def prop(values):
+            drawn.append(values)
+
+        prop()
+    assert len(runs[0]) == 20 and runs[0] == runs[1]
+    assert settings.get_profile("ci").deadline is None and settings.get_profile("ci").print_blob

@@ -3,12 +3,14 @@ balanced; measured by packing each rank's share as a trainer would."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from megatron_tree import partition_for_data_parallel
-from megatron_tree.core.flops import GPTShape, train_flops
+from megatron_tree.core.flops import GPTShape, cost_weights, train_flops
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.testing.synthetic import agent_batch, grpo_batch, pad_sequences
 
@@ -53,6 +55,59 @@ def test_agent_batch_splits_tasks_but_keeps_rollouts():
                 assert rank_of[i] == rank_of[j]
     costs = [train_flops(p.trees, SHAPE) for p in rank_packs(batch, ranks, 8192)]
     assert max(costs) / min(costs) <= 1.1
+
+
+def trie_cost(sequences, weights) -> float:
+    """Brute force: the cost of the trie of ``sequences``, a node per distinct prefix (a token) that
+    attends to its depth + 1 ancestors and itself (pairs)."""
+    root, tokens, pairs = {}, 0, 0
+    for seq in sequences:
+        node = root
+        for depth, token in enumerate(seq):
+            if token not in node:
+                node[token], tokens, pairs = {}, tokens + 1, pairs + depth + 1
+            node = node[token]
+    return weights[0] * tokens + weights[1] * pairs
+
+
+def few_groups_batch(seed: int, num_groups: int, bos: bool) -> list[list[list[int]]]:
+    """Prompt groups (prompts of 8-120 tokens, 2-6 responses of 4-80), optionally under one BOS
+    token; each prompt starts with its own token, so no two groups share more than the BOS."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = [7] * bos + [100 + g] + [rng.randrange(50) for _ in range(rng.randint(8, 120))]
+        groups.append([prompt + [rng.randrange(50) for _ in range(rng.randint(4, 80))]
+                       for _ in range(rng.randint(2, 6))])
+    return groups
+
+
+def whole_groups_busiest(groups, dp_size: int, weights) -> float:
+    """Reference: whole groups longest-cost-first, each to the rank whose trie then costs least
+    (ties: the cheaper rank, then the first); the busiest rank's cost."""
+    ranks = [[] for _ in range(dp_size)]
+    for group in sorted(groups, key=lambda g: -trie_cost(g, weights)):
+        r = min(range(dp_size), key=lambda r: (trie_cost(ranks[r] + group, weights),
+                                               trie_cost(ranks[r], weights), r))
+        ranks[r] += group
+    return max(trie_cost(rank, weights) for rank in ranks)
+
+
+def test_one_or_two_groups_per_rank_never_worse_than_keeping_groups_whole():
+    """48 seeded batches of 1-2 prompt groups per rank: the busiest rank never costs more than with
+    the groups kept whole, and splitting groups still helps on some."""
+    ratios = []
+    for seed in range(4):
+        for dp_size, per_rank in [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2)]:
+            groups = few_groups_batch(seed, dp_size * per_rank, bos=seed % 2 == 1)
+            sequences = [s for g in groups for s in g]
+            batch = pad_sequences([torch.tensor(s) for s in sequences])
+            for model in (None, SHAPE):
+                weights = cost_weights(model)
+                ranks = partition_for_data_parallel(batch, dp_size, cost_model=model)
+                busiest = max(trie_cost([sequences[i] for i in r.tolist()], weights) for r in ranks)
+                ratios.append(busiest / whole_groups_busiest(groups, dp_size, weights))
+    assert max(ratios) <= 1 + 1e-12 and min(ratios) < 0.9, (max(ratios), min(ratios))
 
 
 @st.composite
@@ -119,3 +174,23 @@ def test_input_errors():
     with pytest.raises(ValueError, match="data must hold 'input_ids'"):
         partition_for_data_parallel({"input_ids": ids}, 1)
     assert [r.tolist() for r in partition_for_data_parallel(ids, 2)] in ([[0], [1]], [[1], [0]])
+
+
+@pytest.mark.parametrize("row", [[0, 1, 1], [1, 0, 1]], ids=["left padding", "a hole"])
+def test_masks_that_are_not_right_padded_are_refused(row):
+    """Like the packer: lengths read off such a mask would group sequences on padding tokens."""
+    batch = pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([1, 2]), torch.tensor([4])])
+    batch["attention_mask"][1] = torch.tensor(row)
+    rule = r"are not right-padded: each row must be ones for the real tokens followed by zeros"
+    with pytest.raises(ValueError, match=r"data\['attention_mask'\] rows \[1\] " + rule):
+        partition_for_data_parallel(batch, 2)
+
+
+def test_mask_errors():
+    batch = pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([1, 2])])
+    empty = {**batch, "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])}
+    with pytest.raises(ValueError, match=r"sequences \[1\] are empty \(attention_mask all zero\)"):
+        partition_for_data_parallel(empty, 1)
+    shape = r"data\['attention_mask'\] has shape \(2, 2\) but data\['input_ids'\] has \(2, 3\)"
+    with pytest.raises(ValueError, match=shape):
+        partition_for_data_parallel({**batch, "attention_mask": torch.ones(2, 2)}, 1)

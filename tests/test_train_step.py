@@ -14,6 +14,7 @@ from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
+from megatron_tree.testing.models import long_context_sequences
 from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
 from megatron_tree.testing.synthetic import rl_batch
@@ -212,7 +213,17 @@ def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
         _assert_grads_close(r["grads"], _grads(reference))
 
 
-def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> dict:
+# Each pipeline test runs two batches: the branching trie cut into trees (Megatron's schedule
+# once), and a long shared history plus a long sequence with trunk reuse (the default): chains of
+# trunk parts, a no-grad trunk pass, the branches, then the trunk parts recomputed last part first.
+PIPELINE_CASES = [("branching", {"share_trunks": False}), ("long_context", {})]
+
+
+def _pipeline_batch(name: str) -> dict:
+    return _batch(branching_sequences() if name == "branching" else long_context_sequences())
+
+
+def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
@@ -220,30 +231,48 @@ def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> dict
     model = _build("tree", critic, recompute)
     full = torch.load(state_path)
     mine = {n: full[stage_parameter_name(n, stage * per_stage)] for n in model.state_dict()}
-    model.load_state_dict(mine)
-    result = _tree_step(model, _batch(branching_sequences()), critic, pad_to_max=True)
-    grads = {stage_parameter_name(n, stage * per_stage): g for n, g in _grads(model).items()}
-    return {"loss": None if result.loss is None else float(result.loss), "grads": grads}
+    out = []
+    for name, kwargs in PIPELINE_CASES:
+        model.load_state_dict(mine)
+        model.zero_grad(set_to_none=True)
+        result = _tree_step(model, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
+        grads = {stage_parameter_name(n, stage * per_stage): g for n, g in _grads(model).items()}
+        out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
+                    "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
+    return out
+
+
+def _pipeline_references(critic: bool, path) -> list[tuple[float, dict]]:
+    reference = _build("reference", critic)
+    torch.save(reference.state_dict(), path)
+    wants = []
+    for name, _ in PIPELINE_CASES:
+        reference.zero_grad(set_to_none=True)
+        wants.append((float(_reference_step(reference, _pipeline_batch(name), critic)), _grads(reference)))
+    return wants
+
+
+def _check_pipeline(first: list[dict], last: list[dict], wants) -> None:
+    for (want_loss, want), a, b in zip(wants, first, last):
+        assert a["loss"] is None
+        assert b["loss"] == pytest.approx(want_loss, rel=LOSS_RTOL)
+        got = {**a["grads"], **b["grads"]}
+        assert len(got) == len(want)
+        _assert_grads_close(got, want)
+    assert first[0]["trunk_parts"] == 0 and first[1]["trunk_parts"] == 5  # 3 + 2 chain parts
 
 
 # The actor runs with full recompute: 1F1B keeps several micro-batches in flight, and each
 # recomputation must use its own micro-batch's mask plan.
 @pytest.mark.parametrize("critic,recompute", [(False, "full"), (True, "none")], ids=["actor", "critic"])
 def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute):
-    reference = _build("reference", critic)
-    want_loss = _reference_step(reference, _batch(branching_sequences()), critic)
-    torch.save(reference.state_dict(), tmp_path / "state.pt")
+    wants = _pipeline_references(critic, tmp_path / "state.pt")
     first, last = run_spawned(_pp_worker, 2, str(tmp_path / "state.pt"), critic, recompute, pp=2, tp=1)
-    assert first["loss"] is None
-    assert last["loss"] == pytest.approx(float(want_loss), rel=LOSS_RTOL)
-    want = _grads(reference)
-    got = {**first["grads"], **last["grads"]}
-    _assert_grads_close(got, want)
+    _check_pipeline(first, last, wants)
 
 
-def _vpp_worker(rank: int, state_path: str, critic: bool) -> dict:
+def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
     """PP=2 x VPP=2 over 4 layers: chunk c of stage s holds layer 2c + s."""
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     full = torch.load(state_path)
@@ -254,27 +283,27 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> dict:
                                 block_size=16, vp_stage=vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         names.update({(vp_stage, n): stage_parameter_name(n, offset) for n in model.state_dict()})
-        model.load_state_dict({n: full[names[(vp_stage, n)]] for n in model.state_dict()})
         chunks.append(model)
-    # 3 trees: not a multiple of PP, so the step adds a dummy tree for the interleaved schedule.
-    result = _tree_step(chunks, _batch(branching_sequences()), critic, pad_to_max=True)
-    grads = {names[(c, n)]: g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
-    return {"loss": None if result.loss is None else float(result.loss), "grads": grads,
-            "trees": result.num_micro_batches, "last": ps.is_pipeline_last_stage()}
+    out = []
+    for name, kwargs in PIPELINE_CASES:
+        for c, chunk in enumerate(chunks):
+            chunk.load_state_dict({n: full[names[(c, n)]] for n in chunk.state_dict()})
+            chunk.zero_grad(set_to_none=True)
+        # 3 trees (branching): not a multiple of PP, so the step adds a fill-in tree for the
+        # interleaved schedule; the trunk batch's calls get theirs too.
+        result = _tree_step(chunks, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
+        grads = {names[(c, n)]: g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
+        out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
+                    "trees": result.num_micro_batches, "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
+    return out
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
 def test_virtual_pipeline_2x2_equals_unpacked(world, tmp_path, critic):
-    reference = _build("reference", critic)
-    want_loss = _reference_step(reference, _batch(branching_sequences()), critic)
-    torch.save(reference.state_dict(), tmp_path / "state.pt")
+    wants = _pipeline_references(critic, tmp_path / "state.pt")
     first, last = run_spawned(_vpp_worker, 2, str(tmp_path / "state.pt"), critic, pp=2, tp=1, vpp=2)
-    assert first["loss"] is None and last["last"]
-    assert first["trees"] % 2 == 1  # the dummy tree is the step's, not the packed batch's
-    assert last["loss"] == pytest.approx(float(want_loss), rel=LOSS_RTOL)
-    got = {**first["grads"], **last["grads"]}
-    assert len(got) == len(_grads(reference))
-    _assert_grads_close(got, _grads(reference))
+    assert first[0]["trees"] % 2 == 1  # the fill-in tree is the step's, not the packed batch's
+    _check_pipeline(first, last, wants)
 
 
 def test_pipeline_parallel_needs_constant_shapes(world):

@@ -2,10 +2,17 @@
 
 The reference identifies every trie node with its prefix (the tuple of tokens on its path) and
 counts, for each prefix, the distinct prefixes extending it (itself included): its subtree size.
-From the original sequences alone it then states which tries must get a trunk, which prefixes form
-it, where each sequence's loss must be taken and which keys each row of each part may attend to.
-The group tree G is read back only through ``parent_index`` / ``input_ids`` (a node's prefix is the
-walk to its root), never through the implementation's planning helpers.
+From the original sequences alone it then states each trie's trunk (the prefixes whose subtree
+holds more than the capacity), the rows its trunk plan computes (the trunk as a chain of parts of
+at most the capacity, the subtrees below it in first-fit-decreasing branch bins) and the rows of
+cutting it at its branch points (pieces as prefix sets, packed first-fit-decreasing where they add
+the fewest nodes), every micro-batch padded to the alignment (to the capacity with pad_to_max);
+which tries must run with trunk reuse (those whose trunk plan computes fewer rows, and those
+holding a sequence longer than the capacity), how the chosen tries are grouped, where each
+sequence's loss must be taken and which keys each row of each part may attend to. A packing
+without trunk reuse gives the rows of a trie that is cut. The group tree G is read back only
+through ``parent_index`` / ``input_ids`` (a node's prefix is the walk to its root), never through
+the implementation's planning helpers.
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron_tree.core.mask import allowed
+from megatron_tree.core.mask import allowed, tree_attention_mask
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.core.trunk import TreePart, TrunkKeyValues, part_attention_mask
+from megatron_tree.core.rows import KeyValueStore, TreeRows
 from megatron_tree.testing.synthetic import multi_turn_batch, pad_sequences
 
 PAD = 0
@@ -48,7 +55,7 @@ def original_sequences(batch: dict) -> list[tuple[int, ...]]:
 
 def subtree_sizes(seqs) -> Counter:
     """{prefix: number of distinct prefixes extending it, itself included} over the batch's trie."""
-    prefixes = {s[:d] for s in seqs for d in range(1, len(s) + 1)}
+    prefixes = nodes_of(map(tuple, seqs))
     size = Counter()
     for p in prefixes:
         for d in range(1, len(p) + 1):
@@ -56,39 +63,117 @@ def subtree_sizes(seqs) -> Counter:
     return size
 
 
-def first_fit_decreasing(sizes: list[int], capacity: int) -> int:
-    """The number of bins first-fit-decreasing fills (independent of how equal sizes are ordered)."""
-    room: list[int] = []
+def row_padding(capacity: int, align: int, pad_to_max: bool):
+    """Real rows -> the rows of a micro-batch (a part too): the capacity with ``pad_to_max``
+    (constant shapes), else rounded up to the alignment, at least one block."""
+    if pad_to_max:
+        return lambda n: capacity
+    return lambda n: max(-(-n // align), 1) * align
+
+
+def ffd_loads(sizes: list[int], capacity: int) -> list[int]:
+    """The loads of the bins first-fit-decreasing fills (independent of how equal sizes are
+    ordered); an item larger than the capacity gets a bin of its own."""
+    loads: list[int] = []
     for n in sorted(sizes, reverse=True):
-        for b, left in enumerate(room):
-            if n <= left:
-                room[b] -= n
+        for b, load in enumerate(loads):
+            if load + n <= capacity:
+                loads[b] += n
                 break
         else:
-            room.append(capacity - n)
-    return len(room)
+            loads.append(n)
+    return loads
 
 
-def branch_pieces(size: Counter, capacity: int, roots) -> list[int]:
-    """Sizes of the subtrees hanging below trunk nodes of the tries rooted at ``roots``."""
-    return [n for p, n in size.items()
-            if p[0] in roots and n <= capacity and len(p) > 1 and size[p[:-1]] > capacity]
+def trunk_size(size: Counter, capacity: int, roots) -> int:
+    return sum(n > capacity for p, n in size.items() if p[0] in roots)
 
 
-def expected_trunk_roots(size: Counter, capacity: int, align: int) -> tuple[set[int], set[int]]:
-    """(root tokens of the tries that must get a trunk, those larger than the capacity that must
-    not). A trie gets one when it holds more than ``capacity`` nodes, its trunk (nodes whose subtree
-    holds more) fits one micro-batch, and it pays: trunk x (branch micro-batches - 1) exceeds the
-    trunk's padding to the alignment."""
-    trunk_size = Counter(p[0] for p, n in size.items() if n > capacity)
-    large = {p[0] for p, n in size.items() if len(p) == 1 and n > capacity}
-    fits = set()
-    for r in large:
-        t = trunk_size[r]
-        branches = first_fit_decreasing(branch_pieces(size, capacity, {r}), capacity)
-        if t <= capacity and t * (branches - 1) > -t % align:
-            fits.add(r)
-    return fits, large - fits
+def trunk_plan(size: Counter, capacity: int, roots) -> tuple[list[int], list[int]]:
+    """(real rows of each trunk part in order, of each branch) of the tries rooted at ``roots``
+    run together with trunk reuse: the trunk (prefixes whose subtree holds more than the
+    capacity) cut into parts of ``capacity`` nodes, the subtrees hanging below it (or whole tries
+    that fit) bin-packed first-fit-decreasing."""
+    t = trunk_size(size, capacity, roots)
+    parts = [capacity] * (t // capacity) + ([t % capacity] if t % capacity else [])
+    pieces = [n for p, n in size.items()
+              if p[0] in roots and n <= capacity and (len(p) == 1 or size[p[:-1]] > capacity)]
+    return parts, ffd_loads(pieces, capacity)
+
+
+def plan_rows(plan: tuple[list[int], list[int]], pad) -> int:
+    return sum(pad(n) for n in plan[0] + plan[1])
+
+
+def plain_pack(seqs, capacity: int, block_size: int, parallel_size: int, pad_to_max: bool = False):
+    """``seqs`` packed without trunk reuse."""
+    return build_packed_tree_batch(
+        pad_sequences([torch.tensor(s) for s in seqs]), max_tokens_per_mb=capacity,
+        block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max,
+        pad_token_id=PAD, share_trunks=False,
+    )
+
+
+def plain_rows(seqs, capacity: int, block_size: int, parallel_size: int, pad_to_max: bool) -> int:
+    """Rows of ``seqs`` packed without trunk reuse."""
+    plain = plain_pack(seqs, capacity, block_size, parallel_size, pad_to_max)
+    assert all(mb["rows"].group is None and mb["rows"].is_whole for mb in plain)
+    return plain.num_padded_tokens
+
+
+def nodes_of(seqs) -> set[tuple[int, ...]]:
+    return {s[:d] for s in seqs for d in range(1, len(s) + 1)}
+
+
+def cut_rows(seqs, capacity: int, pad) -> int:
+    """Rows of one trie cut at its branch points, the pieces bin-packed alone: a piece (the
+    sequences below a node, with the path to it) larger than the capacity splits at its top
+    branch node (the shallowest with two children) into one piece per child, the sequences ending
+    above it going with the first; pieces by decreasing size (then in pre-order) each go to the
+    first bin where they add the fewest nodes, within the capacity; every bin padded."""
+    pieces, stack = [], [sorted(set(map(tuple, seqs)))]
+    while stack:
+        piece = stack.pop()
+        nodes = nodes_of(piece)
+        forks = [v for v in nodes
+                 if len({s[len(v)] for s in piece if len(s) > len(v) and s[: len(v)] == v}) > 1]
+        if len(nodes) <= capacity or not forks:
+            pieces.append((-len(nodes), piece[0], nodes))
+            continue
+        v = min(forks, key=len)
+        children = sorted({s[len(v)] for s in piece if len(s) > len(v)})
+        split = [[s for s in piece if len(s) > len(v) and s[len(v)] == c] for c in children]
+        split[0] = [s for s in piece if len(s) <= len(v)] + split[0]
+        stack += split
+    bins: list[set] = []
+    for _, _, nodes in sorted(pieces, key=lambda p: p[:2]):
+        fits = [(len(nodes - b), i) for i, b in enumerate(bins)
+                if len(nodes - b) <= capacity - len(b)]
+        if fits:
+            bins[min(fits)[1]] |= nodes
+        else:
+            bins.append(set(nodes))
+    return sum(pad(len(b)) for b in bins)
+
+
+def expected_choice(seqs, size: Counter, capacity: int, pad, plain_rows
+                    ) -> tuple[dict[int, tuple[int, int | None]], set[int]]:
+    """({root token: (trunk plan rows, rows without trunk reuse or None)} of every trie larger
+    than the capacity, the roots of the tries that must run with trunk reuse). A trie does when its
+    trunk plan computes fewer rows than the packer computes for it alone without trunk reuse
+    (``plain_rows(members)``: cut at branch points or as contiguous runs, whichever it picks), or
+    when it holds a sequence longer than the capacity (None: it cannot be packed without)."""
+    by_root = defaultdict(list)
+    for s in seqs:
+        by_root[s[0]].append(s)
+    costs = {}
+    for r, members in by_root.items():
+        if size[(r,)] <= capacity:
+            continue
+        trunk = plan_rows(trunk_plan(size, capacity, {r}), pad)
+        too_long = max(map(len, members)) > capacity
+        costs[r] = (trunk, None if too_long else plain_rows(members))
+    return costs, {r for r, (trunk, cut) in costs.items() if cut is None or trunk < cut}
 
 
 def walk_tree(tree) -> tuple[list[tuple[int, ...]], list[set[int]]]:
@@ -120,20 +205,28 @@ def pack(batch, capacity, *, block_size=16, parallel_size=1, pad_to_max=False, *
     )
 
 
-def check_trunk_batch(batch: dict, packed, capacity: int, align: int) -> dict:
+def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 16,
+                      parallel_size: int = 1, pad_to_max: bool = False) -> dict:
     """Every property of a trunk-reuse packing a brute-force reference can state; returns counts of
     what the batch exercised."""
+    align = math.lcm(block_size, parallel_size)
     seqs = original_sequences(batch)
     size = subtree_sizes(seqs)
-    trunk_roots, fallback_roots = expected_trunk_roots(size, capacity, align)
+    pad = row_padding(capacity, align, pad_to_max)
+    costs, chosen = expected_choice(
+        seqs, size, capacity, pad,
+        lambda m: plain_pack(m, capacity, block_size, parallel_size, pad_to_max).num_padded_tokens)
+    fallback = set(costs) - chosen
     extras = [k for k in batch if k not in ("input_ids", "attention_mask")]
 
     # 1. Coverage: every sequence in exactly one micro-batch, its tokens (and extras) read back.
     seen = Counter()
     groups: dict[int, list[dict]] = defaultdict(list)
+    places: dict[int, list[int]] = defaultdict(list)
     ordinary_tokens = 0
-    for mb in packed:
-        tree = mb["tree"]
+    for i_mb, mb in enumerate(packed):
+        tree, rows = mb["tree"], mb["rows"]
+        assert isinstance(rows, TreeRows)
         cu = tree.cu_seqlens.tolist()
         for i, sid in enumerate(tree.sequence_ids.tolist()):
             seen[sid] += 1
@@ -141,30 +234,38 @@ def check_trunk_batch(batch: dict, packed, capacity: int, align: int) -> dict:
             assert tuple(tree.input_ids[index].tolist()) == seqs[sid]
             for name in extras:
                 assert torch.equal(mb[name][cu[i] : cu[i + 1]], batch[name][sid, : len(seqs[sid])])
-        if "part" in mb:
-            assert isinstance(mb["part"], TreePart)
-            groups[mb["part"].group].append(mb)
+        if rows.group is not None:
+            groups[rows.group].append(mb)
+            places[rows.group].append(i_mb)
         else:
             roots = {seqs[sid][0] for sid in tree.sequence_ids.tolist()}
-            assert not roots & trunk_roots, "a trie with a fitting trunk was packed the ordinary way"
-            assert tree.padded_length <= capacity
+            assert not roots & chosen, "a trie that must get trunk reuse was packed ordinarily"
+            assert rows.is_whole and rows.tree is tree and rows.stored is None and not rows.records
+            assert rows.num_real == tree.num_tree_tokens and rows.num_rows == tree.padded_length
+            assert tree.padded_length <= capacity and tree.padded_length % align == 0
+            if pad_to_max:
+                assert tree.padded_length == capacity
             ordinary_tokens += tree.num_tree_tokens
     assert sorted(seen) == list(range(len(seqs))) and set(seen.values()) <= {1}, \
         f"sequences not packed exactly once: {dict(seen)}"
 
+    # A group's parts run one after another, in order, trunk parts first.
+    for g, where in places.items():
+        assert where == list(range(where[0], where[0] + len(where))), f"group {g} is interleaved"
+
     grouped_roots: list[int] = []
+    group_trunks: list[int] = []
     group_tokens = 0
-    multi_trie_groups = 0
-    in_trunk = 0
+    multi_trie_groups = chains = in_trunk = 0
     for g, mbs in groups.items():
-        mbs.sort(key=lambda mb: mb["part"].index)
-        parts = [mb["part"] for mb in mbs]
+        parts = [mb["rows"] for mb in mbs]
         n_parts = len(parts)
-        assert [p.index for p in parts] == list(range(n_parts))
+        assert [p.index for p in parts] == list(range(n_parts)), "a group's parts out of order"
         assert all(p.num_parts == n_parts for p in parts) and n_parts >= 2
         G = parts[0].tree
         assert all(p.tree is G for p in parts), "parts of one group on different trees"
         assert all(p.group == g for p in parts)
+        assert [p.ends_group for p in parts] == [False] * (n_parts - 1) + [True]
         u, n = G.num_tree_tokens, G.padded_length
         prefixes, ancestors = walk_tree(G)
 
@@ -172,13 +273,26 @@ def check_trunk_batch(batch: dict, packed, capacity: int, align: int) -> dict:
         group_sids = sorted(sid for mb in mbs for sid in mb["tree"].sequence_ids.tolist())
         assert sorted(G.sequence_ids.tolist()) == group_sids
         assert len(set(prefixes)) == u, "a prefix laid out twice in G"
-        assert set(prefixes) == {seqs[s][:d] for s in group_sids for d in range(1, len(seqs[s]) + 1)}
+        assert set(prefixes) == nodes_of(seqs[s] for s in group_sids)
         roots = {seqs[s][0] for s in group_sids}
-        assert roots <= trunk_roots, f"tries {roots - trunk_roots} got a trunk but must not"
-        assert group_sids == sorted(s for s in range(len(seqs)) if seqs[s][0] in roots), "a trie split over groups"
+        assert roots <= chosen, f"tries {roots - chosen} run with trunk reuse but must not"
+        assert group_sids == sorted(s for s in range(len(seqs)) if seqs[s][0] in roots), \
+            "a trie split over groups"
         grouped_roots += sorted(roots)
+        group_trunks.append(trunk_size(size, capacity, roots))
         multi_trie_groups += len(roots) > 1
         group_tokens += u
+
+        # The plan: the trunk as a chain of parts of the capacity, then the branch bins.
+        trunk_rows, branch_rows = trunk_plan(size, capacity, roots)
+        n_trunk = sum(p.records for p in parts)
+        assert [p.records for p in parts] == [True] * n_trunk + [False] * (n_parts - n_trunk)
+        assert [p.num_real for p in parts[:n_trunk]] == trunk_rows, "trunk parts differ"
+        assert sorted(p.num_real for p in parts[n_trunk:]) == sorted(branch_rows), "branches differ"
+        assert sum(p.num_rows for p in parts) == plan_rows((trunk_rows, branch_rows), pad)
+        firsts = [int(p.positions[0]) for p in parts[n_trunk:]]
+        assert firsts == sorted(firsts), "branches not in pre-order of their first piece"
+        chains += n_trunk > 1
 
         # The parts partition G's real positions; padding rows come after them.
         owner = {}
@@ -186,38 +300,41 @@ def check_trunk_batch(batch: dict, packed, capacity: int, align: int) -> dict:
         for p in parts:
             pos = p.positions.tolist()
             assert pos == sorted(set(pos)), "positions not strictly ascending"
-            real, pad = pos[: p.num_real], pos[p.num_real :]
-            assert all(x < u for x in real) and all(x >= u for x in pad)
+            real, tail = pos[: p.num_real], pos[p.num_real :]
+            assert all(x < u for x in real) and all(x >= u for x in tail)
             for x in real:
                 assert x not in owner, f"G position {x} in parts {owner[x]} and {p.index}"
                 owner[x] = p.index
-            pads += pad
-            assert p.num_real <= capacity, f"part {p.index}: {p.num_real} real rows > capacity {capacity}"
-            assert p.num_rows % align == 0 and p.num_real <= p.num_rows < p.num_real + align
-            assert p.num_rows >= 1
-            expected_trunk = None if p.index == 0 else parts[0].positions.tolist()
-            assert (p.trunk is None) == (p.index == 0)
-            if p.trunk is not None:
-                assert p.trunk.tolist() == expected_trunk
+            pads += tail
+            assert 1 <= p.num_real <= capacity, f"part {p.index}: {p.num_real} real rows"
+            assert p.num_rows == pad(p.num_real)
+            # Part i extends the keys of the trunk parts before it (a branch: all of them).
+            before = min(p.index, n_trunk)
+            assert p.stored_parts == before and (p.stored is None) == (before == 0)
+            if before:
+                stored = [x for q in parts[:before] for x in q.positions.tolist()]
+                assert p.stored.tolist() == stored, f"part {p.index}: stored keys differ"
         assert sorted(owner) == list(range(u)), "the parts miss real nodes of G"
         assert sorted(pads) == list(range(u, n)), "padding rows do not partition G's padding"
 
-        # 2. The trunk: exactly the nodes whose subtree holds more than the capacity.
-        trunk_prefixes = {prefixes[x] for x, i in owner.items() if i == 0}
+        # 2. The trunk: exactly the nodes whose subtree holds more than the capacity, laid out in
+        # consecutive pre-order slices (ascending positions, part after part).
+        trunk_pos = [x for p in parts[:n_trunk] for x in p.positions[: p.num_real].tolist()]
+        assert trunk_pos == sorted(trunk_pos), "trunk parts are not consecutive pre-order slices"
+        trunk_prefixes = {prefixes[x] for x in trunk_pos}
         expected = {prefixes[x] for x in range(u) if size[prefixes[x]] > capacity}
         assert trunk_prefixes == expected, (
-            f"trunk differs: extra {sorted(trunk_prefixes - expected)[:3]}, missing {sorted(expected - trunk_prefixes)[:3]}"
+            f"trunk differs: extra {sorted(trunk_prefixes - expected)[:3]}, "
+            f"missing {sorted(expected - trunk_prefixes)[:3]}"
         )
-        # The branches: the subtrees hanging below the trunk, first-fit-decreasing.
-        assert n_parts - 1 == first_fit_decreasing(branch_pieces(size, capacity, roots), capacity)
         # Branches hold whole subtrees hanging below trunk nodes (or roots).
         parent = G.parent_index.tolist()
         for x in range(u):
             px = parent[x]
-            if px >= 0 and owner[px] != 0:
+            if px >= 0 and owner[px] >= n_trunk:
                 assert owner[x] == owner[px], f"node {x} cut from its parent {px}'s branch"
-            if owner[x] == 0 and px >= 0:
-                assert owner[px] == 0, "trunk not ancestor-closed"
+            if owner[x] < n_trunk and px >= 0:
+                assert owner[px] < n_trunk, "trunk not ancestor-closed"
 
         for mb, p in zip(mbs, parts):
             pos = p.positions.tolist()
@@ -227,75 +344,98 @@ def check_trunk_batch(batch: dict, packed, capacity: int, align: int) -> dict:
             assert mb["input_ids"].shape == mb["position_ids"].shape == (1, len(pos))
             assert mb["position_ids"][0].tolist() == depth
             assert mb["input_ids"][0].tolist() == tokens
-            assert p.max_depth == max(depth[: p.num_real], default=0)
+            assert p.reach == max(depth[: p.num_real]) + 1
 
             # 3. Loss sites: the part holding each sequence's last token takes it; a sequence
-            # ending in the trunk (its last node's subtree > capacity) is the trunk's.
+            # ending in the trunk (its last node's subtree > capacity) is a trunk part's.
             view = mb["tree"]
             assert view.input_ids is G.input_ids or torch.equal(view.input_ids, G.input_ids)
             assert torch.equal(G.token_index[p.group_tokens], view.token_index)
             cu = view.cu_seqlens.tolist()
-            real = set(pos[: p.num_real])
             for i, sid in enumerate(view.sequence_ids.tolist()):
                 index = view.token_index[cu[i] : cu[i + 1]].tolist()
-                assert [prefixes[x] for x in index] == [seqs[sid][: d + 1] for d in range(len(index))]
-                assert index[-1] in real, f"sequence {sid}'s last token is not in part {p.index}"
+                path = [seqs[sid][: d + 1] for d in range(len(index))]
+                assert [prefixes[x] for x in index] == path
+                assert owner[index[-1]] == p.index, f"sequence {sid} ends outside part {p.index}"
                 ends_in_trunk = size[seqs[sid]] > capacity
-                assert (p.index == 0) == ends_in_trunk
+                assert p.records == ends_in_trunk
                 in_trunk += ends_in_trunk
 
         check_masks(parts, ancestors)
 
-    assert sorted(grouped_roots) == sorted(trunk_roots), "a trie with a fitting trunk got no trunk group"
+    assert sorted(grouped_roots) == sorted(chosen), "a trie that must get trunk reuse got no group"
     assert len(grouped_roots) == len(set(grouped_roots))
+    # Tries grouped first-fit-decreasing by trunk size.
+    trunks = [trunk_size(size, capacity, {r}) for r in chosen]
+    assert sorted(group_trunks) == sorted(ffd_loads(trunks, capacity)), "tries grouped differently"
     assert packed.num_tree_tokens == group_tokens + ordinary_tokens
-    if not fallback_roots:  # nothing is repeated: every distinct prefix counted once
+    assert packed.num_padded_tokens == sum(mb["rows"].num_rows for mb in packed)
+    if not fallback:  # nothing is repeated: every distinct prefix counted once
         assert packed.num_tree_tokens == len(size)
         assert packed.tree_token_ratio == pytest.approx(len(size) / sum(map(len, seqs)))
-    return {"groups": len(groups), "in_trunk": in_trunk, "fallback": len(fallback_roots),
-            "multi_trie_groups": multi_trie_groups, "ordinary": sum("part" not in mb for mb in packed)}
+    if len({s[0] for s in seqs}) == 1 and costs:
+        # One large trie: the packing computes the rows of the plan it took (when cut, those of
+        # the packing without trunk reuse).
+        (trunk, cut), = costs.values()
+        if chosen:
+            assert packed.num_padded_tokens == trunk
+        else:
+            assert packed.num_padded_tokens == plain_rows(seqs, capacity, block_size,
+                                                          parallel_size, pad_to_max)
+    return {"groups": len(groups), "in_trunk": in_trunk, "fallback": len(fallback),
+            "multi_trie_groups": multi_trie_groups, "chains": chains, "costs": costs,
+            "ordinary": sum(mb["rows"].group is None for mb in packed)}
 
 
-def check_masks(parts: list[TreePart], ancestors: list[set[int]]) -> None:
+def check_masks(parts: list[TreeRows], ancestors: list[set[int]]) -> None:
     """4. Every part's mask over its context against "key is an ancestor-or-self of the row in G",
-    and the keys/values hook merging [trunk ; own] into context order."""
-    store = TrunkKeyValues(False)
-    trunk_pos = parts[0].positions.tolist()
-    masks = [part_attention_mask(p, store) for p in parts]
-    for p, mask in zip(parts, masks):
+    and the keys/values of [stored ; own] put in context order through the store."""
+    n_trunk = sum(p.records for p in parts)
+    store = KeyValueStore(False)
+
+    def tagged(pos, layer):  # keys tagged with their G positions and layer
+        return torch.tensor([4 * x + layer for x in pos], dtype=torch.float32).view(-1, 1, 1, 1)
+
+    for p in parts:
         pos = p.positions.tolist()
-        context = pos if p.index == 0 else sorted(set(trunk_pos) | set(pos))
+        stored = [] if p.stored is None else p.stored.tolist()
+        context = sorted(stored + pos)
+        assert len(set(context)) == len(context), f"part {p.index}: a key twice in its context"
+        assert p.key_positions.tolist() == context and p.num_keys == len(context)
+        for x in pos:
+            assert ancestors[x] <= set(context), f"part {p.index}: G position {x} misses ancestors"
+        mask = tree_attention_mask(p, store=store)
         ends = mask.plan.subtree_end[0]
         assert ends.shape == (len(context),)
         assert torch.equal(torch.Tensor.as_subclass(mask, torch.Tensor), ends)
-        queries = mask.plan.query_positions
-        if p.index == 0:
-            assert queries is None
-            q = torch.arange(len(pos))
-        else:
-            assert queries.tolist() == [context.index(x) for x in pos]
-            q = queries
+        q = mask.plan.query_positions
+        assert q.tolist() == [context.index(x) for x in pos]
         got = allowed(ends.to(torch.int64), q[:, None], torch.arange(len(context))[None, :])
-        expected = torch.tensor([[k in ancestors[x] for k in context] for x in pos], dtype=torch.bool)
+        expected = torch.tensor([[k in ancestors[x] for k in context] for x in pos],
+                                dtype=torch.bool)
         if not torch.equal(got, expected):
             r, j = torch.nonzero(got != expected)[0].tolist()
             raise AssertionError(
-                f"part {p.index}: row {r} (G position {pos[r]}) vs key {j} (G position {context[j]}): "
-                f"mask says {bool(got[r, j])}, G says {bool(expected[r, j])}"
+                f"part {p.index}: row {r} (G position {pos[r]}) vs key {j} "
+                f"(G position {context[j]}): mask says {bool(got[r, j])}, "
+                f"G says {bool(expected[r, j])}"
             )
-        assert mask.plan.rotary_length == p.max_depth + 1
+        assert mask.plan.reach == p.reach
+        # Keys/values: a trunk part records its own, every part gets [stored ; own] in context
+        # order, per layer.
+        for layer in (0, 1):
+            key, value = mask.plan.keys_values(tagged(pos, layer), -tagged(pos, layer), layer)
+            want = [4 * x + layer for x in context]
+            assert key.flatten().tolist() == want and (-value).flatten().tolist() == want
+    assert set(store.saved) == {(i, layer) for i in range(n_trunk) for layer in (0, 1)}
 
-    # The keys/values hook: the trunk records its keys, each branch gets [trunk ; own] in context
-    # order (keys and values tagged with their G positions).
-    def tagged(pos):
-        return torch.tensor(pos, dtype=torch.float32).view(-1, 1, 1, 1)
-
-    masks[0].plan.keys_values(tagged(trunk_pos), -tagged(trunk_pos), 1)
-    for p, mask in zip(parts[1:], masks[1:]):
-        pos = p.positions.tolist()
-        key, value = mask.plan.keys_values(tagged(pos), -tagged(pos), 1)
-        context = sorted(set(trunk_pos) | set(pos))
-        assert key.flatten().tolist() == context and (-value).flatten().tolist() == context
+    # A part run before the trunk parts it extends finds no recorded keys.
+    later = parts[1]
+    key = torch.zeros(later.num_rows, 1, 1, 1)
+    with pytest.raises(ValueError, match="run in order"):
+        tree_attention_mask(later, store=KeyValueStore(False)).plan.keys_values(key, key, 0)
+    with pytest.raises(ValueError, match="KeyValueStore"):
+        tree_attention_mask(parts[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,8 +455,9 @@ def agent_like_batch(seed: int = 0) -> dict:
     sequence and a few short unrelated sequences packed the ordinary way."""
     seqs, masks = [], []
     for s, first in ((seed, 1), (seed + 100, 2)):
-        b = multi_turn_batch(num_tasks=4, rollouts_per_task=4, turns=(1, 2), system_len=8, task_len=4,
-                             observation_len=(2, 4), action_len=(2, 5), vocab_size=5, seed=s)
+        b = multi_turn_batch(num_tasks=4, rollouts_per_task=4, turns=(1, 2), system_len=8,
+                             task_len=4, observation_len=(2, 4), action_len=(2, 5), vocab_size=5,
+                             seed=s)
         b["input_ids"][:, 0] = first  # a distinct root token per trie
         ss, mm = unpad(b)
         seqs += ss
@@ -334,27 +475,51 @@ def agent_like_batch(seed: int = 0) -> dict:
     return pad_sequences(seqs, masks)
 
 
+# Per (capacity, pad_to_max): {root: (trunk plan rows, brute-force cut rows)} of the two multi-turn tries
+# (equal rows: cut; with pad_to_max every part is a micro-batch of the capacity too), and whether
+# the strict system-prompt prefix (root 1) then ends in a trunk part.
+AGENT_COSTS = {
+    (32, False): ({1: (176, 256), 2: (144, 160)}, True),
+    (32, True): ({1: (192, 256), 2: (160, 160)}, True),
+    (48, False): ({1: (192, 192), 2: (144, 192)}, False),
+    (48, True): ({1: (240, 192), 2: (192, 192)}, False),
+    (64, False): ({1: (176, 192), 2: (128, 128)}, True),
+    (64, True): ({1: (256, 256), 2: (192, 128)}, False),
+    (128, False): ({1: (176, 176)}, False),
+    (128, True): ({1: (384, 256)}, False),
+}
+
+
 @pytest.mark.parametrize("pad_to_max", [False, True])
-@pytest.mark.parametrize("capacity, block_size, parallel_size", [(32, 16, 1), (48, 8, 3), (64, 16, 1), (128, 16, 1)])
+@pytest.mark.parametrize("capacity, block_size, parallel_size",
+                         [(32, 16, 1), (48, 8, 3), (64, 16, 1), (128, 16, 1)])
 def test_agent_batch(capacity, block_size, parallel_size, pad_to_max):
     batch = agent_like_batch()
     seqs = original_sequences(batch)
     assert max(map(len, seqs)) <= capacity
-    align = math.lcm(block_size, parallel_size)
-    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max)
-    stats = check_trunk_batch(batch, packed, capacity, align)
+    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
+                  pad_to_max=pad_to_max)
+    stats = check_trunk_batch(batch, packed, capacity, block_size=block_size,
+                              parallel_size=parallel_size, pad_to_max=pad_to_max)
     size = subtree_sizes(seqs)
     prefix = seqs[-6]  # the strict system-prompt prefix of the first trie (root token 1)
     assert len(prefix) == 6 and prefix[0] == 1 and size[prefix] > capacity
-    if capacity <= 64:  # the first trie gets a trunk; the prefix ends in it
-        assert stats["groups"] >= 1 and stats["ordinary"] >= 1 and stats["in_trunk"] >= 1
-    if capacity == 32:  # both multi-turn tries get one, in one group
-        assert stats["fallback"] == 0 and stats["multi_trie_groups"] >= 1
+    costs, prefix_in_trunk = AGENT_COSTS[capacity, pad_to_max]
+    # The trunk plan's rows are pinned (the brute-force plan of the trie); the other side is the
+    # packer's own plan without trunk reuse, which check_trunk_batch compares the choice against.
+    assert {r: t for r, (t, _) in stats["costs"].items()} == {r: t for r, (t, _) in costs.items()}
+    chosen = {r for r, (trunk, cut) in stats["costs"].items() if trunk < cut}
+    assert stats["fallback"] == len(costs) - len(chosen) and stats["ordinary"] >= 1
+    assert stats["groups"] == (1 if chosen else 0)
+    assert stats["multi_trie_groups"] == (len(chosen) > 1)
+    assert (stats["in_trunk"] >= 1) == prefix_in_trunk
     # Without trunk reuse: no parts at all (and the same sequences).
     plain = build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=block_size,
-                                    parallel_size=parallel_size, pad_to_max=pad_to_max)
-    assert not any("part" in mb for mb in plain)
-    assert sorted(sid for mb in plain for sid in mb["tree"].sequence_ids.tolist()) == list(range(len(seqs)))
+                                    parallel_size=parallel_size, pad_to_max=pad_to_max,
+                                    share_trunks=False)
+    assert not any(mb["rows"].group is not None for mb in plain)
+    sids = sorted(sid for mb in plain for sid in mb["tree"].sequence_ids.tolist())
+    assert sids == list(range(len(seqs)))
     assert packed.num_tree_tokens <= plain.num_tree_tokens
 
 
@@ -362,33 +527,47 @@ def test_share_trunks_needs_shared_prefixes():
     batch = agent_like_batch()
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=32, block_size=16, share_trunks=True,
                                      share_prefixes=False)
-    assert not any("part" in mb for mb in packed)
+    assert not any(mb["rows"].group is not None for mb in packed)
+    # A sequence longer than the capacity then cannot run as a chain either.
+    long = pad_sequences([torch.arange(1, 41)])
+    with pytest.raises(ValueError, match="share_trunks"):
+        build_packed_tree_batch(long, max_tokens_per_mb=32, block_size=16, share_trunks=True,
+                                share_prefixes=False)
 
 
 def test_sequence_ending_in_trunk_takes_loss_in_trunk():
     """A system prompt of 16 tokens, 4 branches of 14 below it and the prompt's first 7 and all 16
     tokens as sequences of their own: with capacity 32 the prompt (its last node's subtree holds
     1 + 56 nodes) is the trunk, the prefix sequences take their loss there, the branches go to
-    branch parts."""
+    branch parts (16 + 2 x 32 rows against 4 x 32 cut)."""
     system = list(range(1, 17))
     seqs = [system[:7], system] + [system + [30 + b] * 14 for b in range(4)]
     batch = pad_sequences([torch.tensor(s) for s in seqs])
     packed = pack(batch, 32)
-    stats = check_trunk_batch(batch, packed, 32, 16)
-    assert stats == {"groups": 1, "in_trunk": 2, "fallback": 0, "multi_trie_groups": 0, "ordinary": 0}
-    trunk = next(mb for mb in packed if mb["part"].index == 0)
+    stats = check_trunk_batch(batch, packed, 32)
+    assert stats["costs"] == {1: (80, 128)}
+    assert {k: v for k, v in stats.items() if k != "costs"} == {
+        "groups": 1, "in_trunk": 2, "fallback": 0, "multi_trie_groups": 0, "chains": 0,
+        "ordinary": 0,
+    }
+    trunk = next(mb for mb in packed if mb["rows"].index == 0)
     assert sorted(trunk["tree"].sequence_ids.tolist()) == [0, 1]
-    assert trunk["part"].num_real == 16 and trunk["part"].num_rows == 16
+    assert trunk["rows"].num_real == 16 and trunk["rows"].num_rows == 16
     # The branches (14 nodes each) pair up: two branch parts of 28 real rows.
-    branches = [mb["part"] for mb in packed if mb["part"].index > 0]
+    branches = [mb["rows"] for mb in packed if mb["rows"].index > 0]
     assert sorted(p.num_real for p in branches) == [28, 28]
 
 
-def test_trunk_larger_than_capacity_falls_back():
+@pytest.mark.parametrize("pad_to_max", [False, True])
+def test_trunk_larger_than_capacity_runs_as_a_chain(pad_to_max):
     """Root 0, three stems of 15 tokens below it, each ending in three tails of 16: every sequence
     has 32 tokens (fits capacity 32), each stem node's subtree holds 15 + 48 > 32 nodes, so the
-    trunk is 1 + 3 x 15 = 46 nodes > 32: that trie is cut the ordinary way. A second trie (root 9)
-    with a 10-token trunk still gets trunk reuse in the same batch."""
+    trunk is 1 + 3 x 15 = 46 nodes: a chain of two trunk parts (32 + 14 -> 48 rows) and five
+    branches of two tails (144 rows) against nine cut pieces of 32 (288 rows). A second trie
+    (root 9) with a 10-token trunk gets trunk reuse too (16 + 32 + 16 rows against three pieces
+    of 26 -> 96), in a group of its own (46 + 10 > 32). With pad_to_max every micro-batch has 32
+    rows: the first trie still takes trunk reuse (7 against 9 micro-batches), the second ties
+    (3 against 3) and is cut."""
     seqs = []
     for b in (1, 2, 3):
         stem = [0] + [b] * 15
@@ -399,49 +578,209 @@ def test_trunk_larger_than_capacity_falls_back():
         seqs.append(small_trunk + [4 + t] + [5] * 15)
     batch = pad_sequences([torch.tensor(s) for s in seqs])
     size = subtree_sizes(original_sequences(batch))
-    assert sum(n > 32 for p, n in size.items() if p[0] == 0) == 46
-    assert sum(n > 32 for p, n in size.items() if p[0] == 9) == 10
+    assert trunk_size(size, 32, {0}) == 46 and trunk_size(size, 32, {9}) == 10
+    packed = pack(batch, 32, pad_to_max=pad_to_max)
+    stats = check_trunk_batch(batch, packed, 32, pad_to_max=pad_to_max)
+    assert stats["costs"] == ({0: (224, 288), 9: (96, 96)} if pad_to_max else
+                              {0: (192, 288), 9: (64, 96)})
+    assert stats["groups"] == 2 - pad_to_max and stats["fallback"] == pad_to_max
+    assert stats["chains"] == 1
+    # Nothing repeated, but for the cut trie's stem (once in each of its three micro-batches).
+    assert packed.num_tree_tokens == len(size) + (2 * 10 if pad_to_max else 0)
+    chain = [mb["rows"] for mb in packed if mb["rows"].group is not None and mb["rows"].records]
+    assert sorted(p.num_real for p in chain) == ([14, 32] if pad_to_max else [10, 14, 32])
+
+
+def test_trunk_that_computes_more_rows_is_not_used():
+    """Five tails of 33-61 tokens below one shared root token, capacity 64: the trunk plan (the
+    root, padded to 16 rows, and five branches: 288 rows) computes more than cutting (five pieces
+    repeating the root: 272 rows), so the trie is cut. Below a 30-token shared prompt the trunk
+    plan wins."""
+    g = torch.Generator().manual_seed(0)
+    tails = [torch.randint(2, 50, (n,), generator=g).tolist() for n in (40, 50, 33, 61, 45)]
+    batch = pad_sequences([torch.tensor([1] + t) for t in tails])
+    packed = pack(batch, 64)
+    stats = check_trunk_batch(batch, packed, 64)
+    assert stats["costs"] == {1: (288, 272)} and stats["groups"] == 0 and stats["fallback"] == 1
+    prompt = torch.randint(2, 50, (30,), generator=g).tolist()
+    batch = pad_sequences([torch.tensor(prompt + t[: 64 - 30]) for t in tails])
+    packed = pack(batch, 64)
+    stats = check_trunk_batch(batch, packed, 64)
+    trunk, cut = stats["costs"][prompt[0]]
+    assert trunk < cut and stats["groups"] == 1
+    assert [mb["rows"].index for mb in packed] == list(range(len(packed)))
+
+
+@pytest.mark.parametrize("stem, trunk_wins", [(16, True), (17, False)])
+def test_equal_rows_are_cut(stem, trunk_wins):
+    """A stem and four tails of 15 at capacity 48 (alignment 16). A 17-token stem pads to 32 rows:
+    the trunk plan (32 + 48 + 16 rows) computes as many rows as cutting (two micro-batches of
+    17 + 15 + 15 = 47 -> 48 rows), and a tie is cut. A 16-token stem tips it (80 against 96)."""
+    seqs = [[1] * stem + [2 + b] * 15 for b in range(4)]
+    batch = pad_sequences([torch.tensor(s) for s in seqs])
+    packed = pack(batch, 48)
+    stats = check_trunk_batch(batch, packed, 48)
+    assert stats["costs"] == {1: (80, 96) if trunk_wins else (96, 96)}
+    assert stats["groups"] == int(trunk_wins)
+    assert packed.num_padded_tokens == (80 if trunk_wins else 96)
+
+
+def test_choice_compares_with_the_cut_the_packer_makes():
+    """Root 1 with three children of 17, 16 and 16 nodes, capacity 32 (alignment 16). Trunk reuse:
+    the root (16 rows) and branches [17], [16 + 16] (64 rows), 80 rows. Cut at the root, the three
+    pieces (18, 17, 17 nodes with the root) pair with none: 96 rows; so trunk reuse is chosen. But
+    packed without trunk reuse the trie is two contiguous runs of 24 and 28 nodes: 64 rows."""
+    seqs = [[1, 2, 3], [1, 2, 4] + [5] * 14, [1, 6] + [7] * 5, [1, 6] + [8] * 10,
+            [1, 9] + [10] * 15]
+    size = subtree_sizes(seqs)
+    pad = row_padding(32, 16, False)
+    assert plan_rows(trunk_plan(size, 32, {1}), pad) == 80 and cut_rows(seqs, 32, pad) == 96
+    plain = plain_pack(seqs, 32, 16, 1)
+    assert sorted(mb["tree"].num_tree_tokens for mb in plain) == [24, 28]
+    packed = pack(pad_sequences([torch.tensor(s) for s in seqs]), 32)
+    assert packed.num_padded_tokens <= plain.num_padded_tokens == 64
+
+
+def test_grpo_prompt_group():
+    """One prompt of 110 tokens with 8 responses of 12 (distinct first tokens), capacity 124,
+    alignment 1: cutting repeats the prompt in 8 micro-batches (976 rows); with trunk reuse the
+    prompt's first 82 tokens (subtree > 124) are one trunk part and the rest, 28 + 96 = 124 nodes,
+    one branch: 2 micro-batches of exactly the trie's 206 unique tokens."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(20, 1000, (110,), generator=g)
+    seqs = [torch.cat([prompt, torch.tensor([1 + r]), torch.randint(20, 1000, (11,), generator=g)])
+            for r in range(8)]
+    batch = pad_sequences(seqs, [torch.cat([torch.zeros(110), torch.ones(12)])] * 8)
+    plain = build_packed_tree_batch(batch, max_tokens_per_mb=124, block_size=1, pad_to_max=False,
+                                    share_trunks=False)
+    assert len(plain) == 8 and plain.num_padded_tokens == 976
+    packed = pack(batch, 124, block_size=1)
+    assert len(packed) == 2
+    assert packed.num_tree_tokens == 206 and packed.num_padded_tokens == 206
+    assert [mb["rows"].num_real for mb in packed] == [82, 124]
+    stats = check_trunk_batch(batch, packed, 124, block_size=1)
+    assert stats["costs"] == {int(prompt[0]): (206, 976)} and stats["groups"] == 1
+
+
+def test_long_shared_history_runs_as_a_chain():
+    """A 300-token shared history, 6 tasks of 12-32 tokens each with 2 responses of 4 (task
+    subtrees of 20-40 nodes), capacity 64, alignment 16: every sequence is longer than the
+    capacity, the history is the trunk and runs as a chain of ceil(300 / 64) = 5 trunk parts,
+    the tasks fill the branches, and every unique token is computed once."""
+    g = torch.Generator().manual_seed(5)
+    history = torch.randint(20, 1000, (300,), generator=g)
+    seqs = []
+
+    def tokens(first, n):  # a distinct first token, then random ones
+        return torch.cat([torch.tensor([first]), torch.randint(20, 1000, (n - 1,), generator=g)])
+
+    for t, task_len in enumerate((12, 16, 20, 24, 28, 32)):
+        task = tokens(1 + t, task_len)
+        for r in range(2):
+            response = tokens(2 + r, 4)
+            seqs.append(torch.cat([history, task, response]))
+    batch = pad_sequences(seqs)
+    size = subtree_sizes(original_sequences(batch))
+    assert trunk_size(size, 64, {int(history[0])}) == 300
+    with pytest.raises(ValueError, match="share_trunks"):
+        build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16, share_trunks=False)
     for pad_to_max in (False, True):
-        packed = pack(batch, 32, pad_to_max=pad_to_max)
-        stats = check_trunk_batch(batch, packed, 32, 16)
-        assert stats["groups"] == 1 and stats["fallback"] == 1
-        part_sids = {sid for mb in packed if "part" in mb for sid in mb["tree"].sequence_ids.tolist()}
-        assert part_sids == {9, 10, 11}
-        assert packed.num_tree_tokens > len(size)  # the fallback trie repeats its stems
+        packed = pack(batch, 64, pad_to_max=pad_to_max)
+        stats = check_trunk_batch(batch, packed, 64, pad_to_max=pad_to_max)
+        rows = 64 * 8 if pad_to_max else 64 * 4 + 48 + 64 * 3  # 5 trunk parts, 3 branches
+        assert stats["costs"] == {int(history[0]): (rows, None)}
+        assert stats["groups"] == 1 and stats["chains"] == 1 and stats["ordinary"] == 0
+        parts = [mb["rows"] for mb in packed]
+        assert [p.num_real for p in parts if p.records] == [64, 64, 64, 64, 44]
+        assert packed.num_tree_tokens == len(size) == 300 + sum(n + 8 for n in range(12, 33, 4))
+
+
+def test_sequence_longer_than_capacity():
+    """One sequence of 200 tokens, capacity 64: its first 136 tokens (subtree > 64) are the trunk,
+    a chain of parts of 64, 64 and 8 rows, the last 64 one branch taking its loss; every token
+    once. Without trunk reuse it is refused, naming share_trunks."""
+    seq = torch.randint(1, 1000, (200,), generator=torch.Generator().manual_seed(7))
+    batch = pad_sequences([seq], [torch.ones(200)])
+    with pytest.raises(ValueError, match="share_trunks=True"):
+        build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16, share_trunks=False)
+    packed = pack(batch, 64)
+    stats = check_trunk_batch(batch, packed, 64)
+    parts = [mb["rows"] for mb in packed]
+    assert [p.num_real for p in parts] == [64, 64, 8, 64]
+    assert [p.records for p in parts] == [True] * 3 + [False]
+    assert sorted(x for p in parts for x in p.positions[: p.num_real].tolist()) == list(range(200))
+    assert packed.num_tree_tokens == 200 and packed.num_padded_tokens == 64 + 64 + 16 + 64
+    assert [mb["tree"].num_sequences for mb in packed] == [0, 0, 0, 1]
+    assert stats["in_trunk"] == 0 and stats["costs"] == {int(seq[0]): (208, None)}
 
 
 # ---------------------------------------------------------------------------------------------
-# Property test
+# Property tests
 # ---------------------------------------------------------------------------------------------
+
+
+def random_trie(rng: random.Random, root: int, vocab: int, capacity: int, longest: int
+                ) -> list[list[int]]:
+    """A random stem with sequences grown from earlier ones: branches, strict prefixes,
+    duplicates, at most ``longest`` tokens each."""
+    stem = [root] + [rng.randrange(vocab) for _ in range(rng.randint(0, capacity // 2))]
+    own: list[list[int]] = [stem[:longest]]
+    tail = rng.choice([capacity // 2, capacity, longest])  # long tails make wide trunks
+    for _ in range(rng.randint(1, 16)):
+        base = rng.choice(own)
+        base = base[: rng.randint(1, len(base))]
+        own.append((base + [rng.randrange(vocab) for _ in range(rng.randint(0, tail))])[:longest])
+    return own
 
 
 def random_batch(seed: int, capacity: int) -> list[list[int]]:
-    """1-3 tries over a vocabulary of 2-4 tokens (distinct root tokens, or merged roots), each a
-    random stem with sequences grown from earlier ones: branches, strict prefixes, duplicates."""
+    """1-3 tries over a vocabulary of 2-4 tokens (distinct root tokens, or merged roots); now and
+    then one whose sequences may be longer than the capacity."""
     rng = random.Random(seed)
     vocab = rng.randint(2, 4)
     seqs: list[list[int]] = []
     for t in range(rng.randint(1, 3)):
         root = t if rng.random() < 0.8 else 0
-        stem = [root] + [rng.randrange(vocab) for _ in range(rng.randint(0, capacity // 2))]
-        own: list[list[int]] = [stem]
-        longest = rng.choice([capacity // 2, capacity])  # long tails make wide trunks, some too large
-        for _ in range(rng.randint(1, 16)):
-            base = rng.choice(own)
-            base = base[: rng.randint(1, len(base))]
-            seq = (base + [rng.randrange(vocab) for _ in range(rng.randint(0, longest))])[:capacity]
-            own.append(seq)
-        seqs += own
+        longest = capacity if rng.random() < 0.7 else rng.choice([2, 3]) * capacity
+        seqs += random_trie(rng, root, vocab, capacity, longest)
     rng.shuffle(seqs)
     return seqs
 
 
+ALIGNMENTS = [(32, 16, 1), (48, 16, 1), (48, 8, 3), (32, 1, 1)]
+
+
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([32, 48]), st.booleans())
-def test_random_batches_match_brute_force(seed, capacity, pad_to_max):
+@given(st.integers(0, 2**32 - 1), st.sampled_from(ALIGNMENTS), st.booleans())
+def test_random_batches_match_brute_force(seed, layout, pad_to_max):
+    capacity, block_size, parallel_size = layout
     seqs = random_batch(seed, capacity)
     batch = pad_sequences([torch.tensor(s) for s in seqs])
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed % 2**31)
     batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=g)
-    packed = pack(batch, capacity, pad_to_max=pad_to_max)
-    check_trunk_batch(batch, packed, capacity, 16)
+    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
+                  pad_to_max=pad_to_max)
+    check_trunk_batch(batch, packed, capacity, block_size=block_size, parallel_size=parallel_size,
+                      pad_to_max=pad_to_max)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(ALIGNMENTS), st.booleans())
+def test_one_trie_takes_the_plan_with_fewer_rows(seed, layout, pad_to_max):
+    """A batch of one trie larger than the capacity: trunk reuse iff its plan computes fewer rows
+    than cutting it (both counted from the prefixes), and the packing then computes exactly the
+    rows of the plan it took (when cut, those of a packing without trunk reuse)."""
+    capacity, block_size, parallel_size = layout
+    rng = random.Random(seed)
+    seqs = random_trie(rng, 1, rng.randint(2, 5), capacity, capacity)
+    while len(subtree_sizes(seqs)) <= capacity:
+        seqs += random_trie(rng, 1, rng.randint(2, 5), capacity, capacity)
+    batch = pad_sequences([torch.tensor(s) for s in seqs])
+    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
+                  pad_to_max=pad_to_max)
+    stats = check_trunk_batch(batch, packed, capacity, block_size=block_size,
+                              parallel_size=parallel_size, pad_to_max=pad_to_max)
+    (trunk, cut), = stats["costs"].values()
+    assert stats["groups"] == int(trunk < cut)
+    if trunk < cut:
+        assert packed.num_padded_tokens == trunk

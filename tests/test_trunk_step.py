@@ -16,10 +16,16 @@ import torch
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import _trunk_reuse_unsupported, tree_forward_backward
+from megatron_tree.mcore.step import _recompute_trunks, _trunk_reuse_unsupported, tree_forward_backward
 from megatron_tree.mcore.trunk_step import check_trunk_parts
 from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import VOCAB, build_gpt_model, small_gpt_config, trunk_sequences
+from megatron_tree.testing.models import (
+    VOCAB,
+    build_gpt_model,
+    long_context_sequences,
+    small_gpt_config,
+    trunk_sequences,
+)
 from megatron_tree.testing.reference import finalize_sequence_parallel_grads, gradient_errors, unpacked_reference_step
 from megatron_tree.testing.synthetic import rl_batch
 
@@ -59,29 +65,54 @@ def _loss_fn(critic: bool):
 def _packed(batch: dict):
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
                                      share_trunks=True)
-    parts = [mb["part"] for mb in packed if "part" in mb]
-    assert {p.group for p in parts} == {0, 1} and any("part" not in mb for mb in packed)
+    parts = [mb["rows"] for mb in packed if mb["rows"].group is not None]
+    assert {p.group for p in parts} == {0, 1} and any(mb["rows"].group is None for mb in packed)
     return packed
+
+
+def _chain_packed(batch: dict):
+    """The long-context batch: the 150-token history as a chain of three trunk parts with its
+    branches, and the 140-token sequence as a chain of its own (two trunk parts, one branch)."""
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
+                                     share_trunks=True)
+    trunk_parts = {}
+    for mb in packed:
+        rows = mb["rows"]
+        assert rows.group is not None and rows.num_real <= CAPACITY
+        trunk_parts[rows.group] = trunk_parts.get(rows.group, 0) + rows.records
+    assert sorted(trunk_parts.values()) == [2, 3], trunk_parts
+    assert packed.num_tree_tokens == _unique_tokens(batch)
+    return packed
+
+
+def _unique_tokens(batch: dict) -> int:
+    """Distinct prefixes of the batch's sequences: the single-trie token count, by brute force."""
+    prefixes = set()
+    for row, n in zip(batch["input_ids"].tolist(), batch["attention_mask"].sum(1).tolist()):
+        prefixes.update(tuple(row[: d + 1]) for d in range(n))
+    return len(prefixes)
 
 
 def _step(model, batch, critic: bool, **kwargs):
     from megatron.core import parallel_state as ps
 
+    kwargs.setdefault("tp_group", ps.get_tensor_model_parallel_group())
     return tree_forward_backward(model, batch, _loss_fn(critic), gather=Values() if critic else LogProbs(),
-                                 tp_group=ps.get_tensor_model_parallel_group(), **kwargs)
+                                 **kwargs)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare(critic: bool, recompute: str, sequence_parallel: bool = False):
-    batch = rl_batch(trunk_sequences(), response_start=5)
+def _compare(critic: bool, recompute: str, sequence_parallel: bool = False, chains: bool = False, **step_kwargs):
+    batch = rl_batch(long_context_sequences() if chains else trunk_sequences(), response_start=5)
     reference = _build(False, critic)
     want_outputs: dict = {}
     want_loss = unpacked_reference_step(reference, batch, _loss_fn(critic), critic=critic, outputs=want_outputs)
     model = _build(True, critic, recompute, state=reference.state_dict(), sequence_parallel=sequence_parallel)
-    result = _step(model, _packed(batch), critic, collect_outputs=True)
+    packed = _chain_packed(batch) if chains else _packed(batch)
+    result = _step(model, packed, critic, collect_outputs=True, **step_kwargs)
     if sequence_parallel:
         finalize_sequence_parallel_grads(model)
     return float(result.loss), float(want_loss), _grads(model), _grads(reference), result, want_outputs
@@ -109,11 +140,35 @@ def test_trunk_reuse_equals_unpacked(world, critic, recompute):
     _assert_outputs_close(result, want_outputs)
 
 
+@pytest.mark.parametrize("chains", [False, True], ids=["trunks", "chains"])
+@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
+def test_recomputed_trunks_equal_unpacked(world, critic, chains):
+    """recompute_trunks=True on one stage (the path pipeline parallelism takes: a no-grad trunk
+    pass, the branches, then the trunk parts recomputed last part first through Megatron's
+    schedule): the same loss, gradients and outputs as the unpacked batch."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, "none", chains=chains,
+                                                                    recompute_trunks=True)
+    _assert_close(got_loss, want_loss, got, want)
+    _assert_outputs_close(result, want_outputs)
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_trunk_chains_equal_unpacked(world, critic, recompute):
+    """A shared history longer than a micro-batch and a sequence longer than one run as chains of
+    trunk parts (each attending to the parts before it): still the unpacked batch's loss, gradients
+    and outputs."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute, chains=True)
+    _assert_close(got_loss, want_loss, got, want)
+    _assert_outputs_close(result, want_outputs)
+
+
 def test_trunk_is_computed_once(world):
     batch = rl_batch(trunk_sequences(), response_start=5)
     prefixes = {tuple(s[: i + 1].tolist()) for s in trunk_sequences() for i in range(len(s))}
     shared = _packed(batch)
-    cut = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False)
+    cut = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
+                                  share_trunks=False)
     assert shared.num_tree_tokens == len(prefixes) < cut.num_tree_tokens
     assert shared.tree_token_ratio == pytest.approx(len(prefixes) / shared.num_real_tokens)
 
@@ -146,17 +201,22 @@ def test_refusals(world):
     with pytest.raises(ValueError, match="share_trunks=True.*routing replay.*share_trunks=False"):
         _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="routes")
     config = types.SimpleNamespace(num_moe_experts=None)
-    assert _trunk_reuse_unsupported(config, 1, 1, None, None) is None
-    for args, what in [((1, 2, None, None), "pipeline"), ((2, 1, None, None), "pipeline"),
-                       ((1, 1, object(), None), "context parallelism"), ((1, 1, None, "routes"), "routing replay")]:
-        assert what in _trunk_reuse_unsupported(config, *args)
-    assert "MoE" in _trunk_reuse_unsupported(types.SimpleNamespace(num_moe_experts=4), 1, 1, None, None)
+    assert _trunk_reuse_unsupported(config, None) is None
+    assert "routing replay" in _trunk_reuse_unsupported(config, "routes")
+    assert "MoE" in _trunk_reuse_unsupported(types.SimpleNamespace(num_moe_experts=4), None)
+    dense = types.SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
+    assert not _recompute_trunks(dense, None, 1, 1, False) and _recompute_trunks(dense, None, 1, 2, False)
+    assert _recompute_trunks(dense, None, 2, 1, False) and _recompute_trunks(dense, True, 1, 1, False)
+    with pytest.raises(ValueError, match="recompute_trunks=False needs one pipeline stage"):
+        _recompute_trunks(dense, False, 1, 2, False)
+    with pytest.raises(ValueError, match="dropout 0.1"):
+        _recompute_trunks(types.SimpleNamespace(hidden_dropout=0.1, attention_dropout=0.0), True, 1, 1, False)
     packed = build_packed_tree_batch(rl_batch(trunk_sequences()), max_tokens_per_mb=CAPACITY, block_size=16,
                                      pad_to_max=False, share_trunks=True)
     mbs = list(packed)
-    first = next(i for i, mb in enumerate(mbs) if "part" in mb)
-    assert check_trunk_parts(mbs) and not check_trunk_parts([mb for mb in mbs if "part" not in mb])
-    with pytest.raises(ValueError, match="trunk first"):
+    first = next(i for i, mb in enumerate(mbs) if mb["rows"].group is not None)
+    assert check_trunk_parts(mbs) and not check_trunk_parts([mb for mb in mbs if mb["rows"].group is None])
+    with pytest.raises(ValueError, match="trunk parts first"):
         check_trunk_parts(mbs[first + 1:])
     with pytest.raises(ValueError, match="ends before"):
         check_trunk_parts(mbs[: first + 2])
@@ -167,6 +227,10 @@ def _tp_worker(rank: int, sequence_parallel: bool) -> dict:
     for critic, recompute in [(False, "full"), (True, "none")]:
         got_loss, want_loss, got, want, _, _ = _compare(critic, recompute, sequence_parallel=sequence_parallel)
         out[(critic, recompute)] = (got_loss, want_loss, got, want)
+    # tp_group=None means Megatron's TP group (it once read one vocabulary shard as the whole).
+    got_loss, want_loss, got, want, _, _ = _compare(False, "none", sequence_parallel=sequence_parallel,
+                                                    tp_group=None)
+    out["default tp_group"] = (got_loss, want_loss, got, want)
     return out
 
 
@@ -179,17 +243,22 @@ def test_tensor_parallel_2_trunk_reuse_equals_unpacked(sequence_parallel):
 
 def test_a_trunk_that_does_not_pay_is_not_used():
     """Sequences sharing only a BOS token: a 1-token trunk would save a token per micro-batch and
-    cost a whole padded micro-batch, so the packer keeps the cut plan."""
+    cost a whole padded micro-batch, so the packer keeps the cut plan. Below a 30-token prompt the
+    trunk pays when parts pad to the alignment (32 + 5 x 48 rows against 5 x 64 cut), not when every
+    micro-batch pads to the capacity (6 x 64 against 5 x 64)."""
     g = torch.Generator().manual_seed(3)
     seqs = [torch.cat([torch.tensor([1]), torch.randint(2, VOCAB, (n,), generator=g)]) for n in (40, 50, 33, 61, 45)]
     batch = rl_batch(seqs)
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
-    assert len(packed) > 1 and not any("part" in mb for mb in packed)
+    assert len(packed) > 1 and not any(mb["rows"].group is not None for mb in packed)
     # The same trie below a 30-token shared prompt pays: trunk and branches.
     prompt = torch.randint(2, VOCAB, (30,), generator=g)
     seqs = [torch.cat([prompt, s[: 64 - 30]]) for s in seqs]
-    packed = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
-    assert [mb["part"].index for mb in packed] == list(range(len(packed)))
+    packed = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True,
+                                     pad_to_max=False)
+    assert [mb["rows"].index for mb in packed] == list(range(len(packed))) and packed.num_padded_tokens == 272
+    padded = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
+    assert all(mb["rows"].group is None for mb in padded) and padded.num_padded_tokens == 5 * 64
 
 
 def test_gradient_sync_waits_for_the_trunk_backward(world):
@@ -228,9 +297,9 @@ def test_gradient_sync_waits_for_the_trunk_backward(world):
     finally:
         model.config.no_sync_func = model.config.finalize_model_grads_func = None
         model.config.calculate_per_token_loss = False
-    plain = sum("part" not in mb for mb in packed)
-    branches = sum("part" in mb and not mb["part"].is_trunk for mb in packed)
-    trunks = sum("part" in mb and mb["part"].is_trunk for mb in packed)
+    plain = sum(mb["rows"].group is None for mb in packed)
+    branches = sum(mb["rows"].group is not None and not mb["rows"].is_trunk for mb in packed)
+    trunks = sum(mb["rows"].group is not None and mb["rows"].is_trunk for mb in packed)
     assert state["backwards"] == [True] * (plain + branches + trunks - 1) + [False]
-    assert "part" in packed[-1] and state["tokens"] == [int(batch["loss_mask"].sum())]
+    assert packed[-1]["rows"].group is not None and state["tokens"] == [int(batch["loss_mask"].sum())]
     _assert_close(0.0, 0.0, _grads(model), _grads(reference))

@@ -86,9 +86,8 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
     plan = attention_mask.plan if isinstance(attention_mask, TreeMask) else None
     if sq != sk and (plan is None or plan.query_positions is None):
         raise ValueError(
-            f"tree attention is self-attention; got {sq} queries and {sk} keys (only a tree mask "
-            "whose plan names its query positions, a context-parallel one or a trunk-reuse branch's, "
-            "has fewer queries than keys)"
+            f"tree attention is self-attention; got {sq} queries and {sk} keys (only the mask of a "
+            "micro-batch's rows, tree_attention_mask(rows, ...), has fewer queries than keys)"
         )
     if attention_mask.dtype == torch.bool:
         return None, _dense_form(attention_mask, sq, sk)
@@ -100,14 +99,17 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
     shape = tuple(attention_mask.shape)
     if attention_mask.dim() not in (1, 2) or shape[-1] != sk:
         raise ValueError(
-            f"subtree_end attention_mask has shape {shape} but the packed sequence has {sk} "
-            "positions; pass tree_attention_mask(tree) of this micro-batch ([N] or [1, N])"
+            f"subtree_end attention_mask has shape {shape} but the attention has {sk} keys; build the "
+            "mask of the rows the model runs: tree_attention_mask(micro_batch['rows'], store=...) (a "
+            "trunk-reuse part or a context-parallel share computes some rows of its tree; "
+            "tree_forward_backward does this), or tree_attention_mask(tree) for a whole tree"
         )
     if plan is not None:
         if plan.num_queries != sq:
             raise ValueError(
-                f"the tree mask is for {plan.num_queries} query rows, got {sq}: under context "
-                "parallelism pass each rank its own rows (split.local_positions) and the mask of that split"
+                f"the tree mask is for {plan.num_queries} query rows, got {sq}: pass the model the "
+                "rows' own inputs (micro_batch['input_ids'] / ['position_ids'], i.e. rows.local(...) "
+                "of the tree's) with the mask of those rows"
             )
         return plan, None
     return TreeMaskPlan(attention_mask.reshape(-1, sq)), None

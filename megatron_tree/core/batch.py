@@ -16,22 +16,19 @@ from typing import Iterator
 import torch
 
 from .flops import GPTShape, cost_weights, tree_cost
+from .rows import TreeRows
 from .tree import PackedTree
 
-RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask", "part")
+RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask", "rows")
 
 
-def micro_batch(tree: PackedTree) -> dict:
-    """A micro-batch dict for ``tree``: ``input_ids`` / ``position_ids`` [1, N] (views of the tree's)."""
-    return {"input_ids": tree.input_ids[None], "position_ids": tree.position_ids[None], "tree": tree}
-
-
-def part_micro_batch(view: PackedTree, part) -> dict:
-    """A trunk-reuse micro-batch: its rows' ``input_ids`` / ``position_ids`` [1, n] (read from the
-    group's tree), ``tree`` the group's tree with the sequences whose loss it takes, and ``part``
-    (:class:`~megatron_tree.core.trunk.TreePart`)."""
-    return {"input_ids": part.rows(part.tree.input_ids)[None], "position_ids": part.rows(part.tree.position_ids)[None],
-            "tree": view, "part": part}
+def micro_batch(tree: PackedTree, rows: TreeRows | None = None) -> dict:
+    """A micro-batch dict: ``tree`` (the sequences whose loss it takes), ``rows`` (the
+    :class:`~megatron_tree.core.rows.TreeRows` it computes; default all of ``tree``) and its rows'
+    ``input_ids`` / ``position_ids`` [1, n]."""
+    rows = TreeRows.whole(tree) if rows is None else rows
+    return {"input_ids": rows.local(rows.tree.input_ids)[None], "position_ids": rows.local(rows.tree.position_ids)[None],
+            "tree": tree, "rows": rows}
 
 
 def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,19 +40,28 @@ def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _cost(mb: dict, shape: GPTShape) -> float:
-    """FLOPs of a micro-batch: its tree's, or a trunk-reuse part's own rows (each real row at depth
-    d attends d + 1 keys)."""
-    if "part" not in mb:
+    """FLOPs of a micro-batch's rows (each real row at depth d attends d + 1 keys)."""
+    rows = mb["rows"]
+    if rows.is_whole:
         return tree_cost(mb["tree"], shape)
     per_token, per_pair = cost_weights(shape)
-    part = mb["part"]
-    depth = part.rows(part.tree.position_ids)[: part.num_real]
-    return per_token * part.num_real + per_pair * float((depth + 1).sum())
+    depth = rows.local(rows.tree.position_ids)[: rows.num_real]
+    return per_token * rows.num_real + per_pair * float((depth + 1).sum())
 
 
 def _check_name(name) -> None:
     if not isinstance(name, str) or name in RESERVED_KEYS:
         raise ValueError(f"name={name!r} is reserved or not a string; reserved: {RESERVED_KEYS}")
+
+
+def _numpy_as_tensor(name: str, value):
+    """A numpy array as a tensor (``torch.as_tensor``: no copy where it can be avoided); anything
+    else as is."""
+    import numpy as np
+
+    from .checks import as_tensor
+
+    return as_tensor(name, value) if isinstance(value, np.ndarray) else value
 
 
 class PackedTreeBatch(Sequence):
@@ -91,12 +97,10 @@ class PackedTreeBatch(Sequence):
         self.num_real_tokens = num_real_tokens
         self.max_token_id = max_token_id
         self.cost_model = cost_model
-        # A trunk-reuse part counts its own rows: the group's trunk is counted once.
-        self.num_tree_tokens = sum(mb["part"].num_real if "part" in mb else mb["tree"].num_tree_tokens
-                                   for mb in micro_batches)
-        self.num_padded_tokens = sum(mb["part"].num_rows if "part" in mb else mb["tree"].padded_length
-                                     for mb in micro_batches)
-        self.num_dummy_trees = sum(mb["tree"].is_dummy and "part" not in mb for mb in micro_batches)
+        # Each micro-batch counts its own rows: a trunk group's trunk is counted once.
+        self.num_tree_tokens = sum(mb["rows"].num_real for mb in micro_batches)
+        self.num_padded_tokens = sum(mb["rows"].num_rows for mb in micro_batches)
+        self.num_dummy_trees = sum(mb["rows"].num_real == 0 for mb in micro_batches)
         self._costs: list[float] | None = None
 
     @property
@@ -134,7 +138,7 @@ class PackedTreeBatch(Sequence):
     def _real_tree_costs(self) -> list[float]:
         if self.cost_model is None:
             return []
-        return [c for c, mb in zip(self.tree_costs(), self.micro_batches) if "part" in mb or not mb["tree"].is_dummy]
+        return [c for c, mb in zip(self.tree_costs(), self.micro_batches) if mb["rows"].num_real]
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -162,12 +166,14 @@ class PackedTreeBatch(Sequence):
             name: the key the micro-batches get (not one of ``RESERVED_KEYS``).
             values: either one tensor [B, L, ...] in the padded batch layout (L at least the longest
                 sequence), or one tensor [T_mb, ...] per micro-batch in tree layout, e.g. a
-                forward-only step's ``result.tree_outputs["logprobs"]``.
+                forward-only step's ``result.tree_outputs["logprobs"]``. A numpy array is read
+                like a tensor (one array: the padded layout; a list of arrays: tree layout).
         """
         _check_name(name)
+        values = _numpy_as_tensor(name, values)
         if isinstance(values, torch.Tensor):
             return self.attach_padded({name: values})
-        values = list(values)
+        values = [_numpy_as_tensor(f"{name}[{i}]", value) for i, value in enumerate(values)]
         if len(values) != len(self):
             raise ValueError(f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches")
         for i, (mb, value) in enumerate(zip(self.micro_batches, values)):
@@ -183,11 +189,17 @@ class PackedTreeBatch(Sequence):
         return self
 
     def attach_padded(self, values: dict[str, torch.Tensor]) -> "PackedTreeBatch":
-        """:meth:`attach` several tensors [B, L, ...] in the padded layout, reading each tree's token
-        positions once for all of them."""
+        """:meth:`attach` several tensors [B, L, ...] in the padded layout (numpy arrays too),
+        reading each tree's token positions once for all of them."""
         longest = max((int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0)
+        values = {name: _numpy_as_tensor(name, value) for name, value in values.items()}
         for name, value in values.items():
             _check_name(name)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"{name}: a padded-layout input must be a tensor (or numpy array) [B, L, ...], "
+                    f"got {type(value).__name__}; convert it with torch.as_tensor"
+                )
             if value.dim() < 2 or value.shape[0] != self.batch_size or value.shape[1] < longest:
                 raise ValueError(
                     f"{name}: a padded-layout tensor must be [B, L, ...] with B = {self.batch_size} and "
@@ -200,13 +212,16 @@ class PackedTreeBatch(Sequence):
         return self
 
     def to(self, device: torch.device | str) -> "PackedTreeBatch":
-        """A copy on ``device``: every tensor moved once (``input_ids`` / ``position_ids`` stay views)."""
-        moved = []
+        """A copy on ``device``: every tensor moved once (a trunk group's tree once for all its
+        parts; ``input_ids`` / ``position_ids`` stay views)."""
+        moved, trees = [], {}
         for mb in self.micro_batches:
-            new = micro_batch(mb["tree"].to(device))
-            if "part" in mb:
-                new = part_micro_batch(new["tree"], mb["part"].to(device))
-            new.update({k: v.to(device) for k, v in mb.items() if k not in ("input_ids", "position_ids", "tree", "part")})
+            rows = mb["rows"]
+            if id(rows.tree) not in trees:
+                trees[id(rows.tree)] = rows.tree.to(device)
+            tree = trees[id(rows.tree)] if mb["tree"] is rows.tree else mb["tree"].to(device)
+            new = micro_batch(tree, rows.to(device, trees[id(rows.tree)]))
+            new.update({k: v.to(device) for k, v in mb.items() if k not in RESERVED_KEYS})
             moved.append(new)
         return PackedTreeBatch(
             moved, self.batch_size, self.num_real_tokens, self.max_token_id, cost_model=self.cost_model

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_int, check_positive_number, debug_checks
-from .context_parallel import ContextParallelSplit
+from .rows import TreeRows
 from .tree import PackedTree
 
 __all__ = [
@@ -94,7 +94,7 @@ def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, cp: ContextParallelSplit | None = None
+def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, rows: TreeRows | None = None
             ) -> torch.Tensor:
     """Views [n, X], [1, n, X] or [n, 1, X] (Megatron's [s, b, X] with b = 1) as [n, X]; n is the
     tree's padded length, or this rank's rows under context parallelism."""
@@ -104,9 +104,9 @@ def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, cp: ContextParall
         raise ValueError(
             f"{name} must be [N, X], [1, N, X] or [N, 1, X], got {tuple(tensor.shape)}"
         )
-    expected = tree.padded_length if cp is None else cp.num_rows
+    expected = tree.padded_length if rows is None else rows.num_rows
     if tensor.shape[0] != expected:
-        where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
+        where = "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
         raise ValueError(f"{name} has {tensor.shape[0]} positions but {where} is {expected}")
     if not tensor.is_floating_point():
         raise ValueError(f"{name} must be a floating point tensor, got {tensor.dtype}")
@@ -114,7 +114,7 @@ def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, cp: ContextParall
 
 
 def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: int,
-                chunk_rows: int, device: torch.device, cp: ContextParallelSplit | None = None) -> _Pairs:
+                chunk_rows: int, device: torch.device, rows: TreeRows | None = None) -> _Pairs:
     num_nodes = tree.num_tree_tokens
     parent = tree.parent_index[:num_nodes].to(device)
     tokens = tree.input_ids[:num_nodes].to(device)
@@ -122,23 +122,21 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
     # Packing checks token ids on the host; re-checking here would sync with the device.
     if debug_checks() and num_nodes and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
         raise ValueError(f"tree tokens must lie in [0, {vocab_size}) (the logits' full vocab)")
-    rows, nodes = torch.sort(parent, stable=True)  # roots (-1) first
+    parents, nodes = torch.sort(parent, stable=True)  # roots (-1) first
     num_roots = int((parent < 0).sum())
-    rows, nodes = rows[num_roots:], nodes[num_roots:]
+    parents, nodes = parents[num_roots:], nodes[num_roots:]
     num_rows = num_nodes
-    if cp is not None:  # this rank's rows only; local rows ascend with global positions
-        local = cp.local_index.to(device)
-        rows = local[rows]
-        mine = rows >= 0
-        rows, nodes = rows[mine], nodes[mine]
-        known = getattr(cp, "num_real", None)  # a trunk-reuse part knows it: no host sync
-        num_rows = known if known is not None else int((cp.local_positions < num_nodes).sum())
+    if rows is not None:  # this micro-batch's rows only; its rows ascend with tree positions
+        parents = rows.local_index.to(device)[parents]
+        mine = parents >= 0
+        parents, nodes = parents[mine], nodes[mine]
+        num_rows = rows.num_real  # real rows come first (host fact, set with the rows)
     labels = tokens[nodes] - tp_rank * vocab_local
     owned = (labels >= 0) & (labels < vocab_local)
     chunk_starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
-    bounds = torch.tensor(chunk_starts, dtype=rows.dtype, device=device)
-    pair_starts = torch.searchsorted(rows, bounds).tolist()
-    return _Pairs(rows, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts)
+    bounds = torch.tensor(chunk_starts, dtype=parents.dtype, device=device)
+    pair_starts = torch.searchsorted(parents, bounds).tolist()
+    return _Pairs(parents, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts)
 
 
 def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, *,
@@ -350,7 +348,7 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
 
 
 def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, tree: PackedTree,
-                  cp: ContextParallelSplit | None) -> list[torch.Tensor]:
+                  rows: TreeRows | None) -> list[torch.Tensor]:
     """Node log-probs [U] (0 at roots) and row entropies [R] -> [T] outputs in token order.
 
     Log-prob entry t of a sequence reads node t+1 (rolled). The entry after a sequence's last token
@@ -361,29 +359,29 @@ def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, 
     token_index = tree.token_index.to(node_logprob.device)
     outputs = [node_logprob[torch.roll(token_index, -1)]]
     if row_entropy is not None:
-        rows = token_index
-        if cp is not None:  # other ranks' rows read an appended 0
-            rows = cp.local_index.to(rows.device)[token_index]
-            rows = torch.where(rows >= 0, rows, row_entropy.shape[0])
+        local = token_index
+        if rows is not None:  # rows this micro-batch does not compute on this rank read an appended 0
+            local = rows.local_index.to(local.device)[token_index]
+            local = torch.where(local >= 0, local, row_entropy.shape[0])
             row_entropy = torch.cat([row_entropy, row_entropy.new_zeros(1)])
-        outputs.append(row_entropy[rows])
-    return outputs if cp is None else cp.share(outputs)
+        outputs.append(row_entropy[local])
+    return outputs if rows is None else rows.complete(outputs)
 
 
-def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, cp):
+def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, rows):
     temperature = check_positive_number("temperature", temperature)
-    logits = rows_of(logits, tree, "logits", cp)
+    logits = rows_of(logits, tree, "logits", rows)
     tp_size, tp_rank = _tp_size_rank(tp_group)
     pairs = _tree_pairs(
         tree, vocab_local=logits.shape[1], tp_size=tp_size, tp_rank=tp_rank,
         chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device), device=logits.device,
-        cp=cp,
+        rows=rows,
     )
     out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, temperature,
                                     with_entropy, tp_group)
     if not with_entropy:
-        return _per_sequence(out, None, tree, cp)[0]
-    return tuple(_per_sequence(*out, tree, cp))
+        return _per_sequence(out, None, tree, rows)[0]
+    return tuple(_per_sequence(*out, tree, rows))
 
 
 def gather_packed_tree_logprobs_entropy(
@@ -393,7 +391,7 @@ def gather_packed_tree_logprobs_entropy(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
-    cp: ContextParallelSplit | None = None,
+    rows: TreeRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rolled per-sequence log-probs and entropy of a packed tree's (vocab-parallel) logits.
 
@@ -409,9 +407,10 @@ def gather_packed_tree_logprobs_entropy(
         tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
         chunk_size: rows reduced at once (bounds the fp32 temporaries to 2 x [chunk, Vl]);
             None picks a cache-sized chunk on CPU and 2**26 / Vl rows elsewhere.
-        cp: under context parallelism, the micro-batch's split: ``logits`` holds this rank's rows
-            [n, Vl]; every rank gets all [T] entries, and gradients flow only into its own rows
-            (see :mod:`megatron_tree.core.context_parallel`).
+        rows: the micro-batch's :class:`~megatron_tree.core.rows.TreeRows` when ``logits`` holds
+            only some of the tree's positions [n, Vl] (a context-parallel rank's, a trunk-reuse
+            part's): entries predicted by other rows read 0, then ``rows.complete`` sums them over
+            the CP group, and gradients flow only into this rank's rows.
 
     Returns:
         (logprobs [T], entropy [T]), in ``tree.token_index`` order. ``logprobs`` entry t of a
@@ -419,7 +418,7 @@ def gather_packed_tree_logprobs_entropy(
         entry t is the entropy of the distribution at token t (defined for t = L-1 too).
     """
     return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=True, cp=cp)
+                            chunk_size=chunk_size, with_entropy=True, rows=rows)
 
 
 def gather_packed_tree_logprobs(
@@ -429,11 +428,11 @@ def gather_packed_tree_logprobs(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
-    cp: ContextParallelSplit | None = None,
+    rows: TreeRows | None = None,
 ) -> torch.Tensor:
     """The ``logprobs`` of :func:`gather_packed_tree_logprobs_entropy` alone ([T]), cheaper."""
     return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=False, cp=cp)
+                            chunk_size=chunk_size, with_entropy=False, rows=rows)
 
 
 def gather_packed_tree_logprobs_entropy_from_hidden(
@@ -444,7 +443,7 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
-    cp: ContextParallelSplit | None = None,
+    rows: TreeRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused output layer + :func:`gather_packed_tree_logprobs_entropy`: never builds [N, Vl].
 
@@ -456,13 +455,13 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     Args:
         hidden: [N, H], [1, N, H] or [N, 1, H].
         output_weight: [Vl, H], this rank's rows of the output layer (or tied embedding).
-        tree, temperature, tp_group, chunk_size, cp: as in gather_packed_tree_logprobs_entropy.
+        tree, temperature, tp_group, chunk_size, rows: as in gather_packed_tree_logprobs_entropy.
 
     Returns:
         (logprobs [T], entropy [T]) as gather_packed_tree_logprobs_entropy.
     """
     temperature = check_positive_number("temperature", temperature)
-    hidden = rows_of(hidden, tree, "hidden", cp)
+    hidden = rows_of(hidden, tree, "hidden", rows)
     if output_weight.dim() != 2 or output_weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"output_weight must be [Vl, {hidden.shape[1]}], got {tuple(output_weight.shape)}"
@@ -473,9 +472,9 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
         tree, vocab_local=vocab_local, tp_size=tp_size, tp_rank=tp_rank,
         chunk_rows=_chunk_rows(chunk_size, vocab_local, hidden.device,
                                cpu_elements=_FUSED_CHUNK_ELEMENTS_CPU),
-        device=hidden.device, cp=cp,
+        device=hidden.device, rows=rows,
     )
     node_logprob, row_entropy = _TreeLogprobEntropyFromHidden.apply(
         hidden, output_weight, pairs, tree.num_tree_tokens, temperature, tp_group
     )
-    return tuple(_per_sequence(node_logprob, row_entropy, tree, cp))
+    return tuple(_per_sequence(node_logprob, row_entropy, tree, rows))

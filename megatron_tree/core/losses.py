@@ -40,6 +40,32 @@ def loss_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normaliza
     return mask / torch.where(has_loss, per_seq, 1.0)[seq_of], has_loss.sum().to(torch.float64)
 
 
+def per_token_input(micro_batch: dict, key: str, like: torch.Tensor, *, reader: str = "the loss"
+                    ) -> torch.Tensor:
+    """``micro_batch[key]``, checked to be one value per token: shape [T], like ``like`` (a head
+    output [T]). ValueError naming the key, the shape got and the fix, instead of a broadcast
+    deep in the loss (a [T, 1] input times a [T] output is [T, T])."""
+    if key not in micro_batch:
+        raise ValueError(
+            f"{reader} reads micro_batch[{key!r}], which the batch lacks: pass it in the padded "
+            f"batch ([B, L]) or attach it (packed.attach({key!r}, values), [T] per micro-batch)"
+        )
+    value = micro_batch[key]
+    if not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        tensor = isinstance(value, torch.Tensor)
+        trailing = tensor and value.dim() > 1 and value.shape[:1] == like.shape[:1]
+        fix = "pass one value per token"
+        if trailing:
+            fix = f"squeeze the trailing dim ({key}.squeeze(-1)) before packing or attaching"
+        shape = tuple(value.shape) if tensor else type(value).__name__
+        raise ValueError(
+            f"{reader}: micro_batch[{key!r}] has shape {shape}, "
+            f"expected [T] = {tuple(like.shape)} (one value per token: [B, L] in the padded batch, "
+            f"[T] in tree layout); {fix}"
+        )
+    return value
+
+
 def ppo_clipped_loss(
     outputs: dict, micro_batch: dict, *, clip_eps: float = 0.2, entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
@@ -52,19 +78,26 @@ def ppo_clipped_loss(
     ``exp(r) - r - 1`` with ``r = ref_logprobs - logprobs`` (unbiased, >= 0), reading the
     micro-batch's ``ref_logprobs`` (a forward-only pass of the reference model, attached).
     """
-    ratio = torch.exp(outputs["logprobs"] - micro_batch["old_logprobs"])
-    adv = micro_batch["advantages"]
+    logprobs = outputs["logprobs"]
+
+    def read(key):  # one value per token, like the log-probs
+        return per_token_input(micro_batch, key, logprobs, reader="ppo_clipped_loss")
+
+    old, adv = read("old_logprobs"), read("advantages")
+    ratio = torch.exp(logprobs - old)
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     if entropy_coef:
         loss = loss - entropy_coef * outputs["entropy"]
     if kl_coef:
         if "ref_logprobs" not in micro_batch:
             raise ValueError("kl_coef needs the reference log-probs: attach them as 'ref_logprobs' [T]")
-        log_ratio = micro_batch["ref_logprobs"] - outputs["logprobs"]
+        log_ratio = read("ref_logprobs") - logprobs
         loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
     return loss
 
 
 def value_loss(outputs: dict, micro_batch: dict) -> torch.Tensor:
     """Squared error of the critic's values against ``returns`` per token [T] (halved)."""
-    return 0.5 * (outputs["values"] - micro_batch["returns"]) ** 2
+    values = outputs["values"]
+    returns = per_token_input(micro_batch, "returns", values, reader="value_loss")
+    return 0.5 * (values - returns) ** 2

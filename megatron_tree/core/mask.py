@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .context_parallel import ContextParallelSplit
+from .rows import KeyValueStore, TreeRows
 from .tree import PackedTree
 
 PLAN_GROUPS = 4  # block-sparse plan: query blocks grouped by how many key blocks they see
@@ -354,41 +354,45 @@ class TreeMaskPlan:
     global layers of one model each build theirs once.
 
     Args:
-        subtree_end: int [r, N], one encoding per micro-batch row (N keys).
-        cp: the micro-batch's context-parallel split: the queries are this rank's rows
-            (``cp.local_positions``, nq of them) and the keys the whole tree's N positions.
-        query_positions: int64 [nq] ascending, the queries' key positions when they are a subset
-            of the keys without a CP split (a trunk-reuse branch, :mod:`megatron_tree.core.trunk`).
-        keys_values: ``hook(key, value, layer_number) -> (key, value)`` the attention applies to
-            its keys and values before attending (trunk reuse records or extends them here).
-
-    Attributes:
-        rotary_length: how deep a rotary table must reach for this micro-batch's rows (None: its
-            length), read by ``TreeGPTModel``.
+        subtree_end: int [r, K], one encoding per micro-batch row (K keys).
+        rows: the micro-batch's :class:`~megatron_tree.core.rows.TreeRows` when its queries are
+            not simply all K keys (a context-parallel rank's rows, a trunk-reuse part):
+            ``subtree_end`` is then ``rows.encoding()[0]``, and the attention gets its keys and
+            values through :meth:`keys_values`.
+        store: the trunk group's :class:`~megatron_tree.core.rows.KeyValueStore` (a trunk-reuse
+            part records its keys there, or extends the ones recorded).
     """
 
-    def __init__(self, subtree_end: torch.Tensor, cp: ContextParallelSplit | None = None, *,
-                 query_positions: torch.Tensor | None = None, keys_values: Callable | None = None):
-        if cp is not None and query_positions is not None:
-            raise ValueError("pass cp or query_positions, not both (a CP split names its queries)")
+    def __init__(self, subtree_end: torch.Tensor, rows: TreeRows | None = None, *,
+                 store: KeyValueStore | None = None):
         self.subtree_end = subtree_end
-        self.cp = None if cp is None else cp.to(subtree_end.device)
-        if cp is not None:
-            query_positions = self.cp.local_positions
-        self._queries = None if query_positions is None else query_positions.to(subtree_end.device)
-        self.keys_values = keys_values
-        self.rotary_length: int | None = None
+        self.rows = rows
+        self.store = store
+        queries = None if rows is None else rows.encoding()[1]
+        self._queries = None if queries is None else queries.to(subtree_end.device)
         self._forms: dict[Any, Any] = {}
 
     @property
     def query_positions(self) -> torch.Tensor | None:
-        """int64 [nq] when the queries are some of the keys (a CP rank's rows, a branch), else None
-        (the queries are all N positions)."""
+        """int64 [nq], the queries' places among the keys when they are a subset of them (a CP
+        rank's rows, a trunk-reuse part), else None (the queries are all the keys)."""
         return self._queries
 
     @property
     def num_queries(self) -> int:
         return self.subtree_end.shape[-1] if self._queries is None else self._queries.shape[0]
+
+    @property
+    def reach(self) -> int | None:
+        """How deep a rotary table must reach for the rows (None: as deep as they are many)."""
+        return None if self.rows is None else self.rows.reach
+
+    def keys_values(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's keys/values [n, b, ng, hn] -> those of every key [K, b, ng, hn]
+        (:meth:`~megatron_tree.core.rows.TreeRows.keys_values`)."""
+        if self.rows is None:
+            return key, value
+        return self.rows.keys_values(key, value, layer, self.store)
 
     def _get(self, key: Any, build: Callable[[], Any]) -> Any:
         if key not in self._forms:
@@ -424,7 +428,7 @@ class TreeMaskPlan:
 
 
 class TreeMask(torch.Tensor):
-    """``subtree_end`` (int [N] or [r, N]) carrying its :class:`TreeMaskPlan`: pass it to the model.
+    """``subtree_end`` (int [K] or [r, K]) carrying its :class:`TreeMaskPlan`: pass it to the model.
 
     Build one per micro-batch with :func:`tree_attention_mask`. It is a tensor, so Megatron's
     ``tensor_parallel.checkpoint`` saves it like any input; its ``detach`` (which the checkpoint's
@@ -436,11 +440,10 @@ class TreeMask(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, subtree_end: torch.Tensor, plan: TreeMaskPlan | None = None,
-                cp: ContextParallelSplit | None = None):
+    def __new__(cls, subtree_end: torch.Tensor, plan: TreeMaskPlan | None = None):
         mask = torch.Tensor._make_subclass(cls, subtree_end)
         if plan is None:
-            plan = TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]), cp)
+            plan = TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]))
         mask.plan = plan
         return mask
 
@@ -451,21 +454,43 @@ class TreeMask(torch.Tensor):
         return torch.Tensor.__reduce_ex__(torch.Tensor.detach(self).as_subclass(torch.Tensor), protocol)
 
 
-def tree_attention_mask(tree: PackedTree | torch.Tensor, cp: ContextParallelSplit | None = None) -> TreeMask:
-    """The ``attention_mask`` to hand a tree model for one micro-batch (int32 [N] :class:`TreeMask`).
+def tree_attention_mask(tree: PackedTree | TreeRows | torch.Tensor, rows: TreeRows | None = None, *,
+                        store: KeyValueStore | None = None) -> TreeMask:
+    """The ``attention_mask`` to hand a tree model for one micro-batch (int32 :class:`TreeMask`).
 
     Call it once per micro-batch; every layer (and the recomputation in backward) then shares the
     masks the backends derive from it (per sliding window, for models that mix local and global
     layers; the depths a window needs come from ``subtree_end`` itself, :func:`tree_depth`). A plain
-    ``subtree_end`` tensor works too, but then each layer derives its own. Under context parallelism pass the micro-batch's split (the model then runs on
-    ``cp.local_positions`` of the tree's tokens and gathers keys and values over ``cp.group``).
+    ``subtree_end`` tensor works too, but then each layer derives its own.
+
+    Args:
+        tree: the micro-batch's :class:`PackedTree` (or its ``subtree_end``), or its
+            :class:`~megatron_tree.core.rows.TreeRows` (``micro_batch["rows"]``).
+        rows: the rows this rank computes, when they are not all of ``tree``: a context-parallel
+            split (:func:`~megatron_tree.core.context_parallel.context_parallel_split`; the model
+            then runs on ``rows.positions`` of the tree's tokens and gathers keys and values over
+            the CP group) or a trunk-reuse part.
+        store: a trunk-reuse part's :class:`~megatron_tree.core.rows.KeyValueStore` (one per
+            trunk group and step).
     """
+    if isinstance(tree, TreeRows):
+        tree, rows = tree.tree, tree if rows is None else rows
+    if rows is not None and rows.is_whole:
+        rows = None
+    if rows is not None:
+        if rows.tree.padded_length != _subtree_end_of(tree).shape[-1]:
+            raise ValueError(
+                f"the rows are of a tree of {rows.tree.padded_length} positions, the mask's tree has "
+                f"{_subtree_end_of(tree).shape[-1]}; build the rows from this micro-batch's tree"
+            )
+        if (rows.records or rows.stored is not None) and store is None:
+            raise ValueError(
+                "these rows are a trunk-reuse part: pass store=KeyValueStore(...) (one per trunk group "
+                "and step), or let tree_forward_backward run the batch"
+            )
+        subtree_end = rows.encoding()[0]
+        return TreeMask(subtree_end, TreeMaskPlan(subtree_end[None], rows, store=store))
     subtree_end = _subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}")
-    if cp is not None and cp.positions.numel() != subtree_end.shape[-1]:
-        raise ValueError(
-            f"the context-parallel split covers {cp.positions.numel()} positions, the tree "
-            f"{subtree_end.shape[-1]}; split this micro-batch's tree"
-        )
-    return TreeMask(subtree_end, cp=cp)
+    return TreeMask(subtree_end)

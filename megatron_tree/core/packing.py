@@ -28,13 +28,13 @@ import math
 
 import torch
 
-from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch, part_micro_batch
-from .checks import check_int
+from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
+from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
 from .partition import TrieCounts, _lexicographic_order, _neighbour_lcp, balance_by_cost, cut_tries, pack_pieces
 from .tree import PackedTree
-from .trunk import first_fit, plan_trunk, split_group
+from .trunk import TrunkPlan, first_fit, split_group
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,20 @@ def layout_tree(
 
 
 def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size):
+    """The checked arguments; ``data`` with numpy arrays and rectangular lists as tensors."""
+    from .checks import as_tensor
+
     if not isinstance(data, dict) or "input_ids" not in data or "attention_mask" not in data:
         raise ValueError(
             "data must be a dict holding 'input_ids' [B, L] and 'attention_mask' [B, L] tensors"
         )
+    data = {name: as_tensor(f"data[{name!r}]", value) for name, value in data.items()}
+    for name in ("input_ids", "attention_mask"):
+        if not isinstance(data[name], torch.Tensor):
+            raise ValueError(
+                f"data[{name!r}] must be a [B, L] tensor (or numpy array), got "
+                f"{type(data[name]).__name__}"
+            )
     input_ids, attention_mask = data["input_ids"], data["attention_mask"]
     if input_ids.dim() != 2:
         raise ValueError(f"data['input_ids'] must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -186,14 +196,7 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
             f"sequences {(lengths == 0).nonzero().flatten()[:8].tolist()} are empty (attention_mask "
             "all zero); drop them from the batch before packing"
         )
-    too_long = lengths > max_tokens_per_mb
-    if too_long.any():
-        i = int(too_long.nonzero()[0])
-        raise ValueError(
-            f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb="
-            f"{max_tokens_per_mb}; raise max_tokens_per_mb (a multiple of {align}) or truncate it"
-        )
-    return lengths.to(torch.int64), align, max_tokens_per_mb
+    return data, lengths.to(torch.int64), align, max_tokens_per_mb
 
 
 def _split_into_runs(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int) -> list[tuple[int, int, int]]:
@@ -262,7 +265,11 @@ def _plan_trees(
     counts = TrieCounts(lcp.cpu().numpy(), lengths.cpu().numpy())
     pieces = cut_tries(counts, max_tokens=capacity)
     bins = pack_pieces(pieces, capacity)
-    use_bins = packing == "trie" and (len(bins), sum(b.tokens for b in bins)) <= (len(plan), sum(r[2] for r in runs))
+    # Compare the trees as laid out: runs of one root group in the same tree share their prefix,
+    # so the previous plan can hold fewer tokens than its runs add up to.
+    runs_tokens = sum(counts.union(tree)[0] for tree in plan)
+    bins_tokens = sum(b.tokens for b in bins)
+    use_bins = packing == "trie" and (len(bins), bins_tokens) <= (len(plan), runs_tokens)
     if use_bins:
         plan = [b.runs() for b in bins]
     if balance:
@@ -298,44 +305,55 @@ def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, keys * num_routes + route_id.view(batch, width), -1)
 
 
-def _trunk_tries(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, align: int, layout
-                 ) -> tuple[list[list[tuple[int, int]]], torch.Tensor]:
-    """Which tries get a trunk, grouped into trunk groups, and the sorted indices of the others.
+def _cut_rows(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_to, plan_trees) -> int:
+    """Rows computed when one trie (sorted, ``lcp[0] == 0``) is packed alone without trunk reuse:
+    the plan ``plan_trees(lcp, lengths)`` picks (cut at branch points, or contiguous runs), each
+    micro-batch padded by ``pad_to``."""
+    counts = TrieCounts(lcp.cpu().numpy(), lengths.cpu().numpy())
+    return sum(pad_to(counts.union(runs)[0]) for runs in plan_trees(lcp, lengths))
 
-    A trie gets a trunk when it holds more than ``capacity`` unique tokens (so it would be cut and
-    its upper part repeated), its trunk (nodes whose subtree exceeds ``capacity``) fits one
-    micro-batch, and the trunk pays: cut, each of the b micro-batches its branches need would
-    repeat about the trunk, so it saves about ``trunk * (b - 1)`` tokens, which must exceed the
-    padding of its own micro-batch (a trie sharing only a BOS token keeps the cut plan). Tries are
-    grouped first-fit-decreasing by trunk size, a group's trunks together fitting one micro-batch.
+
+def _trunk_groups(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_to, layout, plan_trees
+                  ) -> tuple[list[tuple[PackedTree, TrunkPlan]], torch.Tensor]:
+    """Which tries run with trunk reuse, grouped, each group with its laid-out tree and the plan
+    that decided; and the sorted indices of the other tries.
+
+    A trie larger than ``capacity`` runs with trunk reuse when its plan computes fewer rows than
+    the plan that would pack it otherwise (``plan_trees``; both with every micro-batch padded by
+    ``pad_to``); one holding a sequence longer
+    than ``capacity`` cannot be cut and always does. Tries are grouped first-fit-decreasing by trunk
+    size, so that small trunks share trunk parts.
 
     Args:
         lcp, lengths: int64 [B] in sorted order.
-        align: the packed-length alignment (a trunk's padding).
+        pad_to: real rows -> a micro-batch's padded rows.
         layout: ``layout(first, end) -> PackedTree`` of sorted sequences ``first..end-1``.
-
-    Returns:
-        (per group, its tries' ``(first, end)`` runs; int64 [B'] sorted indices of the other tries).
+        plan_trees: ``plan_trees(lcp, lengths) -> per tree, its runs`` without trunk reuse.
     """
     starts = torch.nonzero(lcp == 0).flatten().tolist() + [len(lengths)]
     unique = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum((lengths - lcp).cpu(), dim=0, out=unique[1:])
-    tries, sizes, plain = [], [], []
+    tries, plain = [], []
     for first, end in zip(starts[:-1], starts[1:]):
         if int(unique[end] - unique[first]) > capacity:
-            tree = layout(first, end)
-            trunk, pieces = plan_trunk(tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity)
-            size = int(trunk.sum())
-            branches = len(first_fit([b - a for a, b in pieces], capacity))
-            padding = -size % align
-            if size <= capacity and size * (branches - 1) > padding:
-                tries.append((first, end))
-                sizes.append(size)
+            tree = _unpadded(layout(first, end))
+            plan = TrunkPlan.of(tree, capacity)
+            if int(lengths[first:end].max()) > capacity:
+                tries.append((tree, plan))
                 continue
-            logger.info("trie of sorted sequences %d..%d: no trunk (%d tokens over %d branch micro-batches, "
-                        "capacity %d); packed by cutting", first, end - 1, size, branches, capacity)
+            trunk_rows, cut = plan.padded_rows(pad_to), _cut_rows(lcp[first:end], lengths[first:end], capacity, pad_to, plan_trees)
+            if trunk_rows < cut:
+                tries.append((tree, plan))
+                continue
+            logger.info("trie of sorted sequences %d..%d: cut (%d rows) rather than trunk reuse (%d rows)",
+                        first, end - 1, cut, trunk_rows)
         plain.append(torch.arange(first, end))
-    groups = [sorted(tries[i] for i in b) for b in first_fit(sizes, capacity)]
+    groups = []
+    for b in sorted(first_fit([len(plan.trunk_nodes) for _, plan in tries], capacity)):
+        members = [tries[i] for i in sorted(b)]
+        trees = [t for t, _ in members]
+        groups.append((PackedTree.concat(trees),
+                       TrunkPlan.merged([p for _, p in members], [t.num_tree_tokens for t in trees])))
     rest = torch.cat(plain) if plain else torch.zeros(0, dtype=torch.int64)
     return groups, rest
 
@@ -345,6 +363,19 @@ def _unpadded(tree: PackedTree) -> PackedTree:
     u = tree.num_tree_tokens
     return PackedTree(tree.input_ids[:u], tree.position_ids[:u], tree.subtree_end[:u], tree.parent_index[:u],
                       tree.sequence_ids, tree.cu_seqlens, tree.token_index, u)
+
+
+def _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model, route_key
+                   ) -> bool:
+    """Type-check the packing options; returns ``share_trunks`` with its default resolved."""
+    for name, value in dict(pad_to_max=pad_to_max, share_prefixes=share_prefixes, balance_cost=balance_cost).items():
+        check_bool(name, value)
+    share_trunks = check_bool("share_trunks", share_trunks, optional=True)
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} must be one of {PACKINGS}")
+    if balance_cost and cost_model is None:
+        raise ValueError("balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention")
+    return route_key is None if share_trunks is None else share_trunks
 
 
 def build_packed_tree_batch(
@@ -362,7 +393,7 @@ def build_packed_tree_batch(
     cost_model: GPTShape | None = None,
     balance_cost: bool = False,
     route_key: str | None = None,
-    share_trunks: bool = False,
+    share_trunks: bool | None = None,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -375,7 +406,9 @@ def build_packed_tree_batch(
     Args:
         data: ``input_ids`` [B, L] int, ``attention_mask`` [B, L] (1 for real tokens, right-padded),
             and any other per-token tensors [B, L, ...] (loss mask, old log-probs, advantages...),
-            which the micro-batches carry in tree layout [T, ...].
+            which the micro-batches carry in tree layout [T, ...]. numpy arrays are accepted
+            (``torch.as_tensor``, keeping their dtype), and so are rectangular nested lists; a
+            ragged list (rows of different lengths) is refused: right-pad it first.
         max_tokens_per_mb: unique-token capacity of one tree (an int); a multiple of
             ``lcm(block_size, parallel_size)``.
         block_size: attention tile size the packed length is aligned to.
@@ -402,28 +435,36 @@ def build_packed_tree_batch(
             whose routes differ (the trie key is token + route). Its tree-layout values are then
             equal on every sequence through a position (``values_per_position`` reads them).
         share_trunks: trunk reuse (:mod:`megatron_tree.core.trunk`): a trie larger than
-            ``max_tokens_per_mb`` whose trunk (the nodes whose subtree is larger) fits one
-            micro-batch is not cut; its trunk runs once as a micro-batch and the subtrees below it
-            are bin-packed into branch micro-batches that attend to the trunk's keys and values, so
-            no prefix is computed twice. Only where it pays: the tokens the trunk saves (about its
-            size times its branch micro-batches less one) must exceed its micro-batch's padding.
-            Other tries are packed as without it. The parts carry ``"part"`` (a
-            :class:`~megatron_tree.core.trunk.TreePart`) and are padded to the alignment only
-            (``pad_to_max`` does not apply: they never cross pipeline stages);
-            ``tree_forward_backward`` runs them (no pipeline or context parallelism, no MoE). The
-            statistics count a trunk once.
+            ``max_tokens_per_mb`` is not cut; its trunk (the nodes whose subtree is larger) runs
+            once, as a chain of trunk parts of at most ``max_tokens_per_mb`` rows, and the
+            subtrees below it are bin-packed into branch micro-batches that attend to the trunk's
+            keys and values, so no prefix is computed twice. Chosen per trie from the two real
+            plans: trunk reuse where it computes fewer rows than cutting (each micro-batch padded
+            as ``pad_to_max`` says), and always for a trie holding a sequence longer than
+            ``max_tokens_per_mb`` (which runs as a chain of parts). Every micro-batch carries its
+            ``"rows"`` (:class:`~megatron_tree.core.rows.TreeRows`); parts are padded like trees
+            (``pad_to_max``), and ``tree_forward_backward`` runs them under every parallelism but
+            MoE and routing replay. The statistics count a trunk once. None (default): on, except
+            with ``route_key`` (the same default as ``tree_forward_backward``'s; pass False for an
+            MoE model, whose router losses would span a group's micro-batches).
 
     Returns:
         :class:`PackedTreeBatch`.
     """
-    lengths, align, max_tokens_per_mb = _validate(
+    share_trunks = _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model,
+                                  route_key)
+    data, lengths, align, max_tokens_per_mb = _validate(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
     )
-    if packing not in PACKINGS:
-        raise ValueError(f"packing={packing!r} must be one of {PACKINGS}")
+    too_long = lengths > max_tokens_per_mb
+    if too_long.any() and not (share_trunks and share_prefixes):
+        i = int(too_long.nonzero()[0])
+        raise ValueError(
+            f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb={max_tokens_per_mb}; "
+            "pack with share_trunks=True (a longer sequence then runs as a chain of parts), raise "
+            f"max_tokens_per_mb (a multiple of {align}) or truncate it"
+        )
     weights = cost_weights(cost_model)
-    if balance_cost and cost_model is None:
-        raise ValueError("balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention")
     input_ids, mask = data["input_ids"], data["attention_mask"].bool()
     device = input_ids.device
     width = int(lengths.max())
@@ -446,48 +487,40 @@ def build_packed_tree_batch(
         tree_lengths = sorted_lengths[members]
         width_mb = int(tree_lengths.max())
         ids, pos, end, parent, token_index, unique = layout_tree(
-            sorted_keys[members, :width_mb],
-            tree_lengths,
-            padded_length=padded_length,
-            align=align,
-            pad_token_id=pad_token_id,
-            share_prefixes=share_prefixes,
+            sorted_keys[members, :width_mb], tree_lengths, padded_length=padded_length, align=align,
+            pad_token_id=pad_token_id, share_prefixes=share_prefixes,
             keys=None if route_key is None else sorted_trie_keys[members, :width_mb],
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
         return PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
 
+    # Every micro-batch's padded rows, decided once: the capacity (constant shapes) or the alignment.
+    pad_to = (lambda n: max_tokens_per_mb) if pad_to_max else (lambda n: max(-(-n // align), 1) * align)
+    def plan_trees(lcp, lengths):
+        return _plan_trees(lcp, lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost)
+
     groups, members = [], torch.arange(len(lcp), device=device)
     if share_trunks and share_prefixes:
-        groups, members = _trunk_tries(
-            lcp, sorted_lengths, max_tokens_per_mb, align, lambda a, b: layout(torch.arange(a, b, device=device), None)
+        groups, members = _trunk_groups(
+            lcp, sorted_lengths, max_tokens_per_mb, pad_to,
+            lambda a, b: layout(torch.arange(a, b, device=device), None), plan_trees,
         )
         members = members.to(device)
     micro_batches = []
     if len(members):
-        plan = _plan_trees(
-            lcp[members], sorted_lengths[members], max_tokens_per_mb, packing=packing, weights=weights,
-            balance=balance_cost,
-        )
+        plan = plan_trees(lcp[members], sorted_lengths[members])
         for tree_runs in plan:
             picked = members[torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)]
             micro_batches.append(micro_batch(layout(picked, max_tokens_per_mb if pad_to_max else None)))
-    for g, runs in enumerate(groups):
-        picked = torch.cat([torch.arange(first, end) for first, end in runs]).to(device)
-        tree = _unpadded(layout(picked, None))
-        # Parts pad only to the alignment, whatever pad_to_max says: they never cross pipeline
-        # stages, and a trunk is often much shorter than the capacity.
-        pad_to = lambda n: max(-(-n // align), 1) * align  # noqa: E731
-        for view, part in split_group(tree, max_tokens_per_mb, g, pad_to=pad_to, pad_token_id=pad_token_id):
-            micro_batches.append(part_micro_batch(view, part))
+    for g, (tree, plan) in enumerate(groups):
+        micro_batches += [micro_batch(view, rows) for view, rows in
+                          split_group(tree, plan, g, pad_to=pad_to, pad_token_id=pad_token_id)]
 
-    if dp_group is not None:
+    if dp_group is not None:  # as many micro-batches on every rank: all-padding fill-ins
         target = _sync_num_micro_batches(len(micro_batches), dp_group)
-        padded = max_tokens_per_mb if pad_to_max else align
-        while len(micro_batches) < target:
-            micro_batches.append(micro_batch(PackedTree.all_padding(padded, pad_token_id, device)))
-
+        filler = PackedTree.all_padding(pad_to(1), pad_token_id, device)
+        micro_batches += [micro_batch(filler) for _ in range(target - len(micro_batches))]
     result = PackedTreeBatch(
         micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model
     )

@@ -108,6 +108,20 @@ class TrieCounts:
         tokens = int(self.tokens[end] - self.tokens[first]) + head
         return tokens, int(self.pairs[end] - self.pairs[first]) + _triangle(head)
 
+    def union(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
+        """(unique tokens, attention pairs) of the trie of the sorted runs ``[first, end)``
+        together, as laid out: runs sharing a prefix share it (the LCP of the last sequence of one
+        run with the first of the next is the least ``lcp`` between them)."""
+        tokens = pairs = 0
+        last = None
+        for first, end in sorted(runs):
+            run_tokens, run_pairs = self.run(first, end)
+            shared = 0 if last is None else int(self.lcp[last + 1 : first + 1].min())
+            tokens += run_tokens - shared
+            pairs += run_pairs - _triangle(shared)
+            last = end - 1
+        return tokens, pairs
+
     def root_groups(self) -> list[Piece]:
         """One piece per root group (a whole trie)."""
         starts = np.flatnonzero(self.lcp == 0)
@@ -342,6 +356,32 @@ def _cut_once_more(pieces: list[Piece], counts: TrieCounts, weights) -> list[Pie
     return pieces[:i] + counts.split(pieces[i], keep_chains=False) + pieces[i + 1 :]
 
 
+def _right_padded_lengths(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Lengths [B] of a right-padded ``attention_mask`` of ``shape``; ValueError (as the packer's)
+    for a mask of another shape, with left padding or holes, or with an empty row."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"data['attention_mask'] has shape {tuple(attention_mask.shape)} but data['input_ids'] "
+            f"has {tuple(shape)}; they must be equal"
+        )
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    right_padded = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    bad = (mask != right_padded).any(dim=1).nonzero().flatten()[:8].tolist()
+    if bad:
+        raise ValueError(
+            f"data['attention_mask'] rows {bad} are not right-padded: each row must be ones for "
+            "the real tokens followed by zeros (no left padding or holes)"
+        )
+    empty = (lengths == 0).nonzero().flatten()[:8].tolist()
+    if empty:
+        raise ValueError(
+            f"sequences {empty} are empty (attention_mask all zero); drop them from the batch "
+            "before partitioning"
+        )
+    return lengths
+
+
 def _partition_inputs(data, lengths) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys int64 [B, L] with -1 past each length, lengths int64 [B]) from a batch dict or ids."""
     if isinstance(data, dict):
@@ -349,15 +389,17 @@ def _partition_inputs(data, lengths) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError("data must hold 'input_ids' [B, L] and 'attention_mask' [B, L]")
         if lengths is not None:
             raise ValueError("pass lengths only with an input_ids tensor, not with a batch dict")
-        input_ids, lengths = data["input_ids"], data["attention_mask"].bool().sum(dim=1)
+        input_ids, mask = data["input_ids"], data["attention_mask"]
     elif isinstance(data, torch.Tensor):
-        input_ids = data
+        input_ids, mask = data, None
         if lengths is None:
             lengths = torch.full((data.shape[0],), data.shape[-1] if data.dim() else 0)
     else:
         raise ValueError(f"data must be a batch dict or an input_ids tensor [B, L], got {type(data).__name__}")
     if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    if mask is not None:
+        lengths = _right_padded_lengths(mask, input_ids.shape)
     lengths = torch.as_tensor(lengths).to(torch.int64).cpu()
     if lengths.shape != (input_ids.shape[0],) or (lengths < 1).any() or (lengths > input_ids.shape[1]).any():
         raise ValueError(
@@ -384,11 +426,16 @@ def partition_for_data_parallel(
     cost (a whole prompt group usually stays one piece), the pieces are assigned
     longest-processing-time first to the rank where they cost least (a piece joining the rank
     that holds its prefix repeats nothing), and single moves and swaps then lower the costliest
-    rank. Ranks may get different numbers of samples; each gets at least one.
+    rank. The same is done with whole groups (tries cut only as far as needed for ``dp_size``
+    pieces) and the assignment with the cheaper costliest rank is kept, so the costliest rank never
+    costs more than when the groups are kept whole and assigned longest-cost-first (with one or two
+    groups per rank, cutting them often costs more). Ranks may get different numbers of samples;
+    each gets at least one.
 
     Args:
         data: the global batch, a dict with ``input_ids`` [B, L] and ``attention_mask`` [B, L]
-            (right-padded), or an ``input_ids`` tensor [B, L] with ``lengths``.
+            (right-padded: a mask with left padding or holes is refused), or an ``input_ids``
+            tensor [B, L] with ``lengths``.
         dp_size: number of data-parallel ranks, at most B.
         lengths: int [B], sequence lengths, with an ``input_ids`` tensor (default: L for all).
         cost_model: the FLOP model that weighs tokens (linear layers) against attention pairs;
@@ -406,10 +453,19 @@ def partition_for_data_parallel(
     sorted_lengths = lengths[order]
     counts = TrieCounts(_neighbour_lcp(keys[order], sorted_lengths).numpy(), sorted_lengths.numpy())
     total = weights[0] * float(counts.tokens[-1]) + weights[1] * float(counts.pairs[-1])
-    pieces = cut_tries(counts, max_cost=total / dp_size / 2, weights=weights)
-    while len(pieces) < dp_size:
-        pieces = _cut_once_more(pieces, counts, weights)
-    bins = refine(balance_pieces(pieces, dp_size, weights), weights, rounds=4 * len(pieces))
+    # Two cuts: pieces of at most half a rank's share, and whole groups (tries cut only while there
+    # are fewer than dp_size pieces). With one or two groups per rank the finer cut splits groups
+    # and repeats their prompts, and keeping them whole often balances better: the cheaper
+    # costliest rank (then fewer tokens) wins.
+    candidates = []
+    for max_cost in (total / dp_size / 2, math.inf):
+        pieces = cut_tries(counts, max_cost=max_cost, weights=weights)
+        while len(pieces) < dp_size:
+            pieces = _cut_once_more(pieces, counts, weights)
+        bins = refine(balance_pieces(pieces, dp_size, weights), weights, rounds=4 * len(pieces))
+        candidates.append(bins)
+    bins = min(candidates, key=lambda c: (max(b.cost(weights) for b in c),
+                                          sum(b.tokens for b in c)))
     ranks = []
     for b in bins:
         members = np.concatenate([np.arange(first, end) for first, end in b.runs()])

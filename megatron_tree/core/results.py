@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .context_parallel import ContextParallelSplit
+from .rows import TreeRows
 from .logprobs import rows_of
 from .tree import PackedTree
 
@@ -47,31 +47,32 @@ def gather_packed_tree_vocab_stats(
 
 
 def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
-                              cp: ContextParallelSplit | None = None) -> torch.Tensor:
+                              rows: TreeRows | None = None) -> torch.Tensor:
     """A critic's per-position values read back per sequence ([T], differentiable, not rolled).
 
     Args:
         values: N values in any shape ([N], [1, N], [N, 1], [1, N, 1], ...); under context
             parallelism this rank's n rows.
         tree: the micro-batch's packed tree.
-        cp: the micro-batch's context-parallel split, if any: every rank then gets all [T]
-            entries and gradients flow only into its own rows.
+        rows: the micro-batch's :class:`~megatron_tree.core.rows.TreeRows` when ``values`` holds
+            only some of the tree's positions (a context-parallel rank's, a trunk-reuse part's):
+            entries of other rows read 0 before ``rows.complete``.
 
     Returns:
         [T] in ``tree.token_index`` order: entry t of a sequence is the value at its token t.
         A position shared by several sequences receives the sum of their gradients.
     """
-    expected = tree.padded_length if cp is None else cp.num_rows
+    expected = tree.padded_length if rows is None else rows.num_rows
     if values.numel() != expected:
-        where = "the tree's padded length" if cp is None else "this context-parallel rank's rows"
+        where = "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
         raise ValueError(f"values has {values.numel()} elements, expected {where} {expected}")
     flat = values.reshape(-1)
     token_index = tree.token_index.to(values.device)
-    if cp is None:
+    if rows is None:
         return flat[token_index]
-    rows = cp.local_index.to(values.device)[token_index]
-    mine = torch.where(rows >= 0, flat[rows.clamp(min=0)], 0.0)
-    return cp.share([mine])[0]
+    local = rows.local_index.to(values.device)[token_index]
+    mine = torch.where(local >= 0, flat[local.clamp(min=0)], 0.0)
+    return rows.complete([mine])[0]
 
 
 def values_per_position(values: torch.Tensor, tree: PackedTree, *, fill: float = 0) -> torch.Tensor:

@@ -83,6 +83,30 @@ class PackedTree:
             num_tree_tokens=0,
         )
 
+    @classmethod
+    def concat(cls, trees: list["PackedTree"]) -> "PackedTree":
+        """Unpadded trees laid out one after another, as separate roots of one tree."""
+        if len(trees) == 1:
+            return trees[0]
+        offsets, tokens, total = [], [], 0
+        for t in trees:
+            offsets.append(total)
+            total += t.padded_length
+        cu = [trees[0].cu_seqlens[:1]]
+        for t in trees:
+            cu.append(t.cu_seqlens[1:] + (cu[-1][-1] if len(cu) > 1 else 0))
+        return cls(
+            input_ids=torch.cat([t.input_ids for t in trees]),
+            position_ids=torch.cat([t.position_ids for t in trees]),
+            subtree_end=torch.cat([t.subtree_end + o for t, o in zip(trees, offsets)]),
+            parent_index=torch.cat([torch.where(t.parent_index >= 0, t.parent_index + o, -1)
+                                    for t, o in zip(trees, offsets)]),
+            sequence_ids=torch.cat([t.sequence_ids for t in trees]),
+            cu_seqlens=torch.cat(cu),
+            token_index=torch.cat([t.token_index + o for t, o in zip(trees, offsets)]),
+            num_tree_tokens=sum(t.num_tree_tokens for t in trees),
+        )
+
     def sequence_token_index(self, i: int) -> torch.Tensor:
         """int64 [L_i], packed positions of the tokens of the i-th sequence (tree order)."""
         return self.token_index[int(self.cu_seqlens[i]) : int(self.cu_seqlens[i + 1])]

@@ -24,7 +24,6 @@ from megatron.core.transformer.utils import (
 )
 
 from ..core.attention import BACKENDS, tree_attention
-from ..core.context_parallel import gather_keys_values
 from ..core.mask import depth_window
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -135,29 +134,27 @@ class TreeCoreAttention(MegatronModule):
         packed_seq_params=None,
         **extra_kwargs,
     ) -> torch.Tensor:
-        """query [N, b, np, hn], key/value [N, b, ng, hn], the tree mask -> [N, b, np * hn].
+        """query [n, b, np, hn], key/value [n, b, ng, hn], the tree mask -> [n, b, np * hn].
 
-        Under context parallelism (``config.context_parallel_size > 1``) N is this rank's n rows
-        and the mask is ``tree_attention_mask(tree, split)``: the whole tree's keys and values are
-        all-gathered over the split's group (their gradients reduce-scattered in backward). A trunk
-        reuse part's mask (:func:`megatron_tree.core.trunk.part_attention_mask`) records the
-        trunk's keys and values, or prepends them to a branch's.
+        n is the micro-batch's rows on this rank. When they are not the whole tree (a
+        context-parallel rank's share, ``config.context_parallel_size > 1``, or a trunk-reuse part)
+        the mask is ``tree_attention_mask(rows, ...)`` and its rows say how the keys and values
+        of every key are obtained: all-gathered over the CP group, recorded for the trunk
+        group's later parts, prepended with the ones its earlier trunk parts recorded
+        (:meth:`megatron_tree.core.rows.TreeRows.keys_values`).
         """
         cp_size = self.config.context_parallel_size
         plan = getattr(attention_mask, "plan", None)
-        split = getattr(plan, "cp", None)
-        if cp_size > 1 and (split is None or split.size != cp_size):
+        rows = getattr(plan, "rows", None)
+        if (1 if rows is None else rows.cp_size) != cp_size:
             raise ValueError(
                 f"layer {self.layer_number}: context_parallel_size={cp_size} needs the tree mask of a "
-                f"{cp_size}-way context-parallel split: tree_attention_mask(tree, "
-                "context_parallel_split(tree, cp_size, cp_rank, cp_group)) with each rank's rows as "
-                "input (tree_forward_backward does this)"
+                f"{cp_size}-way context-parallel split: tree_attention_mask(context_parallel_split(tree, "
+                f"{cp_size}, cp_rank, cp_group)) with each rank's rows as input (tree_forward_backward "
+                "does this)"
             )
-        if split is not None and split.size > 1:
-            key, value = gather_keys_values(key, value, split)
-        hook = getattr(plan, "keys_values", None)
-        if hook is not None:  # trunk reuse: record the trunk's keys/values, or prepend them
-            key, value = hook(key, value, self.layer_number)
+        if plan is not None:
+            key, value = plan.keys_values(key, value, self.layer_number)
         if attention_bias is not None:
             raise ValueError("tree attention does not take attention_bias")
         if packed_seq_params is not None:

@@ -25,9 +25,9 @@ class TreeGPTModel(GPTModel):
     """
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
-        # A trunk-reuse branch's rows sit deeper than its length: its mask says how deep the rotary
-        # table must reach (a host int set at packing time).
-        self._rotary_length = getattr(getattr(attention_mask, "plan", None), "rotary_length", None)
+        # A trunk-reuse part's rows can sit deeper than they are many: its rows say how deep the
+        # rotary table must reach (a host int set at packing time).
+        self._rotary_length = getattr(getattr(attention_mask, "plan", None), "reach", None)
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:

@@ -201,7 +201,7 @@ class RoutingReplay:
         config = next(r for routers in self.routers.values() for r in routers).config
         self.tp_shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
 
-    def before_forward(self, chunk, micro_batch: dict, split, tp_rank: int) -> None:
+    def before_forward(self, chunk, micro_batch: dict, rows, tp_rank: int) -> None:
         from ..core.results import values_per_position
 
         tree = micro_batch["tree"]
@@ -210,8 +210,8 @@ class RoutingReplay:
         routes = values_per_position(micro_batch[self.route_key], tree)  # [N, layers, topk]
         topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
         routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
-        if split is not None:
-            routes = routes[split.local_positions.to(routes.device)]
+        if rows is not None:
+            routes = rows.local(routes, dim=0)
         rows = routes.shape[0] // self.tp_shards
         routes = routes[tp_rank * rows:(tp_rank + 1) * rows] if self.tp_shards > 1 else routes
         for router in self.routers[id(chunk)]:

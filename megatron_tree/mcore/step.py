@@ -34,6 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from ..core.batch import PackedTreeBatch, micro_batch
+from ..core.checks import check_bool, check_weights
 from ..core.context_parallel import context_parallel_split
 from ..core.heads import LogProbs, Values
 from ..core.losses import loss_weights
@@ -43,7 +44,7 @@ from ..core.tree import PackedTree
 from ..core.results import merge_packed_tree_results
 from .moe import RoutingReplay, step_loss_scale, token_multiplicity
 from .moe_stats import ExpertTokenCounter
-from .trunk_step import check_trunk_parts, run_with_trunks
+from .trunk_step import check_trunk_parts, run_trunks_scheduled, run_with_trunks
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class TreeStepResult:
         }
 
     def _trunk_summary(self) -> str:
-        parts = [mb["part"] for mb in self.packed if "part" in mb]
+        parts = [mb["rows"] for mb in self.packed if mb["rows"].group is not None]
         if not parts:
             return ""
         trunks = [p.num_real for p in parts if p.is_trunk]
@@ -130,12 +131,12 @@ def _as_packed(batch, packing: dict, dp_group, pp_size: int, align: int) -> Pack
                 f"{given} apply to packing a padded batch, but this batch is already packed; pass them "
                 "to build_packed_tree_batch instead"
             )
-        if pp_size > 1 and len({t.padded_length for t in batch.trees}) > 1:
+        if pp_size > 1 and len({mb["rows"].num_rows for mb in batch}) > 1:
             raise ValueError(
                 "the packed batch has trees of different lengths, which pipeline parallelism cannot "
                 "send between stages; pack with pad_to_max=True"
             )
-        bad = [t.padded_length for t in batch.trees if t.padded_length % align]
+        bad = [mb["rows"].num_rows for mb in batch if mb["rows"].num_rows % align]
         if bad:
             raise ValueError(
                 f"packed lengths {bad[:4]} are not multiples of {align} (the context-parallel size, "
@@ -190,29 +191,22 @@ def _context_parallel_group(config, cp_group):
     return cp_group if size > 1 else None
 
 
-def _pad_for_interleaving(packed: PackedTreeBatch, pp_size: int) -> PackedTreeBatch:
-    """Megatron's interleaved schedule needs a multiple of PP micro-batches: add all-padding trees."""
-    missing = -len(packed) % pp_size
-    if not missing:
-        return packed
-    first = packed[0]
-    tree = first["tree"]
-    dummies = []
-    for _ in range(missing):
-        mb = micro_batch(PackedTree.all_padding(tree.padded_length, 0, tree.input_ids.device))
-        mb.update({k: v[:0] for k, v in first.items() if k not in mb})
-        dummies.append(mb)
-    return PackedTreeBatch(list(packed) + dummies, packed.batch_size, packed.num_real_tokens, packed.max_token_id)
-
-
 def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group) -> tuple[list, list, float]:
-    """Per micro-batch (weights float32 [T], loss-token count) and the global count (all DP ranks)."""
+    """Per micro-batch (weights float32 [T], loss-token count) and the global count (all DP ranks).
+
+    Each micro-batch's ``loss_mask`` must be [T], finite and >= 0 (checked here, on the host, one
+    reduction per micro-batch: a negative entry can cancel the count, a NaN would reach it)."""
+
     weights, counts = [], []
     for i, mb in enumerate(packed):
         tree = mb["tree"]
         mask = mb["loss_mask"] if "loss_mask" in mb else gather.default_loss_mask(tree)
         if mask.shape != (tree.num_sequence_tokens,):
-            raise ValueError(f"loss_mask of micro-batch {i} must be [{tree.num_sequence_tokens}], got {tuple(mask.shape)}")
+            raise ValueError(
+                f"loss_mask of micro-batch {i} must be [{tree.num_sequence_tokens}] (one weight per "
+                f"token: [B, L] in the padded batch), got {tuple(mask.shape)}; squeeze a trailing dim"
+            )
+        check_weights(f"loss_mask (micro-batch {i})", mask)
         if gather.rolled and tree.num_sequences and bool((mask[tree.cu_seqlens[1:] - 1] != 0).any()):
             raise ValueError(
                 "loss_mask is nonzero at a sequence's last entry, which predicts no token (log-prob "
@@ -267,6 +261,7 @@ def tree_forward_backward(
     share_trunks: bool | None = None,
     route_key: str | None = None,
     moe_stats: bool = False,
+    recompute_trunks: bool | None = None,
 ) -> TreeStepResult:
     """Run a packed batch forward (and backward) through Megatron's schedule.
 
@@ -305,10 +300,18 @@ def tree_forward_backward(
         moe_stats: count the tokens each expert receives (``result.expert_tokens``, summed over
             layers, in the log line; a host read per router call).
         share_trunks: trunk reuse for a padded ``batch`` (see ``build_packed_tree_batch``): a prompt
-            group larger than ``max_tokens_per_mb`` computes its shared trunk once and its branches
-            attend to the trunk's keys and values. None (default): on wherever it is supported
-            (one pipeline stage and model chunk, no context parallelism, no MoE, no routing replay);
-            False switches it off. A packed ``batch`` carries its own choice.
+            group larger than ``max_tokens_per_mb`` computes its shared trunk once (as a chain of
+            parts when it is longer) and its branches attend to the trunk's keys and values. None
+            (default): on where it pays, under every parallelism (TP, SP, CP, PP, VPP, DP) except
+            MoE models and routing replay; False switches it off. A packed ``batch`` carries its
+            own choice.
+        recompute_trunks: run the trunk parts twice: a no-grad pass that records their keys and
+            values, the branches, then the trunk parts recomputed with their backward (last part
+            first). None (default): on under pipeline parallelism (which needs it: Megatron's
+            schedules run each micro-batch's backward in forward order), off on one stage, where
+            the trunk parts' activations stay alive until their backward instead. On one stage it
+            bounds activation memory by one micro-batch's (plus the trunk's keys and values), for
+            one more forward of the trunk. Needs dropout 0.
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
@@ -317,6 +320,12 @@ def tree_forward_backward(
     Returns:
         :class:`TreeStepResult`; its loss equals the unpacked batch's.
     """
+    for name, value in dict(forward_only=forward_only, collect_outputs=collect_outputs,
+                            dp_grad_average=dp_grad_average, moe_stats=moe_stats).items():
+        check_bool(name, value)
+    for name, value in dict(pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
+                            recompute_trunks=recompute_trunks).items():
+        check_bool(name, value, optional=True)
     if loss_fn is None and not forward_only:
         raise ValueError("loss_fn is required for a training step; pass loss_fn or forward_only=True")
     chunks = model if isinstance(model, list) else [model]
@@ -328,11 +337,12 @@ def tree_forward_backward(
         )
     config = get_model_config(chunks[0])
     cp_group = _context_parallel_group(config, cp_group)
+    tp_group = _tensor_parallel_group(config, tp_group)
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if share_trunks is None and not isinstance(batch, PackedTreeBatch):
         # Trunk reuse by default wherever its loop runs.
-        share_trunks = _trunk_reuse_unsupported(config, len(chunks), pp_size, cp_group, route_key) is None
+        share_trunks = _trunk_reuse_unsupported(config, route_key) is None
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
                    pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
                    route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
@@ -348,73 +358,88 @@ def tree_forward_backward(
     weights, counts, total = _step_weights(packed, gather, normalization, dp_group)
     scale = _loss_scale(config, counts, total, forward_only, [dp_group, cp_group] if dp_grad_average else [])
     device = next(chunks[0].parameters()).device
-    on_device = packed.to(device)
-    if len(chunks) > 1:
-        on_device = _pad_for_interleaving(on_device, pp_size)
-        weights += [torch.zeros(0)] * (len(on_device) - len(weights))
-        counts += [0.0] * (len(on_device) - len(counts))
+    on_device = _split_for_context_parallel(packed, cp_group).to(device)
     weights = [w.to(device=device, dtype=torch.float32) for w in weights]
     timings = {"prepare": time.perf_counter() - t0}
 
-    collected: list[dict] = []
-    if check_trunk_parts(on_device):
-        unsupported = _trunk_reuse_unsupported(config, len(chunks), pp_size, cp_group, route_key)
-        if unsupported is not None:
-            raise ValueError(
-                f"the batch is packed with trunk reuse (share_trunks=True), which does not support {unsupported} "
-                "yet; pack with share_trunks=False"
-            )
-        t1 = time.perf_counter()
-        with _schedule_mode(config, interleaved=False):
-            logs = run_with_trunks(
-                chunks[0], on_device, config=config, gather=gather, tp_group=tp_group, forward_only=forward_only,
-                loss_of=lambda i, outputs, mb: micro_batch_loss(outputs, mb, weights[i], counts[i], scale, loss_fn,
-                                                                collected if collect_outputs else None),
-            )
-        timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
-        return _result(logs, total, packed, collected, timings, None)
-    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
-    forward_step = _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks,
-                                      collected if collect_outputs else None, replay)
+    step = _Step(chunks, config, gather=gather, loss_fn=loss_fn, tp_group=tp_group,
+                 prepare=MicroBatchInputs(chunks, cp_group), weights=weights, counts=counts, scale=scale,
+                 collect=collect_outputs, max_token_id=packed.max_token_id, num_micro_batches=len(packed))
     t1 = time.perf_counter()
+    if check_trunk_parts(on_device):
+        logs = _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size, forward_only)
+        timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
+        return _result(logs, total, packed, step.collected, timings, None)
+    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
     counter = ExpertTokenCounter(chunks) if moe_stats else contextlib.nullcontext()
     with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(replay), counter:
-        logs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(enumerate(on_device)) for _ in chunks] if len(chunks) > 1 else iter(enumerate(on_device)),
-            model=chunks,
-            num_microbatches=len(on_device),
-            seq_length=max(t.padded_length for t in on_device.trees),
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        logs = step.schedule(list(enumerate(on_device)), _forward_step_func(step, replay), forward_only=forward_only)
     timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
-    return _result(logs, total, packed, collected, timings,
+    return _result(logs, total, packed, step.collected, timings,
                    counter.totals() if moe_stats and counter.per_layer else None)
 
 
 def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepResult:
     loss = None
+    tree_outputs = None
+    logs = [d for d in logs if "loss" in d]
     if logs:
         loss = (torch.stack([d["loss"][0] for d in logs]).sum() / max(total, 1e-30)).float()
-    tree_outputs = None
     if collected:
-        tree_outputs = {name: [c[name] for c in collected[: len(packed)]] for name in collected[0]}
+        first = next(iter(collected.values()))
+        tree_outputs = {name: [collected[i][name] for i in range(len(packed))] for name in first}
     result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs,
                             expert_tokens=expert_tokens)
     logger.info(result.log_line())
     return result
 
 
-def _trunk_reuse_unsupported(config, num_chunks: int, pp_size: int, cp_group, route_key) -> str | None:
-    """What the trunk-reuse loop (one model chunk, its own order) does not support here, or None."""
+def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int, forward_only: bool) -> list:
+    """A batch with trunk groups: the one-stage loop, or Megatron's schedules with the trunk parts
+    recomputed (pipeline parallelism, or ``recompute_trunks=True``)."""
+    config, chunks = step.config, step.chunks
+    unsupported = _trunk_reuse_unsupported(config, route_key)
+    if unsupported is not None:
+        raise ValueError(
+            f"the batch is packed with trunk reuse (share_trunks=True), which does not support {unsupported} "
+            "yet; pack with share_trunks=False"
+        )
+    recompute_trunks = _recompute_trunks(config, recompute_trunks, len(chunks), pp_size, forward_only)
+    with _schedule_mode(config, interleaved=len(chunks) > 1):
+        if recompute_trunks or forward_only and (pp_size > 1 or len(chunks) > 1):
+            return run_trunks_scheduled(step, on_device, forward_only=forward_only)
+        return run_with_trunks(step, on_device, forward_only=forward_only)
+
+
+def _trunk_reuse_unsupported(config, route_key) -> str | None:
+    """What trunk reuse does not support here, or None."""
     unsupported = [
-        (pp_size > 1 or num_chunks > 1, f"pipeline parallelism (size {pp_size}, {num_chunks} model chunks)"),
-        (cp_group is not None, "context parallelism"),
-        (bool(config.num_moe_experts), "MoE models (their router losses are per micro-batch)"),
+        (bool(config.num_moe_experts), "MoE models (their router losses would span a group's micro-batches)"),
         (route_key is not None, "routing replay"),
     ]
     return next((what for bad, what in unsupported if bad), None)
+
+
+def _recompute_trunks(config, recompute_trunks, num_chunks: int, pp_size: int, forward_only: bool) -> bool:
+    """Whether trunk parts run twice (a no-grad pass, then recomputed last: see
+    :func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`): required under pipeline
+    parallelism, a memory setting on one stage."""
+    pipelined = pp_size > 1 or num_chunks > 1
+    if recompute_trunks is None:
+        recompute_trunks = pipelined
+    if pipelined and not recompute_trunks:
+        raise ValueError(
+            f"pipeline parallelism (size {pp_size}, {num_chunks} model chunks) runs trunk reuse through Megatron's "
+            "schedules, with the trunk parts recomputed: recompute_trunks=False needs one pipeline stage"
+        )
+    dropout = max(config.hidden_dropout, config.attention_dropout)
+    if recompute_trunks and not forward_only and dropout > 0:
+        raise ValueError(
+            f"recomputed trunk parts must reproduce their first pass, but the model has dropout {dropout} "
+            "(hidden_dropout / attention_dropout): set them to 0 (RL training usually does), or pack with "
+            "share_trunks=False"
+        )
+    return recompute_trunks
 
 
 def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
@@ -449,77 +474,188 @@ def _closing(replay):
 
 
 def micro_batch_loss(outputs: dict, mb: dict, weights: torch.Tensor, count: float, scale: float, loss_fn,
-                     collected: list | None, report: bool = True):
+                     collect: Callable | None, report: bool = True):
     """Megatron's ``(loss, num_tokens, logs)`` of one micro-batch from its head outputs [T].
 
     ``loss`` is the weighted loss sum times ``scale``, ``num_tokens`` the loss-token count (0 when
     ``report`` is False: another context-parallel rank reports it) and ``logs["loss"]`` the unscaled
-    (sum, count) pair. ``collected`` (if given) gets the detached outputs.
+    (sum, count) pair. ``collect`` (if given) is called with the detached outputs.
+
+    A token of weight 0 takes no part, whatever its inputs hold: ``loss_fn`` sees the micro-batch's
+    floating-point per-token inputs [T, ...] set to 0 there, and its loss there is dropped before
+    weighting, so a NaN or inf at such a token reaches neither the loss nor a gradient (0 * NaN
+    is NaN, and masking only the loss would still send NaN back through the loss function).
     """
     tree = mb["tree"]
-    if collected is not None:
-        collected.append({k: v.detach() for k, v in outputs.items()})
+    if collect is not None:
+        collect({k: v.detach() for k, v in outputs.items()})
     device = next(iter(outputs.values())).device
+    size = tree.num_sequence_tokens
+    keep = weights != 0
     if loss_fn is None:
-        per_token = torch.zeros(tree.num_sequence_tokens, device=device)
+        per_token = torch.zeros(size, device=device)
     else:
-        per_token = loss_fn(outputs, mb)
-    if per_token.shape != (tree.num_sequence_tokens,):
+        inputs = {
+            k: torch.where(keep.view(-1, *(1,) * (v.dim() - 1)), v, 0)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim()
+            and v.shape[0] == size else v
+            for k, v in mb.items()
+        }
+        per_token = loss_fn(outputs, inputs)
+    if per_token.shape != (size,):
         raise ValueError(
-            f"loss_fn must return a per-token loss of shape [{tree.num_sequence_tokens}] "
+            f"loss_fn must return a per-token loss of shape [{size}] "
             f"(the micro-batch's sequence tokens), got {tuple(per_token.shape)}"
         )
-    total = (per_token.float() * weights).sum()
+    total = (torch.where(keep, per_token.float(), 0.0) * weights).sum()
     reported = round(count) if report else 0
     num_tokens = torch.tensor(reported, dtype=torch.int, device=total.device)
     pair = torch.stack([total.detach().double(), torch.tensor(count, dtype=torch.float64, device=total.device)])
     return total * scale, num_tokens, {"loss": pair}
 
 
-def _forward_step_func(weights, scale, counts, gather, loss_fn, tp_group, cp_group, chunks, collected, replay):
-    """Megatron's ``forward_step_func`` over ``enumerate(packed micro-batches)``.
+class MicroBatchInputs:
+    """The one per-micro-batch preparation of every loop: a micro-batch's model inputs (its rows'
+    ``input_ids`` / ``position_ids`` [1, n], the tree mask of its rows and, for MoE models, each
+    row's multiplicity in the unpacked batch as ``padding_mask`` [1, n], which
+    :class:`~megatron_tree.mcore.moe.TreeMoELayer` weighs its router losses by).
+
+    Args:
+        chunks: the step's model chunks.
+        cp_group: the CP group (None without context parallelism); the micro-batches' rows are
+            already this rank's (``_split_for_context_parallel``).
+    """
+
+    def __init__(self, chunks, cp_group):
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.moe = bool(get_model_config(chunks[0]).num_moe_experts)
+
+    def __call__(self, mb: dict, store=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        rows = mb["rows"]
+        kwargs = {"attention_mask": tree_attention_mask(rows, store=store)}
+        if self.moe:
+            kwargs["padding_mask"] = token_multiplicity(rows.tree, None if rows.is_whole else rows.positions)
+        return mb["input_ids"], mb["position_ids"], kwargs
+
+
+def _split_for_context_parallel(packed: PackedTreeBatch, cp_group) -> PackedTreeBatch:
+    """Each micro-batch with this CP rank's rows (split on the host, before the batch moves)."""
+    if cp_group is None:
+        return packed
+    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    split = []
+    for mb in packed:
+        new = micro_batch(mb["tree"], context_parallel_split(mb["rows"], size, rank, cp_group))
+        new.update({k: v for k, v in mb.items() if k not in new})
+        split.append(new)
+    return PackedTreeBatch(split, packed.batch_size, packed.num_real_tokens, packed.max_token_id,
+                           cost_model=packed.cost_model)
+
+
+def _tensor_parallel_group(config, tp_group):
+    """The vocabulary's TP group: Megatron's when the model is tensor-parallel and none is given."""
+    tp_size = config.tensor_model_parallel_size
+    if tp_group is None and tp_size > 1:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    if size != tp_size:
+        raise ValueError(
+            f"the model was built with tensor_model_parallel_size={tp_size} but tp_group has {size} ranks; "
+            "pass the model's tensor-parallel group (or None for Megatron's)"
+        )
+    return tp_group if size > 1 else None
+
+
+class _Step:
+    """What one step shares between its loops: the per-micro-batch preparation, the head, the
+    loss weighting and Megatron's schedule call.
+
+    Args:
+        chunks, config: the model chunks and their config.
+        gather: the head; loss_fn: the per-token loss; tp_group: the vocabulary's TP group.
+        prepare: :class:`MicroBatchInputs`.
+        weights, counts, scale: per micro-batch loss weights [T] and loss-token counts, and the
+            factor on every loss sum (see :func:`micro_batch_loss`).
+        collect: keep the head's outputs (``collected``, by micro-batch).
+        max_token_id: the batch's largest token id (the head checks the output's width).
+        num_micro_batches: the batch's; indices past it are all-padding fill-ins.
+    """
+
+    def __init__(self, chunks, config, *, gather, loss_fn, tp_group, prepare, weights, counts, scale, collect,
+                 max_token_id, num_micro_batches):
+        self.chunks, self.config = chunks, config
+        self.gather_head, self.loss_fn, self.tp_group, self.prepare = gather, loss_fn, tp_group, prepare
+        self.weights, self.counts, self.scale = weights, counts, scale
+        self.collected: dict[int, dict] | None = {} if collect else None
+        self.max_token_id, self.num_micro_batches = max_token_id, num_micro_batches
+        self.extra_tokens = 0  # loss tokens of earlier schedule calls, reported with the next loss
+
+    @property
+    def report(self) -> bool:
+        """Whether this rank reports loss-token counts (CP rank 0)."""
+        return self.prepare.cp_rank == 0
+
+    def gather(self, output: torch.Tensor, tree: PackedTree, rows) -> dict[str, torch.Tensor]:
+        """The head's per-token outputs [T] of ``tree``'s sequences from this rank's rows."""
+        self.gather_head.check_output(output, self.tp_group, self.max_token_id)
+        return self.gather_head.gather(output, tree, self.tp_group, None if rows.is_whole else rows)
+
+    def loss(self, i: int, outputs: dict, mb: dict):
+        """Megatron's ``(loss, num_tokens, logs)`` of micro-batch ``i`` (a fill-in: nothing)."""
+        real = i < self.num_micro_batches
+        weights = self.weights[i] if real else torch.zeros(0, device=mb["input_ids"].device)
+        collect = None
+        if self.collected is not None and real:
+            collect = lambda out: self.collected.__setitem__(i, out)  # noqa: E731
+        loss, num_tokens, logs = micro_batch_loss(outputs, mb, weights, self.counts[i] if real else 0.0,
+                                                  self.scale, self.loss_fn, collect, self.report)
+        if self.extra_tokens and self.report:
+            num_tokens, self.extra_tokens = num_tokens + self.extra_tokens, 0
+        return loss, num_tokens, logs
+
+    def schedule(self, items: list[tuple[int, dict]], forward_step, *, forward_only: bool) -> list[dict]:
+        """One call of Megatron's schedule over ``items`` ((index, micro-batch) pairs), padded with
+        all-padding fill-ins to the multiple of the pipeline size the interleaved schedule needs."""
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        if len(self.chunks) > 1 and len(items) % pp_size:
+            first = items[0][1]
+            for k in range(-len(items) % pp_size):
+                mb = micro_batch(PackedTree.all_padding(first["rows"].num_rows, 0, first["input_ids"].device))
+                mb.update({key: v[:0] for key, v in first.items() if key not in mb})
+                items = items + [(self.num_micro_batches + k, mb)]
+        chunks = self.chunks
+        iterator = [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterator, model=chunks, num_microbatches=len(items),
+            seq_length=max(mb["rows"].num_rows for _, mb in items), micro_batch_size=1, forward_only=forward_only,
+        )
+
+
+def _forward_step_func(step: _Step, replay):
+    """Megatron's ``forward_step_func`` over (index, micro-batch) pairs.
 
     The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
     weighted loss sum times ``scale`` (1 when Megatron divides by the global count itself),
     ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair. Under context
     parallelism every CP rank computes the whole loss (its gradient reaching only its own rows) and
     CP rank 0 reports the count, so that Megatron's sums over the CP group count each token once.
-    Each micro-batch's split and mask are built once, at its first model chunk. MoE models also get
-    each position's multiplicity in the unpacked batch (``padding_mask``), which
-    :class:`~megatron_tree.mcore.moe.TreeMoELayer` uses for its router losses.
+    Each micro-batch's inputs and mask are prepared once, at its first model chunk.
     """
-    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-    moe = bool(get_model_config(chunks[0]).num_moe_experts)
     prepared: dict[int, tuple] = {}
-
-    def prepare(mb):
-        tree = mb["tree"]
-        split = None
-        if cp_group is not None:
-            split = context_parallel_split(tree, dist.get_world_size(cp_group), cp_rank, cp_group)
-        kwargs = {"attention_mask": tree_attention_mask(tree, split)}
-        if moe:  # each token's weight in the unpacked batch, for the router's losses
-            kwargs["padding_mask"] = token_multiplicity(tree, None if split is None else split.local_positions)
-        if split is None:
-            return split, mb["input_ids"], mb["position_ids"], kwargs
-        return split, split.local(mb["input_ids"]), split.local(mb["position_ids"]), kwargs
+    chunks = step.chunks
 
     def forward_step(data_iterator, model_chunk):
         i, mb = next(data_iterator)
-        tree = mb["tree"]
         if i not in prepared:
-            prepared[i] = prepare(mb)
-        split, input_ids, position_ids, kwargs = prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
+            prepared[i] = step.prepare(mb)
+        input_ids, position_ids, kwargs = prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
+        rows = mb["rows"]
         if replay is not None:
-            replay.before_forward(model_chunk, mb, split, parallel_state.get_tensor_model_parallel_rank())
+            replay.before_forward(model_chunk, mb, None if rows.is_whole else rows,
+                                  parallel_state.get_tensor_model_parallel_rank())
         output = model_chunk(input_ids, position_ids, **kwargs)
         if replay is not None:
             replay.after_forward(model_chunk)
-
-        def loss_func(output_tensor):
-            outputs = gather.gather(output_tensor, tree, tp_group, split)
-            return micro_batch_loss(outputs, mb, weights[i], counts[i], scale, loss_fn, collected, cp_rank == 0)
-
-        return output, loss_func
+        return output, lambda output_tensor: step.loss(i, step.gather(output_tensor, mb["tree"], rows), mb)
 
     return forward_step

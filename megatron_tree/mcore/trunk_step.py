@@ -1,22 +1,27 @@
 """The step's loop for a batch packed with trunk reuse (``build_packed_tree_batch(share_trunks=True)``).
 
-A trunk group's micro-batches depend on each other (branches attend to the trunk's keys and values,
-and the trunk's backward needs the gradients every branch leaves on them), so they cannot run through
-Megatron's pipeline schedules. This loop does what ``forward_backward_no_pipelining`` does for one
-model chunk (gradient sync held back until the last backward, ``grad_scale_func``,
-``finalize_model_grads_func`` with the token count) in this order:
+A trunk group's micro-batches depend on each other (later parts attend to the trunk parts' keys
+and values, and a trunk part's backward needs the gradients every later part leaves on them), so
+they cannot run through Megatron's pipeline schedules. This loop does what
+``forward_backward_no_pipelining`` does for one model chunk (gradient sync held back until the last
+backward, ``grad_scale_func``, ``finalize_model_grads_func`` with the token count), with the
+step's own per-micro-batch preparation (:class:`~megatron_tree.mcore.step.MicroBatchInputs`: rows,
+mask, MoE multiplicities; context parallelism included), in this order:
 
-1. trunk forward: its attention records every layer's keys and values; its head outputs for the
-   whole group (the entries its rows predict, for every sequence of the group) are kept with their
-   graph, and continue as leaves;
-2. per branch: forward over [trunk keys/values ; own], outputs = own + the trunk's leaves, the loss
-   of the sequences ending in it, backward (which leaves gradients on the trunk's key/value and
-   output leaves);
-3. the loss of the sequences ending inside the trunk (read from the leaves) joins the first
-   backward of the group; then one trunk backward with the leaves' gradients.
+1. per trunk part: forward (its attention records every layer's keys and values, after extending
+   the earlier trunk parts'); its head outputs for the whole group (the entries its rows predict,
+   for every sequence of the group) are kept with their graph, and continue as leaves;
+2. per branch: forward over [trunk keys/values ; own], outputs = own + the trunk parts' leaves,
+   the loss of the sequences ending in it, backward (which leaves gradients on the trunk's
+   key/value and output leaves);
+3. the loss of the sequences ending inside a trunk part (read from the leaves) is backpropagated
+   with the group's first backward; then each trunk part's backward, last part first, with its
+   leaves' gradients.
 
-Peak activation memory: the trunk's, plus one branch's, plus the trunk's keys and values.
-Legend: T_G tokens of the group's sequences, T a micro-batch's.
+Peak activation memory: every trunk part's activations, plus one branch's, plus the trunk's keys and
+values (2 x L x [n_trunk, b, ng, hn]). Under full activation recompute a part keeps only its layers'
+inputs, so the trunk costs L x [n_trunk, b, h] plus its keys and values.
+Legend: T_G tokens of the group's sequences, T a micro-batch's, L layers, h hidden size.
 """
 
 from __future__ import annotations
@@ -25,34 +30,35 @@ import contextlib
 
 import torch
 
-from ..core.mask import tree_attention_mask
-from ..core.trunk import TrunkKeyValues, part_attention_mask
+from ..core.rows import KeyValueStore
 
 
 class _Trunk:
-    """A running trunk: its key/value store, its outputs for the group [T_G] (with their graph)
-    and the leaves the group's losses read."""
+    """A running trunk group: its key/value store and, per trunk part, its outputs for the group
+    [T_G] (with their graph) and the leaves the group's losses read."""
 
     def __init__(self, requires_grad: bool):
-        self.store = TrunkKeyValues(requires_grad)
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.leaves: dict[str, torch.Tensor] = {}
+        self.store = KeyValueStore(requires_grad)
+        self.outputs: list[dict[str, torch.Tensor]] = []
+        self.leaves: list[dict[str, torch.Tensor]] = []
 
     def keep(self, outputs: dict[str, torch.Tensor]) -> None:
-        self.outputs = outputs
-        self.leaves = {k: v.detach().requires_grad_(v.requires_grad) for k, v in outputs.items()}
+        self.outputs.append(outputs)
+        self.leaves.append({k: v.detach().requires_grad_(v.requires_grad) for k, v in outputs.items()})
 
     def read(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: v[tokens] for k, v in self.leaves.items()}
+        """The trunk parts' outputs so far, summed, at ``tokens`` (places in G's token order)."""
+        return {k: sum(leaves[k] for leaves in self.leaves)[tokens] for k in self.leaves[0]}
 
-    def backward_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(outputs, their gradients) for the trunk's one backward."""
+    def backward_args(self, part: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(outputs, their gradients) for trunk part ``part``'s backward: every output that needs
+        one (a zero gradient where no loss read it, so that its keys' gradients still flow)."""
         tensors, grads = [], []
-        for name, out in self.outputs.items():
-            grad = self.leaves[name].grad
-            if out.requires_grad and grad is not None:
+        for name, out in self.outputs[part].items():
+            if out.requires_grad:
+                grad = self.leaves[part][name].grad
                 tensors.append(out)
-                grads.append(grad)
+                grads.append(torch.zeros_like(out) if grad is None else grad)
         return tensors, grads
 
 
@@ -68,33 +74,32 @@ def check_trunk_parts(packed) -> bool:
     expected = None
     found = False
     for i, mb in enumerate(packed):
-        part = mb.get("part")
-        if part is None:
+        rows = mb["rows"]
+        if rows.group is None:
             if expected is not None:
                 raise ValueError(f"micro-batch {i} interrupts trunk group {expected[0]}; keep a group's parts together")
             continue
         found = True
-        if (part.group, part.index) != (expected or (part.group, 0)):
+        if (rows.group, rows.index) != (expected or (rows.group, 0)):
             raise ValueError(
-                f"micro-batch {i} is part {part.index} of trunk group {part.group}, expected "
-                f"{expected or (part.group, 0)}: a group's parts must run in order, trunk first"
+                f"micro-batch {i} is part {rows.index} of trunk group {rows.group}, expected "
+                f"{expected or (rows.group, 0)}: a group's parts must run in order, trunk parts first"
             )
-        expected = None if part.index == part.num_parts - 1 else (part.group, part.index + 1)
+        expected = None if rows.ends_group else (rows.group, rows.index + 1)
     if expected is not None:
         raise ValueError(f"trunk group {expected[0]} ends before its part {expected[1]}")
     return found
 
 
-def run_with_trunks(model, packed, *, config, gather, tp_group, forward_only: bool, loss_of) -> list[dict]:
-    """Forward (and backward) every micro-batch of ``packed`` in order; returns Megatron-style logs.
+def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
+    """Forward (and backward) every micro-batch of ``packed`` in order, on one pipeline stage and
+    model chunk; returns Megatron-style logs.
 
     Args:
-        model: the model (one chunk, one pipeline stage).
-        packed: the micro-batches on the model's device.
-        gather: the head reading per-token outputs; tp_group: its vocab-parallel group.
-        loss_of: ``loss_of(i, outputs, micro_batch) -> (loss, num_tokens, logs)``, Megatron's loss
-            protocol for micro-batch ``i`` (the step's weighting and scale).
+        step: the step's shared state (``megatron_tree.mcore.step._Step``: preparation, head, loss).
+        packed: the micro-batches on the model's device (this CP rank's rows).
     """
+    model, config = step.chunks[0], step.config
     logs: list[dict] = []
     total_tokens = 0
     last = len(packed) - 1
@@ -109,39 +114,175 @@ def run_with_trunks(model, packed, *, config, gather, tp_group, forward_only: bo
             torch.autograd.backward(tensors, grads)
 
         for i, mb in enumerate(packed):
-            part = mb.get("part")
-            if part is None:
-                mask = tree_attention_mask(mb["tree"])
+            rows = mb["rows"]
+            grouped = rows.group is not None
+            if grouped and rows.index == 0:
+                trunk = _Trunk(requires_grad=not forward_only)
+            input_ids, position_ids, kwargs = step.prepare(mb, trunk.store if grouped else None)
+            output = model(input_ids, position_ids, **kwargs)
+            if rows.records:  # a trunk part: its outputs for every sequence of the group
+                trunk.keep(step.gather(output, rows.tree, rows))
+                outputs = trunk.read(rows.group_tokens)
             else:
-                if part.is_trunk:
-                    trunk = _Trunk(requires_grad=not forward_only)
-                mask = part_attention_mask(part, trunk.store)
-            output = model(mb["input_ids"], mb["position_ids"], attention_mask=mask)
-            if part is None:
-                outputs = gather.gather(output, mb["tree"], tp_group)
-            elif part.is_trunk:
-                trunk.keep(gather.gather(output, part.tree, tp_group, part))
-                outputs = trunk.read(part.group_tokens)
-            else:
-                own = gather.gather(output, mb["tree"], tp_group, part)
-                from_trunk = trunk.read(part.group_tokens)
-                outputs = {k: v + from_trunk[k] for k, v in own.items()}
-            loss, num_tokens, log = loss_of(i, outputs, mb)
+                outputs = step.gather(output, mb["tree"], rows)
+                if grouped:
+                    from_trunk = trunk.read(rows.group_tokens)
+                    outputs = {k: v + from_trunk[k] for k, v in outputs.items()}
+            loss, num_tokens, log = step.loss(i, outputs, mb)
             logs.append(log)
             total_tokens = total_tokens + num_tokens  # a tensor: no host sync per micro-batch
-            ends_group = part is not None and part.index == part.num_parts - 1
             if not forward_only:
                 if config.grad_scale_func is not None:
                     loss = config.grad_scale_func(loss)
                 if loss.requires_grad:
-                    backward(loss, final=i == last and not ends_group)
-                if ends_group:
-                    tensors, grads = trunk.backward_args()
-                    if tensors:
-                        backward(tensors, grads, final=i == last)
-            if ends_group:
+                    backward(loss, final=i == last and not rows.ends_group)
+                if rows.ends_group:
+                    for part in reversed(range(len(trunk.outputs))):
+                        tensors, grads = trunk.backward_args(part)
+                        if tensors:
+                            backward(tensors, grads, final=i == last and part == 0)
+            if rows.ends_group:
                 trunk.store.clear()
                 trunk = None
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+    return logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Megatron's schedules: the trunk parts run twice
+# ---------------------------------------------------------------------------------------------
+
+
+class _SendLeafGrad(torch.autograd.Function):
+    """0 in forward; in backward, sends ``outputs`` the gradient accumulated on ``leaf`` (its
+    detached copy) by then. The incoming gradient only triggers it: ``leaf.grad`` already carries
+    the loss scale of the losses that read the leaf."""
+
+    @staticmethod
+    def forward(ctx, outputs, leaf):
+        ctx.leaf = leaf
+        return outputs.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaf_grad = ctx.leaf.grad
+        return (torch.zeros_like(ctx.leaf) if leaf_grad is None else leaf_grad), None
+
+
+class _KeptOutputs:
+    """Per trunk part (group, index): its head outputs for the group [T_G], kept as leaves."""
+
+    def __init__(self, requires_grad: bool):
+        self.requires_grad = requires_grad
+        self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def keep(self, rows, outputs: dict[str, torch.Tensor]) -> None:
+        self.leaves[(rows.group, rows.index)] = {
+            k: v.detach().requires_grad_(self.requires_grad and v.is_floating_point()) for k, v in outputs.items()
+        }
+
+    def read(self, rows, num_parts: int) -> dict[str, torch.Tensor] | None:
+        """Trunk parts 0 .. num_parts - 1 of ``rows``'s group, summed, at its ``group_tokens``."""
+        if not num_parts:
+            return None
+        parts = [self.leaves[(rows.group, p)] for p in range(num_parts)]
+        return {k: sum(p[k] for p in parts)[rows.group_tokens] for k in parts[0]}
+
+
+@contextlib.contextmanager
+def _held_grad_sync(config):
+    """A schedule call whose backward passes must not start gradient sync or finalize: the real
+    ``no_sync`` held around it, the schedule given none, no finalize."""
+    saved = config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func
+    no_sync = saved[1] if isinstance(saved[1], list) else [saved[1]] if saved[1] is not None else []
+    with contextlib.ExitStack() as stack:
+        for enter in no_sync:
+            stack.enter_context(enter())
+        config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = None, None, None
+        try:
+            yield
+        finally:
+            config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = saved
+
+
+def run_trunks_scheduled(step, packed, *, forward_only: bool) -> list[dict]:
+    """Run a batch with trunk groups through Megatron's schedules (any pipeline layout).
+
+    Megatron's schedules run the backward passes in forward order, but a trunk part's backward
+    must follow its later parts'. So the trunk parts run twice:
+
+    1. every trunk part forward without grad (its attention records its keys and values, which
+       later parts extend as leaves); its head outputs for the group kept as leaves. Forward-only
+       steps take the losses of the sequences ending in it here, and stop after 2.
+    2. every other micro-batch (branches, ordinary trees) forward and backward: branches attend to
+       the recorded keys and values and add the kept outputs, leaving gradients on both;
+    3. every trunk part again, last part of each group first, forward and backward: the loss of the
+       sequences ending in it, plus a term whose gradient is what the later micro-batches left on
+       its kept outputs; its attention adds the gradients left on its recorded keys and values.
+
+    Cost: one more forward of the trunk parts (a third of their forward + backward FLOPs). Memory:
+    the trunk's keys and values (2 x L x [n_trunk, b, ng, hn] on each stage for its layers) and the
+    kept outputs; activations are the schedule's own, one micro-batch's at a time per stage (not
+    the trunk's on top of a branch's). Gradient sync and finalize wait for the last call, which also
+    reports the earlier calls' loss tokens.
+    """
+    requires_grad = not forward_only
+    stores: dict[int, KeyValueStore] = {}
+    kept = _KeptOutputs(requires_grad)
+    items = list(enumerate(packed))
+    trunk_parts = [(i, mb) for i, mb in items if mb["rows"].records]
+    others = [(i, mb) for i, mb in items if not mb["rows"].records]
+    last_first = sorted(trunk_parts, key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index))
+
+    def forward_step_of(loss_of):
+        def forward_step(data_iterator, model_chunk):
+            i, mb = next(data_iterator)
+            rows = mb["rows"]
+            store = None if rows.group is None else stores.setdefault(rows.group, KeyValueStore(requires_grad))
+            input_ids, position_ids, kwargs = step.prepare(mb, store)
+            output = model_chunk(input_ids, position_ids, **kwargs)
+            if i >= step.num_micro_batches:  # a fill-in of the interleaved schedule
+                return output, lambda out: step.loss(i, step.gather(out, mb["tree"], rows), mb)
+            return output, lambda out: loss_of(i, mb, out)
+        return forward_step
+
+    def first_pass(i, mb, output):
+        rows = mb["rows"]
+        kept.keep(rows, step.gather(output, rows.tree, rows))
+        if forward_only:
+            return step.loss(i, kept.read(rows, rows.index + 1), mb)
+        return output.new_zeros(()), torch.zeros((), dtype=torch.int, device=output.device), {}
+
+    def branch(i, mb, output):
+        rows = mb["rows"]
+        outputs = step.gather(output, mb["tree"], rows)
+        before = None if rows.group is None else kept.read(rows, rows.stored_parts)
+        if before is not None:
+            outputs = {k: v + before[k] for k, v in outputs.items()}
+        return step.loss(i, outputs, mb)
+
+    def recompute(i, mb, output):
+        rows = mb["rows"]
+        full = step.gather(output, rows.tree, rows)
+        before = kept.read(rows, rows.index)
+        outputs = {k: v[rows.group_tokens] + (0 if before is None else before[k]) for k, v in full.items()}
+        loss, num_tokens, log = step.loss(i, outputs, mb)
+        leaves = kept.leaves[(rows.group, rows.index)]
+        for k, v in full.items():
+            if v.requires_grad:
+                loss = loss + _SendLeafGrad.apply(v, leaves[k])
+        return loss, num_tokens, log
+
+    with torch.no_grad():
+        logs = step.schedule(trunk_parts, forward_step_of(first_pass), forward_only=True)
+    if forward_only:
+        return logs + step.schedule(others, forward_step_of(branch), forward_only=True)
+    with _held_grad_sync(step.config):
+        logs += step.schedule(others, forward_step_of(branch), forward_only=False)
+    if step.config.calculate_per_token_loss and step.config.finalize_model_grads_func is not None:
+        step.extra_tokens = sum(round(step.counts[i]) for i, _ in others)
+    logs += step.schedule(last_first, forward_step_of(recompute), forward_only=False)
+    for store in stores.values():
+        store.clear()
     return logs

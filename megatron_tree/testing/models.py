@@ -132,9 +132,30 @@ def trunk_sequences(seed: int = 0) -> list[torch.Tensor]:
     return seqs
 
 
+def long_context_sequences(seed: int = 0) -> list[torch.Tensor]:
+    """A shared history longer than a 64-token micro-batch and a sequence longer than one.
+
+    A 150-token history with four tasks below it (12-30 tokens, one with a second turn), one
+    sequence ending inside the history, and a 140-token sequence sharing nothing: with trunk reuse
+    the history runs as a chain of three trunk parts and the long sequence as a chain of its own.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(1, VOCAB, (n,), generator=g)
+
+    history = rand(150)
+    seqs = [torch.cat([history, rand(n)]) for n in (12, 30, 21)]
+    turn = torch.cat([history, rand(16)])
+    seqs += [turn, torch.cat([turn, rand(11)]), history[:97].clone(), rand(140)]
+    return seqs
+
+
 def pack(seqs: list[torch.Tensor], *, block_size: int = 16, max_tokens: int = 512) -> list[dict]:
+    """``seqs`` packed into whole trees (no trunk reuse: every micro-batch's rows are its tree)."""
     batch = pad_sequences(seqs)
-    return list(build_packed_tree_batch(batch, max_tokens_per_mb=max_tokens, block_size=block_size, pad_to_max=False))
+    return list(build_packed_tree_batch(batch, max_tokens_per_mb=max_tokens, block_size=block_size, pad_to_max=False,
+                                        share_trunks=False))
 
 
 def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.Tensor]:

@@ -7,6 +7,8 @@ packing cannot rely on shared sequences being adjacent.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 
@@ -129,3 +131,24 @@ def rl_batch(seqs: list[torch.Tensor], *, response_start: int = 5, seed: int = 1
     batch["advantages"] = torch.randn(b, 1, generator=g).expand(b, width).contiguous()
     batch["returns"] = torch.randn(b, width, generator=g)
     return batch
+
+
+def long_history_sequences(*, history_len: int = 24000, num_tasks: int = 10, task_len: tuple[int, int] = (200, 600),
+                           second_turn_every: int = 3, vocab_size: int = 1024, seed: int = 7
+                           ) -> list[torch.Tensor]:
+    """A long shared history (an agent's context) with ``num_tasks`` tasks below it; every
+    ``second_turn_every``-th task also has a second turn (an observation of 50-150 tokens and an
+    action of 100-300). Token ids in [1, vocab_size)."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(1, vocab_size, (n,), generator=g)
+
+    history = tokens(history_len)
+    seqs = []
+    for i in range(num_tasks):
+        first = torch.cat([history, tokens(rng.randint(*task_len))])
+        seqs.append(first)
+        if i % second_turn_every == 0:
+            seqs.append(torch.cat([first, tokens(rng.randint(50, 150)), tokens(rng.randint(100, 300))]))
+    return seqs
