@@ -27,6 +27,7 @@ from megatron_tree.testing.models import (
     branching_sequences,
     build_gpt_model,
     global_expert_name,
+    long_context_sequences,
     moe_layer_spec,
     small_moe_config,
 )
@@ -77,7 +78,7 @@ def _tree_step(model, batch, **kwargs):
 
     packing = dict(max_tokens_per_mb=64, block_size=16) if isinstance(batch, dict) else {}
     return tree_forward_backward(model, batch, _loss_fn, collect_outputs=True,
-                                 tp_group=ps.get_tensor_model_parallel_group(), **packing, **kwargs)
+                                 tp_group=ps.get_tensor_model_parallel_group(), **{**packing, **kwargs})
 
 
 def _logprob_err(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
@@ -335,3 +336,130 @@ def test_expert_token_counter(world):
     assert forward_only.log_line().startswith("expert tokens: [")
     with pytest.raises(ValueError, match="needs a model with MoE layers"):
         ExpertTokenCounter(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- trunk reuse
+
+# Router losses on. A trunk group's losses are its sequences' as one unpacked batch; the same
+# group held whole in one tree gives exactly those (test_moe_aux_loss.py checks a whole tree
+# against Megatron's stock model on the unpacked batch), so it is the reference here.
+ROUTER_LOSSES = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+
+
+def _long_batch(which: str) -> dict:
+    """"history": one 240-token trie (a 150-token history, five continuations); "lone": one
+    140-token sequence; "both"."""
+    seqs = long_context_sequences()
+    picked = {"history": seqs[:-1], "lone": seqs[-1:], "both": seqs}[which]
+    return rl_batch(picked, response_start=5)
+
+
+def _logged_router_losses() -> dict[str, torch.Tensor]:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    losses = {name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    clear_aux_losses_tracker()
+    return losses
+
+
+def _trunk_moe_step(model, batch, capacity: int, **kwargs):
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+    model.zero_grad(set_to_none=True)
+    result = _tree_step(model, batch, max_tokens_per_mb=capacity, block_size=16, **kwargs)
+    return result, _grads(model), _logged_router_losses()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_trunk_reuse_router_losses_equal_the_whole_group(world, recompute):
+    """The 150-token history group at capacity 64: a chain of three trunk parts and two branch
+    micro-batches, routing statistics summed over them in a first no-grad pass. Loss, log-probs,
+    every gradient and the logged load-balancing and z losses equal the group held in one tree."""
+    recompute_kw = {} if recompute == "none" else dict(recompute_granularity="full", recompute_method="uniform",
+                                                      recompute_num_layers=1)
+    model = build_gpt_model(small_moe_config(**ROUTER_LOSSES, **recompute_kw), tree=True, vocab_size=VOCAB,
+                            backend="block_sparse", block_size=16)
+    batch = _long_batch("history")
+    whole, want, want_losses = _trunk_moe_step(model, batch, 256, share_trunks=False)
+    assert len(whole.packed) == 1
+    got_result, got, got_losses = _trunk_moe_step(model, batch, 64)
+    rows = [mb["rows"] for mb in got_result.packed]
+    assert sum(r.records for r in rows) == 3 and all(r.group == 0 for r in rows)
+    assert float(got_result.loss) == pytest.approx(float(whole.loss), rel=LOSS_RTOL)
+    assert set(want_losses) == {"load_balancing_loss", "z_loss"} and set(got_losses) == set(want_losses)
+    for name, values in want_losses.items():
+        assert torch.allclose(got_losses[name], values, rtol=LOSS_RTOL, atol=0), (name, got_losses[name], values)
+    errors = gradient_errors(got, want)
+    assert any("router" in n for n in errors) and max(errors.values()) <= GRAD_RTOL, max(errors.items(),
+                                                                                         key=lambda kv: kv[1])
+    mask = batch["attention_mask"][:, 1:]
+    width = batch["input_ids"].shape[1]
+    assert _logprob_err(got_result.merged_outputs(max_seq_len=width)["logprobs"],
+                        whole.merged_outputs(max_seq_len=width)["logprobs"].float(), mask) <= LOGP_TOL
+
+
+def _trunk_ep_worker(rank: int, state_path: str, dispatcher: str) -> dict:
+    """EP=2 x DP=2: rank 0 steps on the history group (3 trunk parts, 2 branches), rank 1 on the
+    lone 140-token sequence (2 trunk parts, 1 branch): the ranks run their calls with as many
+    micro-batches, fill-ins where they have fewer."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    config = small_moe_config(dispatcher=dispatcher, **ROUTER_LOSSES)
+    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    per_rank = config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    names = {n: global_expert_name(n, ep_rank=ep_rank, num_local_experts=per_rank) for n in model.state_dict()}
+    full = torch.load(state_path)
+    model.load_state_dict({n: full[names[n]] for n in model.state_dict()})
+    both = _long_batch("both")  # the same per-token inputs as the reference's; rows 0-5 the history
+    rows = slice(0, 6) if ps.get_data_parallel_rank() == 0 else slice(6, 7)
+    batch = {k: v[rows] for k, v in both.items()}
+    result = _tree_step(model, batch, max_tokens_per_mb=64, block_size=16, dp_group=ps.get_data_parallel_group(),
+                        pad_to_max=dispatcher == "allgather")
+    _finalize_grads(model)
+    loss = result.loss.clone()
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    return {"loss": float(loss), "grads": {names[n]: g for n, g in _grads(model).items()},
+            "trunk_parts": sum(mb["rows"].records for mb in result.packed)}
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_trunk_reuse_under_expert_parallel_2_equals_whole_groups(world, tmp_path, dispatcher):
+    """Reference: EP=1, both tries of the two ranks in one process, each held whole in one tree
+    (capacity 256), so each tree's router losses are its trie's as one unpacked batch."""
+    config = small_moe_config(dispatcher=dispatcher, **ROUTER_LOSSES)
+    reference = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    torch.save(reference.state_dict(), tmp_path / "state.pt")
+    whole, want, _ = _trunk_moe_step(reference, _long_batch("both"), 256, share_trunks=False)
+    assert len(whole.packed) == 2
+    ranks = run_spawned(_trunk_ep_worker, 2, str(tmp_path / "state.pt"), dispatcher, tp=1, ep=2)
+    assert [r["trunk_parts"] for r in ranks] == [3, 2]
+    for r in ranks:
+        assert r["loss"] == pytest.approx(float(whole.loss), rel=LOSS_RTOL)
+    got = {n: g for r in ranks for n, g in r["grads"].items()}  # each rank holds its experts' grads
+    errors = gradient_errors(got, want)
+    assert set(errors) == set(want) and max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_an_all_padding_tree_adds_no_router_loss(world):
+    """A data-parallel (or expert-parallel) fill-in tree holds no token: W = 0 once made the
+    load-balancing loss 0 x inf = NaN in every gradient. Now it adds nothing."""
+    from megatron_tree.core.batch import PackedTreeBatch, micro_batch
+    from megatron_tree.core.packing import build_packed_tree_batch
+    from megatron_tree.core.tree import PackedTree
+
+    model = build_gpt_model(small_moe_config(**ROUTER_LOSSES), tree=True, vocab_size=VOCAB, backend="block_sparse",
+                            block_size=16)
+    packed = build_packed_tree_batch(_batch(), max_tokens_per_mb=64, block_size=16, share_trunks=False)
+    filler = micro_batch(PackedTree.all_padding(64))
+    filler.update({k: v[:0] for k, v in packed[0].items() if k not in filler})
+    padded = PackedTreeBatch(list(packed) + [filler], packed.batch_size, packed.num_real_tokens, packed.max_token_id)
+    model.zero_grad(set_to_none=True)
+    want, want_grads = _tree_step(model, packed), _grads(model)
+    model.zero_grad(set_to_none=True)
+    got, got_grads = _tree_step(model, padded), _grads(model)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=LOSS_RTOL)
+    errors = gradient_errors(got_grads, want_grads)
+    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])

@@ -121,7 +121,7 @@ def test_step_reports_expert_tokens(world):
     batch["old_logprobs"] = torch.full((len(lengths), width), -4.0)
     batch["advantages"] = torch.ones(len(lengths), width)
     result = tree_forward_backward(model, batch, ppo_clipped_loss, max_tokens_per_mb=64, block_size=16, moe_stats=True)
-    padded = sum(t.padded_length for t in result.packed.trees)
+    padded = result.packed.num_padded_tokens  # every micro-batch's rows, a trunk part's included
     assert result.expert_tokens.shape == (config.num_moe_experts,)
     assert int(result.expert_tokens.sum()) == padded * config.moe_router_topk * config.num_layers
     assert "expert_tokens=" in result.log_line()

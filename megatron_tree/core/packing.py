@@ -443,10 +443,10 @@ def build_packed_tree_batch(
             as ``pad_to_max`` says), and always for a trie holding a sequence longer than
             ``max_tokens_per_mb`` (which runs as a chain of parts). Every micro-batch carries its
             ``"rows"`` (:class:`~megatron_tree.core.rows.TreeRows`); parts are padded like trees
-            (``pad_to_max``), and ``tree_forward_backward`` runs them under every parallelism but
-            MoE and routing replay. The statistics count a trunk once. None (default): on, except
-            with ``route_key`` (the same default as ``tree_forward_backward``'s; pass False for an
-            MoE model, whose router losses would span a group's micro-batches).
+            (``pad_to_max``), and ``tree_forward_backward`` runs them under every parallelism and
+            for MoE models (router losses as if each group ran unpacked), not with routing replay.
+            The statistics count a trunk once. None (default): on, except with ``route_key`` (the
+            same default as ``tree_forward_backward``'s).
 
     Returns:
         :class:`PackedTreeBatch`.

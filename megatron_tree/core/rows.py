@@ -321,6 +321,11 @@ class KeyValueStore:
     backward (which must run after theirs) picks them up where the keys and values were made. A
     recomputed forward (activation recompute) finds its layer stored and keeps the first copy.
 
+    It also holds what a layer must sum over the whole group rather than one micro-batch (an MoE
+    router's expert counts and token weight, so that its load-balancing loss is the group's as if
+    unpacked): ``collecting`` is set during a first no-grad pass over every part, in which layers
+    :meth:`add_stats`; the later passes read ``layer_stats``.
+
     Memory: L x [n_t, b, ng, 2 hn] per trunk part (plus as much for the gradients).
 
     Args:
@@ -331,6 +336,12 @@ class KeyValueStore:
     def __init__(self, requires_grad: bool):
         self.requires_grad = requires_grad
         self.saved: dict[tuple[int, int], torch.Tensor] = {}
+        self.collecting = False
+        self.layer_stats: dict[int, torch.Tensor] = {}
+
+    def add_stats(self, layer: int, stats: torch.Tensor) -> None:
+        """Add one part's statistics of ``layer`` (summed over the group's parts)."""
+        self.layer_stats[layer] = stats if layer not in self.layer_stats else self.layer_stats[layer] + stats
 
     def record(self, both: torch.Tensor, part: int, layer: int) -> torch.Tensor:
         """Part ``part``'s keys/values of ``layer`` [n_t, b, ng, 2 hn]: stored, returned unchanged."""
@@ -351,3 +362,4 @@ class KeyValueStore:
 
     def clear(self) -> None:
         self.saved.clear()
+        self.layer_stats.clear()

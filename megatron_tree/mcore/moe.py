@@ -20,6 +20,13 @@ micro-batch, so a tree cannot reproduce it) are refused with a clear error; see 
 
 Routing is unchanged: with token-choice top-k routing and no capacity, a token's experts depend on
 that token alone, so the tree's routing equals the unpacked one.
+
+A trunk-reuse group spans several micro-batches; its router losses are the group's sequences'
+run unpacked as one batch: the expert counts and W of every layer are summed over the group's
+parts in a first no-grad pass (into the group's
+:class:`~megatron_tree.core.rows.KeyValueStore`, which the layer finds on the mask plan of its
+micro-batch), and each part then attaches its share (the aux loss is linear in each part's
+scores once the counts are the group's; the z-loss is a sum over tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from megatron.core.transformer.moe.moe_utils import (
     save_to_aux_losses_tracker,
     switch_load_balancing_loss_func,
 )
+
+from .core_attention import running_tree_plan
 
 _SUPPORTED_AUX = ("aux_loss", "none")
 
@@ -89,6 +98,11 @@ def _router_losses_off(config):
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
+def router_losses_on(config) -> bool:
+    """Whether ``config``'s routers add a load-balancing loss or a z-loss."""
+    return bool(config.num_moe_experts) and bool(_aux_coeff(config) or config.moe_z_loss_coeff)
+
+
 def _aux_coeff(config) -> float:
     types, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
     if isinstance(types, list):
@@ -121,16 +135,45 @@ class TreeMoELayer(MoELayer):
 
     def route(self, hidden_states, padding_mask=None):
         weights = self._token_weights
+        store = getattr(running_tree_plan(), "store", None)  # a trunk group's, or None
+        if weights is not None and store is not None and store.collecting and router_losses_on(self.config):
+            store.add_stats(self.router.layer_number, _routing_stats(self.router, hidden_states, weights))
         if weights is None or not (self.training and torch.is_grad_enabled()):
             return super().route(hidden_states, padding_mask)
         check_tree_moe_config(self.config)
         with _router_losses_off(self.config):
             probs, routing_map = super().route(hidden_states, None)
-        return _attach_weighted_losses(self.router, hidden_states, probs, weights), routing_map
+        group_stats = None
+        if store is not None and router_losses_on(self.config):
+            group_stats = store.layer_stats.get(self.router.layer_number)
+            if group_stats is None:
+                raise ValueError(
+                    f"layer {self.router.layer_number}: a trunk group's router losses need the group's routing "
+                    "statistics, collected by a first pass over its parts (tree_forward_backward does this)"
+                )
+        return _attach_weighted_losses(self.router, hidden_states, probs, weights, group_stats), routing_map
 
 
-def _attach_weighted_losses(router, hidden_states, probs, weights):
-    """probs with the weighted aux loss and z-loss attached (their gradients flow in backward)."""
+def _routing_stats(router, hidden_states, weights, logits=None, routing_map=None) -> torch.Tensor:
+    """[E + 1]: the weighted token count of every expert, then W (the total weight), over the
+    TP x CP shards (no gradient)."""
+    with torch.no_grad():
+        if routing_map is None:
+            logits = router.gating(hidden_states).reshape(-1, router.config.num_moe_experts)
+            routing_map, _ = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
+        w = weights.to(routing_map.device, torch.float32)
+        stats = torch.cat([(routing_map.float() * w[:, None]).sum(0), w.sum()[None]])
+        group = router.tp_cp_group
+        if group is not None and group.size() > 1:
+            dist.all_reduce(stats, group=group)
+    return stats
+
+
+def _attach_weighted_losses(router, hidden_states, probs, weights, group_stats=None):
+    """probs with the weighted aux loss and z-loss attached (their gradients flow in backward).
+
+    ``group_stats`` ([E + 1], :func:`_routing_stats` summed over a trunk group's parts): the counts
+    and W the losses are normalized by, in place of this micro-batch's own."""
     config = router.config
     num_experts = config.num_moe_experts
     aux_coeff, z_coeff = _aux_coeff(config), config.moe_z_loss_coeff
@@ -140,11 +183,9 @@ def _attach_weighted_losses(router, hidden_states, probs, weights):
     w = weights.to(logits.dtype)
     group = router.tp_cp_group
     routing_map, scores = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
-    with torch.no_grad():  # W and the weighted expert counts over the TP x CP shards
-        stats = torch.cat([(routing_map.to(w.dtype) * w[:, None]).sum(0), w.sum()[None]])
-        if group is not None and group.size() > 1:
-            dist.all_reduce(stats, group=group)
-    total = stats[-1].clamp(min=1e-30)
+    stats = _routing_stats(router, hidden_states, weights, routing_map=routing_map) if group_stats is None \
+        else group_stats.to(logits.dtype)
+    total = stats[-1].clamp(min=1.0)  # W counts tokens (>= 1 with any real one); an all-padding fill-in: 0 losses
     factor = total * _STEP_SCALE[-1] if _STEP_SCALE else 1.0
     num_layers = config.num_layers + (config.mtp_num_layers or 0)
     if z_coeff:

@@ -42,7 +42,7 @@ from ..core.mask import tree_attention_mask
 from ..core.packing import build_packed_tree_batch
 from ..core.tree import PackedTree
 from ..core.results import merge_packed_tree_results
-from .moe import RoutingReplay, step_loss_scale, token_multiplicity
+from .moe import RoutingReplay, router_losses_on, step_loss_scale, token_multiplicity
 from .moe_stats import ExpertTokenCounter
 from .trunk_step import check_trunk_parts, run_trunks_scheduled, run_with_trunks
 
@@ -302,16 +302,18 @@ def tree_forward_backward(
         share_trunks: trunk reuse for a padded ``batch`` (see ``build_packed_tree_batch``): a prompt
             group larger than ``max_tokens_per_mb`` computes its shared trunk once (as a chain of
             parts when it is longer) and its branches attend to the trunk's keys and values. None
-            (default): on where it pays, under every parallelism (TP, SP, CP, PP, VPP, DP) except
-            MoE models and routing replay; False switches it off. A packed ``batch`` carries its
-            own choice.
+            (default): on where it pays, under every parallelism (TP, SP, CP, PP, VPP, DP, EP) and
+            for MoE models, not with routing replay; False switches it off. A packed ``batch``
+            carries its own choice.
         recompute_trunks: run the trunk parts twice: a no-grad pass that records their keys and
             values, the branches, then the trunk parts recomputed with their backward (last part
-            first). None (default): on under pipeline parallelism (which needs it: Megatron's
-            schedules run each micro-batch's backward in forward order), off on one stage, where
-            the trunk parts' activations stay alive until their backward instead. On one stage it
-            bounds activation memory by one micro-batch's (plus the trunk's keys and values), for
-            one more forward of the trunk. Needs dropout 0.
+            first). None (default): on where the step runs through Megatron's schedules (pipeline
+            parallelism: they run each micro-batch's backward in forward order; expert parallelism:
+            the ranks must run their micro-batches in step; MoE router losses: the first pass sums
+            the group's routing statistics, the branches with it), off otherwise, where the trunk
+            parts' activations stay alive until their backward instead. On one stage it bounds
+            activation memory by one micro-batch's (plus the trunk's keys and values), for one more
+            forward of the trunk. Needs dropout 0.
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
@@ -366,12 +368,16 @@ def tree_forward_backward(
                  prepare=MicroBatchInputs(chunks, cp_group), weights=weights, counts=counts, scale=scale,
                  collect=collect_outputs, max_token_id=packed.max_token_id, num_micro_batches=len(packed))
     t1 = time.perf_counter()
-    if check_trunk_parts(on_device):
-        logs = _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size, forward_only)
-        timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
-        return _result(logs, total, packed, step.collected, timings, None)
-    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
+    ep_group = dp_group if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 \
+        else None
     counter = ExpertTokenCounter(chunks) if moe_stats else contextlib.nullcontext()
+    if _any_rank(check_trunk_parts(on_device), ep_group):  # EP ranks run the same calls
+        with step_loss_scale(scale), counter:
+            logs = _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size, forward_only, ep_group)
+        timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
+        return _result(logs, total, packed, step.collected, timings,
+                       counter.totals() if moe_stats and counter.per_layer else None)
+    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
     with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(replay), counter:
         logs = step.schedule(list(enumerate(on_device)), _forward_step_func(step, replay), forward_only=forward_only)
     timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
@@ -394,9 +400,21 @@ def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepR
     return result
 
 
-def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int, forward_only: bool) -> list:
+def _any_rank(flag: bool, group) -> bool:
+    """``flag`` on any rank of ``group`` (``flag`` itself without a group)."""
+    if group is None:
+        return flag
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int, forward_only: bool,
+                      ep_group) -> list:
     """A batch with trunk groups: the one-stage loop, or Megatron's schedules with the trunk parts
-    recomputed (pipeline parallelism, or ``recompute_trunks=True``)."""
+    recomputed (pipeline parallelism, expert parallelism, MoE router losses, or
+    ``recompute_trunks=True``)."""
     config, chunks = step.config, step.chunks
     unsupported = _trunk_reuse_unsupported(config, route_key)
     if unsupported is not None:
@@ -404,33 +422,32 @@ def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int
             f"the batch is packed with trunk reuse (share_trunks=True), which does not support {unsupported} "
             "yet; pack with share_trunks=False"
         )
-    recompute_trunks = _recompute_trunks(config, recompute_trunks, len(chunks), pp_size, forward_only)
+    scheduled = pp_size > 1 or len(chunks) > 1 or ep_group is not None or router_losses_on(config)
+    recompute_trunks = _recompute_trunks(config, recompute_trunks, scheduled, forward_only)
     with _schedule_mode(config, interleaved=len(chunks) > 1):
-        if recompute_trunks or forward_only and (pp_size > 1 or len(chunks) > 1):
-            return run_trunks_scheduled(step, on_device, forward_only=forward_only)
+        if recompute_trunks or forward_only and scheduled:
+            return run_trunks_scheduled(step, on_device, forward_only=forward_only, ep_group=ep_group,
+                                        router_stats=router_losses_on(config))
         return run_with_trunks(step, on_device, forward_only=forward_only)
 
 
 def _trunk_reuse_unsupported(config, route_key) -> str | None:
     """What trunk reuse does not support here, or None."""
-    unsupported = [
-        (bool(config.num_moe_experts), "MoE models (their router losses would span a group's micro-batches)"),
-        (route_key is not None, "routing replay"),
-    ]
-    return next((what for bad, what in unsupported if bad), None)
+    return "routing replay" if route_key is not None else None
 
 
-def _recompute_trunks(config, recompute_trunks, num_chunks: int, pp_size: int, forward_only: bool) -> bool:
+def _recompute_trunks(config, recompute_trunks, scheduled: bool, forward_only: bool) -> bool:
     """Whether trunk parts run twice (a no-grad pass, then recomputed last: see
-    :func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`): required under pipeline
-    parallelism, a memory setting on one stage."""
-    pipelined = pp_size > 1 or num_chunks > 1
+    :func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`): required where the step runs
+    through Megatron's schedules (``scheduled``: pipeline or expert parallelism, MoE router losses,
+    which need the group's routing statistics first), a memory setting otherwise."""
     if recompute_trunks is None:
-        recompute_trunks = pipelined
-    if pipelined and not recompute_trunks:
+        recompute_trunks = scheduled
+    if scheduled and not recompute_trunks:
         raise ValueError(
-            f"pipeline parallelism (size {pp_size}, {num_chunks} model chunks) runs trunk reuse through Megatron's "
-            "schedules, with the trunk parts recomputed: recompute_trunks=False needs one pipeline stage"
+            "with pipeline or expert parallelism or MoE router losses, trunk reuse runs through Megatron's "
+            "schedules with the trunk parts recomputed: recompute_trunks=False needs one pipeline stage, no "
+            "expert parallelism and no router losses"
         )
     dropout = max(config.hidden_dropout, config.attention_dropout)
     if recompute_trunks and not forward_only and dropout > 0:
@@ -613,16 +630,23 @@ class _Step:
             num_tokens, self.extra_tokens = num_tokens + self.extra_tokens, 0
         return loss, num_tokens, logs
 
-    def schedule(self, items: list[tuple[int, dict]], forward_step, *, forward_only: bool) -> list[dict]:
+    def schedule(self, items: list[tuple[int, dict]], forward_step, *, forward_only: bool, count: int = 0,
+                 template: dict | None = None) -> list[dict]:
         """One call of Megatron's schedule over ``items`` ((index, micro-batch) pairs), padded with
-        all-padding fill-ins to the multiple of the pipeline size the interleaved schedule needs."""
+        all-padding fill-ins (shaped like ``template``, default the first item) to ``count`` items
+        (expert-parallel ranks run as many), then to the multiple of the pipeline size the
+        interleaved schedule needs."""
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-        if len(self.chunks) > 1 and len(items) % pp_size:
-            first = items[0][1]
-            for k in range(-len(items) % pp_size):
-                mb = micro_batch(PackedTree.all_padding(first["rows"].num_rows, 0, first["input_ids"].device))
-                mb.update({key: v[:0] for key, v in first.items() if key not in mb})
-                items = items + [(self.num_micro_batches + k, mb)]
+        count = max(count, len(items))
+        if len(self.chunks) > 1:
+            count = -(-count // pp_size) * pp_size
+        if count == 0:
+            return []
+        first = items[0][1] if items else template
+        for k in range(count - len(items)):
+            mb = micro_batch(PackedTree.all_padding(first["rows"].num_rows, 0, first["input_ids"].device))
+            mb.update({key: v[:0] for key, v in first.items() if key not in mb})
+            items = items + [(self.num_micro_batches + k, mb)]
         chunks = self.chunks
         iterator = [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
         return get_forward_backward_func()(

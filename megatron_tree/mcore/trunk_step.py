@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from ..core.rows import KeyValueStore
 
@@ -206,53 +207,68 @@ def _held_grad_sync(config):
             config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = saved
 
 
-def run_trunks_scheduled(step, packed, *, forward_only: bool) -> list[dict]:
+def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, router_stats: bool = False
+                         ) -> list[dict]:
     """Run a batch with trunk groups through Megatron's schedules (any pipeline layout).
 
     Megatron's schedules run the backward passes in forward order, but a trunk part's backward
     must follow its later parts'. So the trunk parts run twice:
 
     1. every trunk part forward without grad (its attention records its keys and values, which
-       later parts extend as leaves); its head outputs for the group kept as leaves. Forward-only
-       steps take the losses of the sequences ending in it here, and stop after 2.
+       later parts extend as leaves); its head outputs for the group kept as leaves. With
+       ``router_stats`` (an MoE model with router losses) every other part of the group runs here
+       too, so that the routers sum their statistics over the group. Forward-only steps take the
+       losses of the sequences ending in a trunk part here, and stop after 2.
     2. every other micro-batch (branches, ordinary trees) forward and backward: branches attend to
        the recorded keys and values and add the kept outputs, leaving gradients on both;
     3. every trunk part again, last part of each group first, forward and backward: the loss of the
        sequences ending in it, plus a term whose gradient is what the later micro-batches left on
        its kept outputs; its attention adds the gradients left on its recorded keys and values.
 
-    Cost: one more forward of the trunk parts (a third of their forward + backward FLOPs). Memory:
-    the trunk's keys and values (2 x L x [n_trunk, b, ng, hn] on each stage for its layers) and the
-    kept outputs; activations are the schedule's own, one micro-batch's at a time per stage (not
-    the trunk's on top of a branch's). Gradient sync and finalize wait for the last call, which also
-    reports the earlier calls' loss tokens.
+    Cost: one more forward of the trunk parts (a third of their forward + backward FLOPs; with
+    ``router_stats``, of every part of a group). Memory: the trunk's keys and values
+    (2 x L x [n_trunk, b, ng, hn] on each stage for its layers) and the kept outputs; activations
+    are the schedule's own, one micro-batch's at a time per stage (not the trunk's on top of a
+    branch's). Gradient sync and finalize wait for the last call, which also reports the earlier
+    calls' loss tokens. With ``ep_group`` (expert parallelism: tokens cross the data-parallel
+    ranks inside every forward and backward) every call runs as many micro-batches on every rank.
     """
     requires_grad = not forward_only
     stores: dict[int, KeyValueStore] = {}
     kept = _KeptOutputs(requires_grad)
     items = list(enumerate(packed))
-    trunk_parts = [(i, mb) for i, mb in items if mb["rows"].records]
+    first_items = [(i, mb) for i, mb in items if mb["rows"].records or router_stats and mb["rows"].group is not None]
     others = [(i, mb) for i, mb in items if not mb["rows"].records]
-    last_first = sorted(trunk_parts, key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index))
+    last_first = sorted([(i, mb) for i, mb in items if mb["rows"].records],
+                        key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index))
+    phase = {"collect": False}
 
     def forward_step_of(loss_of):
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             rows = mb["rows"]
-            store = None if rows.group is None else stores.setdefault(rows.group, KeyValueStore(requires_grad))
+            store = None
+            if rows.group is not None:
+                store = stores.setdefault(rows.group, KeyValueStore(requires_grad))
+                store.collecting = phase["collect"]
             input_ids, position_ids, kwargs = step.prepare(mb, store)
             output = model_chunk(input_ids, position_ids, **kwargs)
-            if i >= step.num_micro_batches:  # a fill-in of the interleaved schedule
+            if i >= step.num_micro_batches:  # a fill-in
                 return output, lambda out: step.loss(i, step.gather(out, mb["tree"], rows), mb)
             return output, lambda out: loss_of(i, mb, out)
         return forward_step
 
+    def no_loss(output):
+        return output.new_zeros(()), torch.zeros((), dtype=torch.int, device=output.device), {}
+
     def first_pass(i, mb, output):
         rows = mb["rows"]
+        if not rows.records:  # a branch collecting router statistics
+            return no_loss(output)
         kept.keep(rows, step.gather(output, rows.tree, rows))
         if forward_only:
             return step.loss(i, kept.read(rows, rows.index + 1), mb)
-        return output.new_zeros(()), torch.zeros((), dtype=torch.int, device=output.device), {}
+        return no_loss(output)
 
     def branch(i, mb, output):
         rows = mb["rows"]
@@ -274,15 +290,32 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool) -> list[dict]:
                 loss = loss + _SendLeafGrad.apply(v, leaves[k])
         return loss, num_tokens, log
 
+    counts = _equal_counts([len(first_items), len(others), len(last_first)], ep_group)
+    template = packed[0]
+    phase["collect"] = True
     with torch.no_grad():
-        logs = step.schedule(trunk_parts, forward_step_of(first_pass), forward_only=True)
+        logs = step.schedule(first_items, forward_step_of(first_pass), forward_only=True, count=counts[0],
+                             template=template)
+    phase["collect"] = False
     if forward_only:
-        return logs + step.schedule(others, forward_step_of(branch), forward_only=True)
+        return logs + step.schedule(others, forward_step_of(branch), forward_only=True, count=counts[1],
+                                    template=template)
     with _held_grad_sync(step.config):
-        logs += step.schedule(others, forward_step_of(branch), forward_only=False)
+        logs += step.schedule(others, forward_step_of(branch), forward_only=False, count=counts[1], template=template)
     if step.config.calculate_per_token_loss and step.config.finalize_model_grads_func is not None:
         step.extra_tokens = sum(round(step.counts[i]) for i, _ in others)
-    logs += step.schedule(last_first, forward_step_of(recompute), forward_only=False)
+    logs += step.schedule(last_first, forward_step_of(recompute), forward_only=False, count=counts[2],
+                          template=template)
     for store in stores.values():
         store.clear()
     return logs
+
+
+def _equal_counts(counts: list[int], group) -> list[int]:
+    """The largest of each count over ``group`` (the counts themselves without one)."""
+    if group is None:
+        return counts
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    values = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values.tolist()
