@@ -45,6 +45,7 @@ def _config(recompute: str = "none", **overrides):
         init_method_std=0.15,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         **RECOMPUTE[recompute],
         **overrides,
     )
@@ -224,6 +225,7 @@ def _pipeline_batch(name: str) -> dict:
 
 
 def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> list[dict]:
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
@@ -237,6 +239,8 @@ def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> list
         model.zero_grad(set_to_none=True)
         result = _tree_step(model, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
         grads = {stage_parameter_name(n, stage * per_stage): g for n, g in _grads(model).items()}
+        for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
+            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
         out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
                     "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
     return out
@@ -268,6 +272,15 @@ def _check_pipeline(first: list[dict], last: list[dict], wants) -> None:
 def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute):
     wants = _pipeline_references(critic, tmp_path / "state.pt")
     first, last = run_spawned(_pp_worker, 2, str(tmp_path / "state.pt"), critic, recompute, pp=2, tp=1)
+    _check_pipeline(first, last, wants)
+
+
+def test_context_parallel_2_x_pipeline_parallel_2_equals_unpacked(world, tmp_path):
+    """CP=2 x PP=2 (4 ranks): each stage's micro-batches are CP shares of their trees (Megatron's
+    p2p shapes are the tree length over CP), with and without trunk reuse."""
+    wants = _pipeline_references(False, tmp_path / "state.pt")
+    ranks = run_spawned(_pp_worker, 4, str(tmp_path / "state.pt"), False, "none", pp=2, cp=2, tp=1)
+    first, last = ranks[0], ranks[-1]  # stage 0 (CP rank 0) and stage 1 (CP rank 1)
     _check_pipeline(first, last, wants)
 
 

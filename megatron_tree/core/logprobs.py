@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from .checks import check_int, check_positive_number, debug_checks
-from .rows import TreeRows
+from .rows import TreeRows, pair_offsets
 from .tree import PackedTree
 
 __all__ = [
@@ -122,20 +122,26 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
     # Packing checks token ids on the host; re-checking here would sync with the device.
     if debug_checks() and num_nodes and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
         raise ValueError(f"tree tokens must lie in [0, {vocab_size}) (the logits' full vocab)")
-    parents, nodes = torch.sort(parent, stable=True)  # roots (-1) first
-    num_roots = int((parent < 0).sum())
-    parents, nodes = parents[num_roots:], nodes[num_roots:]
-    num_rows = num_nodes
-    if rows is not None:  # this micro-batch's rows only; its rows ascend with tree positions
-        parents = rows.local_index.to(device)[parents]
-        mine = parents >= 0
-        parents, nodes = parents[mine], nodes[mine]
-        num_rows = rows.num_real  # real rows come first (host fact, set with the rows)
+    if rows is None or not rows.pair_offsets:
+        # Rows built by hand (not at packing): count here, with one host read.
+        rows = TreeRows.whole(tree) if rows is None else replace(rows, pair_offsets=pair_offsets(tree, rows.positions))
+    # Each node keyed by its parent's row here; roots and nodes predicted by other rows last. The
+    # host counts (set with the rows) say how many pairs there are and where each chunk starts.
+    outside = rows.num_rows
+    if rows.is_whole:
+        key = torch.where(parent >= 0, parent, outside)
+    else:  # this micro-batch's rows only; they ascend with tree positions
+        local = rows.local_index.to(device)[parent.clamp(min=0)]
+        key = torch.where((parent >= 0) & (local >= 0), local, outside)
+    order = torch.argsort(key, stable=True)
+    num_pairs = rows.pair_offsets[-1]
+    nodes = order[:num_pairs]
+    parents = key[nodes]
+    num_rows = rows.num_real  # real rows come first (host fact, set with the rows)
     labels = tokens[nodes] - tp_rank * vocab_local
     owned = (labels >= 0) & (labels < vocab_local)
     chunk_starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
-    bounds = torch.tensor(chunk_starts, dtype=parents.dtype, device=device)
-    pair_starts = torch.searchsorted(parents, bounds).tolist()
+    pair_starts = [rows.pair_offsets[a] for a in chunk_starts]
     return _Pairs(parents, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts)
 
 
@@ -360,7 +366,7 @@ def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, 
     outputs = [node_logprob[torch.roll(token_index, -1)]]
     if row_entropy is not None:
         local = token_index
-        if rows is not None:  # rows this micro-batch does not compute on this rank read an appended 0
+        if rows is not None and not rows.is_whole:  # rows not computed here read an appended 0
             local = rows.local_index.to(local.device)[token_index]
             local = torch.where(local >= 0, local, row_entropy.shape[0])
             row_entropy = torch.cat([row_entropy, row_entropy.new_zeros(1)])

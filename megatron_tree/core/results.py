@@ -68,7 +68,7 @@ def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
         raise ValueError(f"values has {values.numel()} elements, expected {where} {expected}")
     flat = values.reshape(-1)
     token_index = tree.token_index.to(values.device)
-    if rows is None:
+    if rows is None or rows.is_whole:
         return flat[token_index]
     local = rows.local_index.to(values.device)[token_index]
     mine = torch.where(local >= 0, flat[local.clamp(min=0)], 0.0)

@@ -62,6 +62,9 @@ class TreeRows:
             (trunk parts first) and the group's micro-batches; group None outside a trunk group.
         group_tokens: int64 [t], places in G's token order (``tree.token_index``) of the tokens of
             the sequences whose loss this part takes; None outside a trunk group.
+        pair_offsets: n + 1 host ints, entry r the tree's predicted (non-root) nodes whose parent
+            is one of the first r rows (the log-prob gather's chunk bounds without a device read);
+            empty when not computed.
     """
 
     tree: PackedTree
@@ -78,13 +81,15 @@ class TreeRows:
     index: int = 0
     num_parts: int = 1
     group_tokens: torch.Tensor | None = None
+    pair_offsets: tuple[int, ...] = ()
 
     @classmethod
     def whole(cls, tree: PackedTree) -> "TreeRows":
         """Every position of ``tree`` (host facts read once, here)."""
         n = tree.padded_length
         reach = int(tree.position_ids.max()) + 1 if n else 1
-        return cls(tree, torch.arange(n, device=tree.input_ids.device), tree.num_tree_tokens, reach)
+        positions = torch.arange(n, device=tree.input_ids.device)
+        return cls(tree, positions, tree.num_tree_tokens, reach, pair_offsets=pair_offsets(tree, positions))
 
     # -- shape ---------------------------------------------------------------------------------
 
@@ -193,7 +198,7 @@ class TreeRows:
         return replace(
             self, positions=mine, cp_positions=cp_positions, cp_rank=cp_rank, cp_group=cp_group,
             num_real=int((mine < self.tree.num_tree_tokens).sum()),
-            reach=int(depth.max()) + 1 if len(mine) else 1,
+            reach=int(depth.max()) + 1 if len(mine) else 1, pair_offsets=pair_offsets(self.tree, mine),
         )
 
     def to(self, device, tree: PackedTree | None = None) -> "TreeRows":
@@ -237,6 +242,18 @@ class TreeRows:
         if self.cp_positions is None:
             return outputs
         return list(_SumOwned.apply(torch.stack(outputs), self.cp_group).unbind(0))
+
+
+def pair_offsets(tree: PackedTree, positions: torch.Tensor) -> tuple[int, ...]:
+    """Host prefix counts [n + 1]: entry r is the number of ``tree``'s predicted (non-root) nodes
+    whose parent is one of ``positions[:r]`` (``positions`` ascending). One host read, at packing."""
+    n = positions.shape[0]
+    parent = tree.parent_index[: tree.num_tree_tokens]
+    local = torch.full((tree.padded_length,), -1, dtype=torch.int64, device=positions.device)
+    local[positions] = torch.arange(n, device=positions.device)
+    rows = local[parent[parent >= 0].to(positions.device)]
+    counts = torch.bincount(rows[rows >= 0], minlength=n)
+    return (0, *torch.cumsum(counts, 0).tolist())
 
 
 # ---------------------------------------------------------------------------------------------

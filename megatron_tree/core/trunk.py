@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .mask import padding_subtree_end
-from .rows import TreeRows
+from .rows import TreeRows, pair_offsets
 from .tree import PackedTree
 
 __all__ = ["TrunkPlan", "first_fit", "plan_trunk", "split_group"]
@@ -189,6 +189,7 @@ def split_group(tree: PackedTree, plan: TrunkPlan, group: int, *, pad_to: callab
             tree, pos, num_real=len(r), reach=int(tree.position_ids[r].max()) + 1 if len(r) else 1,
             stored=torch.cat(positions[:before]) if before else None, stored_parts=before,
             records=i < num_trunk, group=group, index=i, num_parts=len(rows), group_tokens=tokens,
+            pair_offsets=pair_offsets(tree, pos),
         )
         parts.append((view, part))
     return parts

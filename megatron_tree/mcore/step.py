@@ -615,7 +615,7 @@ class _Step:
     def gather(self, output: torch.Tensor, tree: PackedTree, rows) -> dict[str, torch.Tensor]:
         """The head's per-token outputs [T] of ``tree``'s sequences from this rank's rows."""
         self.gather_head.check_output(output, self.tp_group, self.max_token_id)
-        return self.gather_head.gather(output, tree, self.tp_group, None if rows.is_whole else rows)
+        return self.gather_head.gather(output, tree, self.tp_group, rows)
 
     def loss(self, i: int, outputs: dict, mb: dict):
         """Megatron's ``(loss, num_tokens, logs)`` of micro-batch ``i`` (a fill-in: nothing)."""
@@ -651,7 +651,9 @@ class _Step:
         iterator = [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterator, model=chunks, num_microbatches=len(items),
-            seq_length=max(mb["rows"].num_rows for _, mb in items), micro_batch_size=1, forward_only=forward_only,
+            # Megatron divides the sequence length by the CP size (and by TP under SP) for its p2p shapes.
+            seq_length=max(mb["rows"].num_rows * mb["rows"].cp_size for _, mb in items), micro_batch_size=1,
+            forward_only=forward_only,
         )
 
 
