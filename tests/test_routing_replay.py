@@ -139,15 +139,31 @@ def _recorded_routes(seqs, seed: int) -> list[torch.Tensor]:
     return routes
 
 
-def test_step_replays_recorded_routes_like_the_unpacked_reference(world):
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize("seqs,share_trunks,recompute", [
+    ("branching", False, False), ("branching", True, True), ("long_context", True, False),
+    ("long_context", True, True),
+], ids=["trees", "trunks+recompute", "chains", "chains+recompute"])
+def test_step_replays_recorded_routes_like_the_unpacked_reference(world, seqs, share_trunks, recompute):
+    """Whole trees, and trunk reuse (trunk parts, their chains, branches): each part replays its
+    rows' routes; under full activation recompute each backward's recomputation replays its own
+    micro-batch's routes, although trunk parts run their backward after their branches'."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megatron_tree.core.losses import ppo_clipped_loss
     from megatron_tree.mcore.step import tree_forward_backward
-    from megatron_tree.testing.models import VOCAB, branching_sequences, build_gpt_model, small_moe_config
+    from megatron_tree.testing.models import (
+        VOCAB,
+        branching_sequences,
+        build_gpt_model,
+        long_context_sequences,
+        small_moe_config,
+    )
     from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
 
-    seqs = branching_sequences()
+    seqs = branching_sequences() if seqs == "branching" else long_context_sequences()
     routes = _recorded_routes(seqs, seed=3)
     batch = _batch(seqs, routes)
     g = torch.Generator().manual_seed(2)
@@ -159,12 +175,15 @@ def test_step_replays_recorded_routes_like_the_unpacked_reference(world):
     try:
         config = small_moe_config(num_layers=LAYERS, moe_enable_routing_replay=True)
         reference = build_gpt_model(config, tree=False, vocab_size=VOCAB)
-        tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+        tree_config = small_moe_config(num_layers=LAYERS, moe_enable_routing_replay=True,
+                                       **(FULL_RECOMPUTE if recompute else {}))
+        tree = build_gpt_model(tree_config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
         tree.load_state_dict(reference.state_dict())
         reference_batch = {k: v for k, v in batch.items() if k != "routed_experts"}
         want_loss = unpacked_reference_step(_ReplayPerSequence(reference, routes), reference_batch, ppo_clipped_loss)
         result = tree_forward_backward(tree, batch, ppo_clipped_loss, route_key="routed_experts",
-                                       max_tokens_per_mb=64, block_size=16)
+                                       max_tokens_per_mb=64, block_size=16, share_trunks=share_trunks)
+        assert any(mb["rows"].records for mb in result.packed) == share_trunks
         assert float(result.loss) == pytest.approx(float(want_loss), rel=LOSS_RTOL)
         errors = gradient_errors({n: p.grad for n, p in tree.named_parameters() if p.grad is not None},
                                  {n: p.grad for n, p in reference.named_parameters() if p.grad is not None})

@@ -16,7 +16,7 @@ import torch
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import _recompute_trunks, _trunk_reuse_unsupported, tree_forward_backward
+from megatron_tree.mcore.step import _recompute_trunks, tree_forward_backward
 from megatron_tree.mcore.trunk_step import check_trunk_parts
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import (
@@ -198,11 +198,8 @@ def test_forward_only_outputs_and_pack_once(world):
 
 def test_refusals(world):
     model = _build(True, False)
-    with pytest.raises(ValueError, match="share_trunks=True.*routing replay.*share_trunks=False"):
-        _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="routes")
-    config = types.SimpleNamespace(num_moe_experts=None)
-    assert _trunk_reuse_unsupported(config, None) is None
-    assert "routing replay" in _trunk_reuse_unsupported(config, "routes")
+    with pytest.raises(ValueError, match="route_key='advantages' needs routers that replay"):
+        _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="advantages")
     dense = types.SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
     assert not _recompute_trunks(dense, None, False, False) and _recompute_trunks(dense, None, True, False)
     assert _recompute_trunks(dense, True, False, False)

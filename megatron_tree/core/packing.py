@@ -365,8 +365,7 @@ def _unpadded(tree: PackedTree) -> PackedTree:
                       tree.sequence_ids, tree.cu_seqlens, tree.token_index, u)
 
 
-def _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model, route_key
-                   ) -> bool:
+def _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model) -> bool:
     """Type-check the packing options; returns ``share_trunks`` with its default resolved."""
     for name, value in dict(pad_to_max=pad_to_max, share_prefixes=share_prefixes, balance_cost=balance_cost).items():
         check_bool(name, value)
@@ -375,7 +374,7 @@ def _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packi
         raise ValueError(f"packing={packing!r} must be one of {PACKINGS}")
     if balance_cost and cost_model is None:
         raise ValueError("balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention")
-    return route_key is None if share_trunks is None else share_trunks
+    return True if share_trunks is None else share_trunks
 
 
 def build_packed_tree_batch(
@@ -444,15 +443,13 @@ def build_packed_tree_batch(
             ``max_tokens_per_mb`` (which runs as a chain of parts). Every micro-batch carries its
             ``"rows"`` (:class:`~megatron_tree.core.rows.TreeRows`); parts are padded like trees
             (``pad_to_max``), and ``tree_forward_backward`` runs them under every parallelism and
-            for MoE models (router losses as if each group ran unpacked), not with routing replay.
-            The statistics count a trunk once. None (default): on, except with ``route_key`` (the
-            same default as ``tree_forward_backward``'s).
+            for MoE models (router losses as if each group ran unpacked; routing replay too). The
+            statistics count a trunk once. None (default): on (as in ``tree_forward_backward``).
 
     Returns:
         :class:`PackedTreeBatch`.
     """
-    share_trunks = _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model,
-                                  route_key)
+    share_trunks = _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model)
     data, lengths, align, max_tokens_per_mb = _validate(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
     )

@@ -217,18 +217,21 @@ class RoutingReplay:
     """Feeds each micro-batch's recorded routes to Megatron's router replay during a tree step.
 
     The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal on
-    every sequence through a position), here laid out per packed position, cut to this rank's rows
-    (context parallel split, then the sequence-parallel shard the router sees) and set as each
-    router's target for its layer. Before a micro-batch's forward the routers replay forward; after
-    it they replay for backward, so activation recomputation pops the same routes in micro-batch
-    order (Megatron's ``REPLAY_BACKWARD`` list).
+    every sequence through a position), here laid out per packed position (for a trunk group, per
+    position of the group's tree, from all its parts), cut to this rank's rows (CP split or trunk
+    part, then the sequence-parallel shard the router sees) and set as each router's target for its
+    layer. Before a micro-batch's forward the routers replay forward; the routes an activation
+    recomputation needs are handed to the routers when that micro-batch's backward reaches its
+    output (a gradient hook), so any backward order works: Megatron's schedules, a trunk group's
+    trunk parts after its branches, the three calls of recomputed trunks.
 
     Args:
         chunks: the step's model chunks.
         route_key: the micro-batch key holding routes [T, num_layers, topk] (global layer order).
+        packed: the step's micro-batches (on the model's device).
     """
 
-    def __init__(self, chunks, route_key: str):
+    def __init__(self, chunks, route_key: str, packed):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.action = RouterReplayAction
@@ -241,27 +244,61 @@ class RoutingReplay:
             )
         config = next(r for routers in self.routers.values() for r in routers).config
         self.tp_shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        self.group_routes = self._group_routes(packed)
 
-    def before_forward(self, chunk, micro_batch: dict, rows, tp_rank: int) -> None:
+    def _routes(self, micro_batch: dict, tree) -> torch.Tensor:
+        if self.route_key not in micro_batch:
+            raise ValueError(f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the batch)")
+        return micro_batch[self.route_key]
+
+    def _group_routes(self, packed) -> dict[int, torch.Tensor]:
+        """Per trunk group: routes [N_G, layers, topk] at every position of its tree, each part
+        filling the positions of the sequences whose loss it takes (together: all of them)."""
+        groups: dict[int, torch.Tensor] = {}
+        for mb in packed:
+            rows = mb["rows"]
+            if rows.group is None:
+                continue
+            routes = self._routes(mb, mb["tree"])  # [T, layers, topk] of its sequences
+            if rows.group not in groups:
+                table = routes.new_empty((rows.tree.padded_length, *routes.shape[1:]))
+                table[:] = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
+                groups[rows.group] = table
+            groups[rows.group][mb["tree"].token_index.to(routes.device)] = routes
+        return groups
+
+    def before_forward(self, chunk, micro_batch: dict, rows, tp_rank: int) -> list:
+        """Set the routers of ``chunk`` to replay ``micro_batch``'s routes; returns what
+        :meth:`after_forward` needs."""
         from ..core.results import values_per_position
 
         tree = micro_batch["tree"]
-        if self.route_key not in micro_batch:
-            raise ValueError(f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the batch)")
-        routes = values_per_position(micro_batch[self.route_key], tree)  # [N, layers, topk]
-        topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
-        routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
-        if rows is not None:
-            routes = rows.local(routes, dim=0)
-        rows = routes.shape[0] // self.tp_shards
-        routes = routes[tp_rank * rows:(tp_rank + 1) * rows] if self.tp_shards > 1 else routes
+        if rows.group is not None:
+            routes = self.group_routes[rows.group]
+        else:
+            routes = values_per_position(self._routes(micro_batch, tree), tree)  # [N, layers, topk]
+            topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
+            routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
+        routes = rows.local(routes, dim=0)
+        shard = routes.shape[0] // self.tp_shards
+        routes = routes[tp_rank * shard:(tp_rank + 1) * shard] if self.tp_shards > 1 else routes
+        pending = []
         for router in self.routers[id(chunk)]:
-            router.router_replay.set_target_indices(routes[:, router.layer_number - 1].to(torch.int64))
+            target = routes[:, router.layer_number - 1].to(torch.int64)
+            router.router_replay.set_target_indices(target)
+            router.router_replay.replay_backward_list.pop()  # handed over at this backward instead
             router.router_replay.set_router_replay_action(self.action.REPLAY_FORWARD)
+            pending.append((router, target))
+        return pending
 
-    def after_forward(self, chunk) -> None:
+    def after_forward(self, chunk, output: torch.Tensor, pending: list) -> None:
         for router in self.routers[id(chunk)]:
             router.router_replay.set_router_replay_action(self.action.REPLAY_BACKWARD)
+        if torch.is_grad_enabled() and output.requires_grad:
+            def feed(grad):  # this micro-batch's backward starts here: its recomputation pops these
+                for router, target in pending:
+                    router.router_replay.replay_backward_list = [target]
+            output.register_hook(feed)
 
     def close(self) -> None:
         for router in (r for routers in self.routers.values() for r in routers):

@@ -303,7 +303,7 @@ def tree_forward_backward(
             group larger than ``max_tokens_per_mb`` computes its shared trunk once (as a chain of
             parts when it is longer) and its branches attend to the trunk's keys and values. None
             (default): on where it pays, under every parallelism (TP, SP, CP, PP, VPP, DP, EP) and
-            for MoE models, not with routing replay; False switches it off. A packed ``batch``
+            for MoE models (routing replay included); False switches it off. A packed ``batch``
             carries its own choice.
         recompute_trunks: run the trunk parts twice: a no-grad pass that records their keys and
             values, the branches, then the trunk parts recomputed with their backward (last part
@@ -343,8 +343,7 @@ def tree_forward_backward(
     t0 = time.perf_counter()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if share_trunks is None and not isinstance(batch, PackedTreeBatch):
-        # Trunk reuse by default wherever its loop runs.
-        share_trunks = _trunk_reuse_unsupported(config, route_key) is None
+        share_trunks = True  # on where it pays, for every model and layout
     packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
                    pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
                    route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
@@ -366,20 +365,20 @@ def tree_forward_backward(
 
     step = _Step(chunks, config, gather=gather, loss_fn=loss_fn, tp_group=tp_group,
                  prepare=MicroBatchInputs(chunks, cp_group), weights=weights, counts=counts, scale=scale,
-                 collect=collect_outputs, max_token_id=packed.max_token_id, num_micro_batches=len(packed))
+                 collect=collect_outputs, max_token_id=packed.max_token_id, num_micro_batches=len(packed),
+                 replay=None if route_key is None else RoutingReplay(chunks, route_key, on_device))
     t1 = time.perf_counter()
     ep_group = dp_group if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 \
         else None
     counter = ExpertTokenCounter(chunks) if moe_stats else contextlib.nullcontext()
     if _any_rank(check_trunk_parts(on_device), ep_group):  # EP ranks run the same calls
-        with step_loss_scale(scale), counter:
-            logs = _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size, forward_only, ep_group)
+        with step_loss_scale(scale), _closing(step.replay), counter:
+            logs = _run_trunk_groups(step, on_device, recompute_trunks, pp_size, forward_only, ep_group)
         timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
         return _result(logs, total, packed, step.collected, timings,
                        counter.totals() if moe_stats and counter.per_layer else None)
-    replay = RoutingReplay(chunks, route_key) if route_key is not None else None
-    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(replay), counter:
-        logs = step.schedule(list(enumerate(on_device)), _forward_step_func(step, replay), forward_only=forward_only)
+    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(step.replay), counter:
+        logs = step.schedule(list(enumerate(on_device)), _forward_step_func(step), forward_only=forward_only)
     timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
     return _result(logs, total, packed, step.collected, timings,
                    counter.totals() if moe_stats and counter.per_layer else None)
@@ -410,18 +409,11 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(value.item())
 
 
-def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int, forward_only: bool,
-                      ep_group) -> list:
+def _run_trunk_groups(step, on_device, recompute_trunks, pp_size: int, forward_only: bool, ep_group) -> list:
     """A batch with trunk groups: the one-stage loop, or Megatron's schedules with the trunk parts
     recomputed (pipeline parallelism, expert parallelism, MoE router losses, or
     ``recompute_trunks=True``)."""
     config, chunks = step.config, step.chunks
-    unsupported = _trunk_reuse_unsupported(config, route_key)
-    if unsupported is not None:
-        raise ValueError(
-            f"the batch is packed with trunk reuse (share_trunks=True), which does not support {unsupported} "
-            "yet; pack with share_trunks=False"
-        )
     scheduled = pp_size > 1 or len(chunks) > 1 or ep_group is not None or router_losses_on(config)
     recompute_trunks = _recompute_trunks(config, recompute_trunks, scheduled, forward_only)
     with _schedule_mode(config, interleaved=len(chunks) > 1):
@@ -429,11 +421,6 @@ def _run_trunk_groups(step, on_device, route_key, recompute_trunks, pp_size: int
             return run_trunks_scheduled(step, on_device, forward_only=forward_only, ep_group=ep_group,
                                         router_stats=router_losses_on(config))
         return run_with_trunks(step, on_device, forward_only=forward_only)
-
-
-def _trunk_reuse_unsupported(config, route_key) -> str | None:
-    """What trunk reuse does not support here, or None."""
-    return "routing replay" if route_key is not None else None
 
 
 def _recompute_trunks(config, recompute_trunks, scheduled: bool, forward_only: bool) -> bool:
@@ -596,16 +583,49 @@ class _Step:
         collect: keep the head's outputs (``collected``, by micro-batch).
         max_token_id: the batch's largest token id (the head checks the output's width).
         num_micro_batches: the batch's; indices past it are all-padding fill-ins.
+        replay: the step's :class:`~megatron_tree.mcore.moe.RoutingReplay`, or None.
     """
 
     def __init__(self, chunks, config, *, gather, loss_fn, tp_group, prepare, weights, counts, scale, collect,
-                 max_token_id, num_micro_batches):
-        self.chunks, self.config = chunks, config
+                 max_token_id, num_micro_batches, replay=None):
+        self.chunks, self.config, self.replay = chunks, config, replay
         self.gather_head, self.loss_fn, self.tp_group, self.prepare = gather, loss_fn, tp_group, prepare
         self.weights, self.counts, self.scale = weights, counts, scale
         self.collected: dict[int, dict] | None = {} if collect else None
         self.max_token_id, self.num_micro_batches = max_token_id, num_micro_batches
         self.extra_tokens = 0  # loss tokens of earlier schedule calls, reported with the next loss
+
+    def forward(self, model_chunk, mb: dict, store=None, prepared=None) -> torch.Tensor:
+        """One micro-batch through one model chunk: its inputs (``prepared``, or prepared here),
+        the routes it replays, the chunk's output."""
+        input_ids, position_ids, kwargs = prepared if prepared is not None else self.prepare(mb, store)
+        pending = None
+        if self.replay is not None:
+            pending = self.replay.before_forward(model_chunk, mb, mb["rows"],
+                                                 parallel_state.get_tensor_model_parallel_rank())
+        output = model_chunk(input_ids, position_ids, **kwargs)
+        if self.replay is not None:
+            self.replay.after_forward(model_chunk, output, pending)
+        return output
+
+    def forward_step(self, loss_of, store_of=None):
+        """Megatron's ``forward_step_func`` over (index, micro-batch) pairs: each micro-batch
+        prepared once (at its first model chunk), ``loss_of(i, mb, output)`` its loss function
+        (fill-ins past the batch: no loss), ``store_of(rows)`` its trunk group's store."""
+        prepared: dict[int, tuple] = {}
+        last_chunk = self.chunks[-1]
+
+        def forward_step(data_iterator, model_chunk):
+            i, mb = next(data_iterator)
+            if i not in prepared:
+                prepared[i] = self.prepare(mb, None if store_of is None else store_of(mb["rows"]))
+            inputs = prepared.pop(i) if model_chunk is last_chunk else prepared[i]
+            output = self.forward(model_chunk, mb, prepared=inputs)
+            if i >= self.num_micro_batches:  # a fill-in
+                return output, lambda out: self.loss(i, self.gather(out, mb["tree"], mb["rows"]), mb)
+            return output, lambda out: loss_of(i, mb, out)
+
+        return forward_step
 
     @property
     def report(self) -> bool:
@@ -657,31 +677,13 @@ class _Step:
         )
 
 
-def _forward_step_func(step: _Step, replay):
-    """Megatron's ``forward_step_func`` over (index, micro-batch) pairs.
+def _forward_step_func(step: _Step):
+    """Megatron's ``forward_step_func`` over (index, micro-batch) pairs of whole trees or CP shares.
 
     The loss function returns Megatron's ``(loss, num_tokens, logs)``: ``loss`` is the micro-batch's
     weighted loss sum times ``scale`` (1 when Megatron divides by the global count itself),
     ``num_tokens`` its count, and ``logs["loss"]`` the unscaled (sum, count) pair. Under context
     parallelism every CP rank computes the whole loss (its gradient reaching only its own rows) and
     CP rank 0 reports the count, so that Megatron's sums over the CP group count each token once.
-    Each micro-batch's inputs and mask are prepared once, at its first model chunk.
     """
-    prepared: dict[int, tuple] = {}
-    chunks = step.chunks
-
-    def forward_step(data_iterator, model_chunk):
-        i, mb = next(data_iterator)
-        if i not in prepared:
-            prepared[i] = step.prepare(mb)
-        input_ids, position_ids, kwargs = prepared.pop(i) if model_chunk is chunks[-1] else prepared[i]
-        rows = mb["rows"]
-        if replay is not None:
-            replay.before_forward(model_chunk, mb, None if rows.is_whole else rows,
-                                  parallel_state.get_tensor_model_parallel_rank())
-        output = model_chunk(input_ids, position_ids, **kwargs)
-        if replay is not None:
-            replay.after_forward(model_chunk)
-        return output, lambda output_tensor: step.loss(i, step.gather(output_tensor, mb["tree"], rows), mb)
-
-    return forward_step
+    return step.forward_step(lambda i, mb, output: step.loss(i, step.gather(output, mb["tree"], mb["rows"]), mb))

@@ -119,8 +119,7 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
             grouped = rows.group is not None
             if grouped and rows.index == 0:
                 trunk = _Trunk(requires_grad=not forward_only)
-            input_ids, position_ids, kwargs = step.prepare(mb, trunk.store if grouped else None)
-            output = model(input_ids, position_ids, **kwargs)
+            output = step.forward(model, mb, trunk.store if grouped else None)
             if rows.records:  # a trunk part: its outputs for every sequence of the group
                 trunk.keep(step.gather(output, rows.tree, rows))
                 outputs = trunk.read(rows.group_tokens)
@@ -243,20 +242,15 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, rou
                         key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index))
     phase = {"collect": False}
 
+    def store_of(rows):
+        if rows.group is None:
+            return None
+        store = stores.setdefault(rows.group, KeyValueStore(requires_grad))
+        store.collecting = phase["collect"]
+        return store
+
     def forward_step_of(loss_of):
-        def forward_step(data_iterator, model_chunk):
-            i, mb = next(data_iterator)
-            rows = mb["rows"]
-            store = None
-            if rows.group is not None:
-                store = stores.setdefault(rows.group, KeyValueStore(requires_grad))
-                store.collecting = phase["collect"]
-            input_ids, position_ids, kwargs = step.prepare(mb, store)
-            output = model_chunk(input_ids, position_ids, **kwargs)
-            if i >= step.num_micro_batches:  # a fill-in
-                return output, lambda out: step.loss(i, step.gather(out, mb["tree"], rows), mb)
-            return output, lambda out: loss_of(i, mb, out)
-        return forward_step
+        return step.forward_step(loss_of, store_of)
 
     def no_loss(output):
         return output.new_zeros(()), torch.zeros((), dtype=torch.int, device=output.device), {}
