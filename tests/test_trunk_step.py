@@ -156,9 +156,11 @@ def test_recomputed_trunks_equal_unpacked(world, critic, chains):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_trunk_chains_equal_unpacked(world, critic, recompute):
     """A shared history longer than a micro-batch and a sequence longer than one run as chains of
-    trunk parts (each attending to the parts before it): still the unpacked batch's loss, gradients
-    and outputs."""
-    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute, chains=True)
+    trunk parts (each attending to the parts before it), here in the one-stage loop with every trunk
+    part kept alive until the group's end (recompute_trunks=False; the default recomputes chains:
+    test_recomputed_trunks_equal_unpacked): still the unpacked batch's loss, gradients and outputs."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute, chains=True,
+                                                                    recompute_trunks=False)
     _assert_close(got_loss, want_loss, got, want)
     _assert_outputs_close(result, want_outputs)
 

@@ -310,10 +310,12 @@ def tree_forward_backward(
             first). None (default): on where the step runs through Megatron's schedules (pipeline
             parallelism: they run each micro-batch's backward in forward order; expert parallelism:
             the ranks must run their micro-batches in step; MoE router losses: the first pass sums
-            the group's routing statistics, the branches with it), off otherwise, where the trunk
-            parts' activations stay alive until their backward instead. On one stage it bounds
-            activation memory by one micro-batch's (plus the trunk's keys and values), for one more
-            forward of the trunk. Needs dropout 0.
+            the group's routing statistics, the branches with it) and where a trunk is longer than
+            a micro-batch (a chain of trunk parts), off otherwise, where the trunk part's
+            activations stay alive until its backward instead. It bounds activation memory by one
+            micro-batch's (plus the trunk's keys and values), for one more forward of the trunk:
+            with chains of trunk parts kept alive instead, memory grows with the trunk's length.
+            Needs dropout 0.
         max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
@@ -415,6 +417,8 @@ def _run_trunk_groups(step, on_device, recompute_trunks, pp_size: int, forward_o
     ``recompute_trunks=True``)."""
     config, chunks = step.config, step.chunks
     scheduled = pp_size > 1 or len(chunks) > 1 or ep_group is not None or router_losses_on(config)
+    if recompute_trunks is None and any(mb["rows"].records and mb["rows"].index for mb in on_device):
+        recompute_trunks = True  # a trunk longer than a micro-batch: keep one micro-batch's activations
     recompute_trunks = _recompute_trunks(config, recompute_trunks, scheduled, forward_only)
     with _schedule_mode(config, interleaved=len(chunks) > 1):
         if recompute_trunks or forward_only and scheduled:
