@@ -34,40 +34,53 @@ import torch.distributed as dist
 from ..core.rows import KeyValueStore
 
 
-class _Trunk:
-    """A running trunk group: its key/value store and, per trunk part, its outputs for the group
-    [T_G] (with their graph) and the leaves the group's losses read."""
-
-    def __init__(self, requires_grad: bool):
-        self.store = KeyValueStore(requires_grad)
-        self.outputs: list[dict[str, torch.Tensor]] = []
-        self.leaves: list[dict[str, torch.Tensor]] = []
-
-    def keep(self, outputs: dict[str, torch.Tensor]) -> None:
-        self.outputs.append(outputs)
-        self.leaves.append({k: v.detach().requires_grad_(v.requires_grad) for k, v in outputs.items()})
-
-    def read(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The trunk parts' outputs so far, summed, at ``tokens`` (places in G's token order)."""
-        return {k: sum(leaves[k] for leaves in self.leaves)[tokens] for k in self.leaves[0]}
-
-    def backward_args(self, part: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(outputs, their gradients) for trunk part ``part``'s backward: every output that needs
-        one (a zero gradient where no loss read it, so that its keys' gradients still flow)."""
-        tensors, grads = [], []
-        for name, out in self.outputs[part].items():
-            if out.requires_grad:
-                grad = self.leaves[part][name].grad
-                tensors.append(out)
-                grads.append(torch.zeros_like(out) if grad is None else grad)
-        return tensors, grads
-
-
 def _no_sync(config):
     no_sync = config.no_sync_func
     if isinstance(no_sync, list):
         no_sync = no_sync[0]
     return contextlib.nullcontext() if no_sync is None else no_sync()
+
+
+class _KeptOutputs:
+    """Per trunk part (group, index): its head outputs for the group [T_G], kept as leaves that
+    the group's later losses read (their gradients accumulate there), and, in the one-stage loop,
+    with their graph for the part's own backward."""
+
+    def __init__(self, requires_grad: bool):
+        self.requires_grad = requires_grad
+        self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def keep(self, rows, outputs: dict[str, torch.Tensor], graph: bool = False) -> None:
+        key = (rows.group, rows.index)
+        self.leaves[key] = {
+            k: v.detach().requires_grad_(self.requires_grad and v.is_floating_point()) for k, v in outputs.items()
+        }
+        if graph:
+            self.graphs[key] = outputs
+
+    def read(self, rows, num_parts: int) -> dict[str, torch.Tensor] | None:
+        """Trunk parts 0 .. num_parts - 1 of ``rows``'s group, summed, at its ``group_tokens``."""
+        if not num_parts:
+            return None
+        parts = [self.leaves[(rows.group, p)] for p in range(num_parts)]
+        return {k: sum(p[k] for p in parts)[rows.group_tokens] for k in parts[0]}
+
+    def backward_args(self, group: int, part: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(outputs, their gradients) for a kept part's own backward: every output that needs one
+        (a zero gradient where no loss read it, so that its keys' gradients still flow)."""
+        tensors, grads = [], []
+        for name, out in self.graphs[(group, part)].items():
+            if out.requires_grad:
+                grad = self.leaves[(group, part)][name].grad
+                tensors.append(out)
+                grads.append(torch.zeros_like(out) if grad is None else grad)
+        return tensors, grads
+
+    def drop(self, group: int) -> None:
+        for kept in (self.leaves, self.graphs):
+            for key in [k for k in kept if k[0] == group]:
+                del kept[key]
 
 
 def check_trunk_parts(packed) -> bool:
@@ -104,7 +117,8 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
     logs: list[dict] = []
     total_tokens = 0
     last = len(packed) - 1
-    trunk: _Trunk | None = None
+    kept = _KeptOutputs(requires_grad=not forward_only)
+    store: KeyValueStore | None = None
     with contextlib.ExitStack() as sync, torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
         if not forward_only:
             sync.enter_context(_no_sync(config))
@@ -118,16 +132,16 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
             rows = mb["rows"]
             grouped = rows.group is not None
             if grouped and rows.index == 0:
-                trunk = _Trunk(requires_grad=not forward_only)
-            output = step.forward(model, mb, trunk.store if grouped else None)
+                store = KeyValueStore(requires_grad=not forward_only)
+            output = step.forward(model, mb, store if grouped else None)
             if rows.records:  # a trunk part: its outputs for every sequence of the group
-                trunk.keep(step.gather(output, rows.tree, rows))
-                outputs = trunk.read(rows.group_tokens)
+                kept.keep(rows, step.gather(output, rows.tree, rows), graph=True)
+                outputs = kept.read(rows, rows.index + 1)
             else:
                 outputs = step.gather(output, mb["tree"], rows)
-                if grouped:
-                    from_trunk = trunk.read(rows.group_tokens)
-                    outputs = {k: v + from_trunk[k] for k, v in outputs.items()}
+                before = kept.read(rows, rows.stored_parts) if grouped else None
+                if before is not None:
+                    outputs = {k: v + before[k] for k, v in outputs.items()}
             loss, num_tokens, log = step.loss(i, outputs, mb)
             logs.append(log)
             total_tokens = total_tokens + num_tokens  # a tensor: no host sync per micro-batch
@@ -137,13 +151,13 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
                 if loss.requires_grad:
                     backward(loss, final=i == last and not rows.ends_group)
                 if rows.ends_group:
-                    for part in reversed(range(len(trunk.outputs))):
-                        tensors, grads = trunk.backward_args(part)
+                    for part in reversed(range(rows.stored_parts)):
+                        tensors, grads = kept.backward_args(rows.group, part)
                         if tensors:
                             backward(tensors, grads, final=i == last and part == 0)
             if rows.ends_group:
-                trunk.store.clear()
-                trunk = None
+                store.clear()
+                kept.drop(rows.group)
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
     return logs
@@ -168,26 +182,6 @@ class _SendLeafGrad(torch.autograd.Function):
     def backward(ctx, grad):
         leaf_grad = ctx.leaf.grad
         return (torch.zeros_like(ctx.leaf) if leaf_grad is None else leaf_grad), None
-
-
-class _KeptOutputs:
-    """Per trunk part (group, index): its head outputs for the group [T_G], kept as leaves."""
-
-    def __init__(self, requires_grad: bool):
-        self.requires_grad = requires_grad
-        self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def keep(self, rows, outputs: dict[str, torch.Tensor]) -> None:
-        self.leaves[(rows.group, rows.index)] = {
-            k: v.detach().requires_grad_(self.requires_grad and v.is_floating_point()) for k, v in outputs.items()
-        }
-
-    def read(self, rows, num_parts: int) -> dict[str, torch.Tensor] | None:
-        """Trunk parts 0 .. num_parts - 1 of ``rows``'s group, summed, at its ``group_tokens``."""
-        if not num_parts:
-            return None
-        parts = [self.leaves[(rows.group, p)] for p in range(num_parts)]
-        return {k: sum(p[k] for p in parts)[rows.group_tokens] for k in parts[0]}
 
 
 @contextlib.contextmanager
