@@ -245,7 +245,9 @@ def _layout_worker(rank: int, args, modes: list[str], repeats: int) -> dict:
             times[m].append(train_step(model, packed[m], m))
     return {"seconds": {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in times.items()},
             "mib": grown, "micro_batches": {m: len(p) for m, p in packed.items()},
-            "rows": {m: p.num_padded_tokens for m, p in packed.items()}}
+            "rows": {m: p.num_padded_tokens for m, p in packed.items()},
+            "tokens": {m: p.num_tree_tokens for m, p in packed.items()},
+            "trunk_parts": {m: sum(mb["rows"].records for mb in p) for m, p in packed.items()}}
 
 
 def layout_main(args) -> None:
@@ -262,11 +264,12 @@ def layout_main(args) -> None:
     ranks = run_spawned(_layout_worker, 2, args, modes, args.repeats, **layout)
     print(f"layout {args.layout}: {args.layers} layers, hidden {args.hidden}, capacity {args.capacity}"
           f"{', pad_to_max' if args.layout == 'pp2' else ''}; torch threads {args.threads} per rank")
-    print(f"{'mode':8} {'micro-b':>7} {'rows':>8} " + " ".join(f"{'rank%d s' % r:>9} {'rank%d MiB' % r:>10}"
-                                                              for r in range(2)))
+    print(f"{'mode':8} {'micro-b':>7} {'trunk p':>7} {'tokens':>8} {'rows':>8} "
+          + " ".join(f"{'rank%d s' % r:>9} {'rank%d MiB' % r:>10}" for r in range(2)))
     for m in modes:
         cells = " ".join(f"{ranks[r]['seconds'][m]:9.2f} {memory[m][r]:10.1f}" for r in range(2))
-        print(f"{m:8} {ranks[0]['micro_batches'][m]:7d} {ranks[0]['rows'][m]:8d} {cells}")
+        print(f"{m:8} {ranks[0]['micro_batches'][m]:7d} {ranks[0]['trunk_parts'][m]:7d} {ranks[0]['tokens'][m]:8d} "
+              f"{ranks[0]['rows'][m]:8d} {cells}")
     ratio = max(r["seconds"]["tree"] for r in ranks) / max(r["seconds"]["trunk"] for r in ranks)
     print(f"  trunk reuse x{ratio:.3f} faster than tree packing (slowest rank's median step)")
 

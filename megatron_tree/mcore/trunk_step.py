@@ -1,27 +1,22 @@
-"""The step's loop for a batch packed with trunk reuse (``build_packed_tree_batch(share_trunks=True)``).
+"""Running a batch packed with trunk reuse: two ways, one for each constraint.
 
-A trunk group's micro-batches depend on each other (later parts attend to the trunk parts' keys
-and values, and a trunk part's backward needs the gradients every later part leaves on them), so
-they cannot run through Megatron's pipeline schedules. This loop does what
-``forward_backward_no_pipelining`` does for one model chunk (gradient sync held back until the last
-backward, ``grad_scale_func``, ``finalize_model_grads_func`` with the token count), with the
-step's own per-micro-batch preparation (:class:`~megatron_tree.mcore.step.MicroBatchInputs`: rows,
-mask, MoE multiplicities; context parallelism included), in this order:
+A trunk group's micro-batches depend on each other: later parts attend to the trunk parts' keys and
+values, and a trunk part's backward needs the gradients every later part leaves on them.
 
-1. per trunk part: forward (its attention records every layer's keys and values, after extending
-   the earlier trunk parts'); its head outputs for the whole group (the entries its rows predict,
-   for every sequence of the group) are kept with their graph, and continue as leaves;
-2. per branch: forward over [trunk keys/values ; own], outputs = own + the trunk parts' leaves,
-   the loss of the sequences ending in it, backward (which leaves gradients on the trunk's
-   key/value and output leaves);
-3. the loss of the sequences ending inside a trunk part (read from the leaves) is backpropagated
-   with the group's first backward; then each trunk part's backward, last part first, with its
-   leaves' gradients.
+* :func:`run_with_trunks` (one pipeline stage and model chunk, a one-part trunk, no expert
+  parallelism or router losses): the step's own loop, doing what ``forward_backward_no_pipelining``
+  does (gradient sync held back until the last backward, ``grad_scale_func``,
+  ``finalize_model_grads_func`` with the token count). Per group: each trunk part forward (it
+  records its keys and values; its head outputs for the whole group are kept with their graph and
+  continue as leaves); each branch forward over [trunk keys/values ; own] and backward; then each
+  trunk part's backward, last part first, with its leaves' gradients. Peak activation memory: the
+  trunk parts' activations, one branch's, and the trunk's keys and values.
+* :func:`run_trunks_scheduled` (everything else, or ``recompute_trunks=True``): Megatron's own
+  schedules, called three times, with the trunk parts run twice.
 
-Peak activation memory: every trunk part's activations, plus one branch's, plus the trunk's keys and
-values (2 x L x [n_trunk, b, ng, hn]). Under full activation recompute a part keeps only its layers'
-inputs, so the trunk costs L x [n_trunk, b, h] plus its keys and values.
-Legend: T_G tokens of the group's sequences, T a micro-batch's, L layers, h hidden size.
+Both take every micro-batch's inputs from the step's one preparation (``_Step.forward``: rows, mask,
+MoE multiplicities, routing replay; context parallelism included).
+Legend: T_G tokens of the group's sequences, L layers.
 """
 
 from __future__ import annotations
