@@ -44,7 +44,7 @@ class LogProbs:
         width = output.shape[-1] * tp
         if output.shape[-1] == 1:
             raise ValueError(
-                f"LogProbs() reads vocab-parallel logits, but the model's output has width 1 (a value "
+                "LogProbs() reads vocab-parallel logits, but the model's output has width 1 (a value "
                 "head?): pass gather=Values() for a critic"
             )
         if width <= max_token_id:

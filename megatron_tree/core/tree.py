@@ -88,13 +88,9 @@ class PackedTree:
         """Unpadded trees laid out one after another, as separate roots of one tree."""
         if len(trees) == 1:
             return trees[0]
-        offsets, tokens, total = [], [], 0
-        for t in trees:
-            offsets.append(total)
-            total += t.padded_length
-        cu = [trees[0].cu_seqlens[:1]]
-        for t in trees:
-            cu.append(t.cu_seqlens[1:] + (cu[-1][-1] if len(cu) > 1 else 0))
+        offsets = [sum(t.padded_length for t in trees[:i]) for i in range(len(trees))]
+        firsts = [sum(t.num_sequence_tokens for t in trees[:i]) for i in range(len(trees))]
+        cu = [trees[0].cu_seqlens[:1]] + [t.cu_seqlens[1:] + f for t, f in zip(trees, firsts)]
         return cls(
             input_ids=torch.cat([t.input_ids for t in trees]),
             position_ids=torch.cat([t.position_ids for t in trees]),

@@ -14,7 +14,7 @@ values, and a trunk part's backward needs the gradients every later part leaves 
 * :func:`run_trunks_scheduled` (everything else, or ``recompute_trunks=True``): Megatron's own
   schedules, called three times, with the trunk parts run twice.
 
-Both take every micro-batch's inputs from the step's one preparation (``_Step.forward``: rows, mask,
+Both take every micro-batch's inputs from the step's one preparation (``StepRunner.forward``: rows, mask,
 MoE multiplicities, routing replay; context parallelism included).
 Legend: T_G tokens of the group's sequences, L layers.
 """
@@ -105,7 +105,7 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
     model chunk; returns Megatron-style logs.
 
     Args:
-        step: the step's shared state (``megatron_tree.mcore.step._Step``: preparation, head, loss).
+        step: the step's shared state (``megatron_tree.mcore.runner.StepRunner``: preparation, head, loss).
         packed: the micro-batches on the model's device (this CP rank's rows).
     """
     model, config = step.chunks[0], step.config
