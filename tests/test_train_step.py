@@ -286,6 +286,8 @@ def test_context_parallel_2_x_pipeline_parallel_2_equals_unpacked(world, tmp_pat
 
 def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
     """PP=2 x VPP=2 over 4 layers: chunk c of stage s holds layer 2c + s."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     full = torch.load(state_path)
@@ -306,9 +308,20 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
         # interleaved schedule; the trunk batch's calls get theirs too.
         result = _tree_step(chunks, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
         grads = {names[(c, n)]: g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
+        for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
+            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
         out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
                     "trees": result.num_micro_batches, "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
     return out
+
+
+def test_virtual_pipeline_2x2_x_context_parallel_2_equals_unpacked(world, tmp_path):
+    """PP=2 x VPP=2 x CP=2 (4 ranks): the interleaved schedule's fill-in tree (3 trees, PP 2) is a
+    CP share like the others, and so are the trunk calls' fill-ins."""
+    wants = _pipeline_references(False, tmp_path / "state.pt")
+    ranks = run_spawned(_vpp_worker, 4, str(tmp_path / "state.pt"), False, pp=2, tp=1, vpp=2, cp=2)
+    assert ranks[0][0]["trees"] % 2 == 1
+    _check_pipeline(ranks[0], ranks[-1], wants)
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])

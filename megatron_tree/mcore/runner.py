@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from ..core.batch import micro_batch
+from ..core.context_parallel import context_parallel_split
 from ..core.mask import tree_attention_mask
 from ..core.tree import PackedTree
 from .moe import token_multiplicity
@@ -182,7 +183,12 @@ class StepRunner:
             return []
         first = items[0][1] if items else template
         for k in range(count - len(items)):
-            mb = micro_batch(PackedTree.all_padding(first["rows"].num_rows, 0, first["input_ids"].device))
+            rows = first["rows"]  # a fill-in of the same rows per rank, split like the others
+            tree = PackedTree.all_padding(rows.num_rows * rows.cp_size, 0, first["input_ids"].device)
+            split = None
+            if rows.cp_size > 1:
+                split = context_parallel_split(tree, rows.cp_size, rows.cp_rank, rows.cp_group)
+            mb = micro_batch(tree, split)
             mb.update({key: v[:0] for key, v in first.items() if key not in mb})
             items = items + [(self.num_micro_batches + k, mb)]
         chunks = self.chunks

@@ -421,7 +421,7 @@ def _run_trunk_groups(step, on_device, recompute_trunks, pp_size: int, forward_o
     with _schedule_mode(config, interleaved=len(chunks) > 1):
         if recompute_trunks or forward_only and scheduled:
             return run_trunks_scheduled(step, on_device, forward_only=forward_only, ep_group=ep_group,
-                                        router_stats=router_losses_on(config))
+                                        router_stats=router_losses_on(config) and not forward_only)
         return run_with_trunks(step, on_device, forward_only=forward_only)
 
 
