@@ -32,7 +32,7 @@ def _router_losses(model, forward) -> tuple[dict[str, torch.Tensor], dict[str, t
     )
 
     clear_aux_losses_tracker()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # the shape Megatron sets
     model.train()
     model.zero_grad(set_to_none=True)
     output = forward(model)

@@ -203,7 +203,10 @@ def _attach_weighted_losses(router, hidden_states, probs, weights, group_stats=N
 def token_multiplicity(tree, positions: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [1, N] (or [1, n] at ``positions``): how many of the tree's sequences contain each
     packed position (0 for padding), the weight of that token in the unpacked batch."""
-    counts = torch.bincount(tree.token_index, minlength=tree.padded_length).to(torch.float32)
+    index = tree.token_index
+    # index_add_ rather than bincount, which reads the largest index back to the host on CUDA.
+    counts = torch.zeros(tree.padded_length, dtype=torch.float32, device=index.device)
+    counts.index_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=index.device))
     return (counts if positions is None else counts[positions.to(counts.device)])[None]
 
 

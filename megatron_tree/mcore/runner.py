@@ -60,8 +60,9 @@ def micro_batch_loss(outputs: dict, mb: dict, weights: torch.Tensor, count: floa
         )
     total = (torch.where(keep, per_token.float(), 0.0) * weights).sum()
     reported = round(count) if report else 0
-    num_tokens = torch.tensor(reported, dtype=torch.int, device=total.device)
-    pair = torch.stack([total.detach().double(), torch.tensor(count, dtype=torch.float64, device=total.device)])
+    # Filled on the device (torch.tensor(x, device=cuda) would copy from the host and wait).
+    num_tokens = torch.full((), reported, dtype=torch.int, device=total.device)
+    pair = torch.stack([total.detach().double(), torch.full((), count, dtype=torch.float64, device=total.device)])
     return total * scale, num_tokens, {"loss": pair}
 
 
