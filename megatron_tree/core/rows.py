@@ -132,9 +132,7 @@ class TreeRows:
     @functools.cached_property
     def local_index(self) -> torch.Tensor:
         """int64 [N]: this rank's row of each position of the tree, -1 where it holds none."""
-        index = torch.full((self.tree.padded_length,), -1, dtype=torch.int64, device=self.positions.device)
-        index[self.positions] = torch.arange(self.num_rows, device=self.positions.device)
-        return index
+        return _local_index(self.tree.padded_length, self.positions)
 
     def local(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """This rank's rows of a per-position tensor ([..., N, ...] along ``dim`` -> n)."""
@@ -244,14 +242,19 @@ class TreeRows:
         return list(_SumOwned.apply(torch.stack(outputs), self.cp_group).unbind(0))
 
 
+def _local_index(num_positions: int, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [num_positions]: the row of each position among ``positions``, -1 where absent."""
+    index = torch.full((num_positions,), -1, dtype=torch.int64, device=positions.device)
+    index[positions] = torch.arange(positions.shape[0], device=positions.device)
+    return index
+
+
 def pair_offsets(tree: PackedTree, positions: torch.Tensor) -> tuple[int, ...]:
     """Host prefix counts [n + 1]: entry r is the number of ``tree``'s predicted (non-root) nodes
     whose parent is one of ``positions[:r]`` (``positions`` ascending). One host read, at packing."""
     n = positions.shape[0]
     parent = tree.parent_index[: tree.num_tree_tokens]
-    local = torch.full((tree.padded_length,), -1, dtype=torch.int64, device=positions.device)
-    local[positions] = torch.arange(n, device=positions.device)
-    rows = local[parent[parent >= 0].to(positions.device)]
+    rows = _local_index(tree.padded_length, positions)[parent[parent >= 0].to(positions.device)]
     counts = torch.bincount(rows[rows >= 0], minlength=n)
     return (0, *torch.cumsum(counts, 0).tolist())
 

@@ -154,7 +154,7 @@ class TreeMoELayer(MoELayer):
         return _attach_weighted_losses(self.router, hidden_states, probs, weights, group_stats), routing_map
 
 
-def _routing_stats(router, hidden_states, weights, logits=None, routing_map=None) -> torch.Tensor:
+def _routing_stats(router, hidden_states, weights, routing_map=None) -> torch.Tensor:
     """[E + 1]: the weighted token count of every expert, then W (the total weight), over the
     TP x CP shards (no gradient)."""
     with torch.no_grad():
@@ -249,7 +249,7 @@ class RoutingReplay:
         self.tp_shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
         self.group_routes = self._group_routes(packed)
 
-    def _routes(self, micro_batch: dict, tree) -> torch.Tensor:
+    def _routes(self, micro_batch: dict) -> torch.Tensor:
         if self.route_key not in micro_batch:
             raise ValueError(f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the batch)")
         return micro_batch[self.route_key]
@@ -262,7 +262,7 @@ class RoutingReplay:
             rows = mb["rows"]
             if rows.group is None:
                 continue
-            routes = self._routes(mb, mb["tree"])  # [T, layers, topk] of its sequences
+            routes = self._routes(mb)  # [T, layers, topk] of its sequences
             if rows.group not in groups:
                 table = routes.new_empty((rows.tree.padded_length, *routes.shape[1:]))
                 table[:] = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
@@ -279,7 +279,7 @@ class RoutingReplay:
         if rows.group is not None:
             routes = self.group_routes[rows.group]
         else:
-            routes = values_per_position(self._routes(micro_batch, tree), tree)  # [N, layers, topk]
+            routes = values_per_position(self._routes(micro_batch), tree)  # [N, layers, topk]
             topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
             routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
         routes = rows.local(routes, dim=0)
