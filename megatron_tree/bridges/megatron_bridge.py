@@ -37,15 +37,22 @@ megatron_bridge_te.apply()
 
 from megatron.bridge.models import gpt_provider  # noqa: E402
 from megatron.bridge.models.conversion.auto_bridge import AutoBridge  # noqa: E402
+from megatron.bridge.models.conversion.param_mapping import AutoMapping  # noqa: E402
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from ..core.attention import BACKENDS  # noqa: E402
 from ..mcore.core_attention import TreeCoreAttention  # noqa: E402
+from ..mcore.gated_delta_net import TreeGatedDeltaNet  # noqa: E402
 from ..mcore.model import TreeGPTModel  # noqa: E402
-from ..mcore.spec import tree_attention_spec  # noqa: E402
+from ..mcore.spec import local_hybrid_block_spec, tree_attention_spec  # noqa: E402
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
+# Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
+# the tree gated delta-net is split like Megatron's (its A_log / dt_bias / conv1d by heads), a local
+# norm is replicated.
+for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated")):
+    AutoMapping.register_module_type(_name, _kind)
 _TE_SPECS = {
     gpt_provider.default_layer_spec,
     gpt_provider.transformer_engine_layer_spec,
@@ -53,7 +60,17 @@ _TE_SPECS = {
 }
 # Provider flags that need transformer-engine or apex (finalize() or the torch norms raise).
 _TE_ONLY_FLAGS = ("apply_rope_fusion", "persist_layer_norm", "masked_softmax_fusion",
-                  "gradient_accumulation_fusion", "sequence_parallel")
+                  "gradient_accumulation_fusion", "sequence_parallel", "moe_permute_fusion",
+                  "moe_grouped_gemm")
+
+
+def _hybrid_te_spec() -> Any:
+    """Megatron-Core's transformer-engine-only block spec of gated delta-net hybrids (0.19+)."""
+    try:
+        from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
+    except ImportError:
+        return None
+    return variants.get_transformer_block_with_experimental_attention_variant_spec
 
 
 def _transformer_engine_available() -> bool:
@@ -72,7 +89,10 @@ def _check_tree_model(model: Any) -> None:
     if not isinstance(model, TreeGPTModel):
         raise ValueError(f"the provider built {type(model).__name__}, not a TreeGPTModel")
     for i, layer in enumerate(model.decoder.layers):
-        core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+        attention = getattr(layer, "self_attention", None)
+        if TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet):
+            continue
+        core = getattr(attention, "core_attention", None)
         if not isinstance(core, TreeCoreAttention):
             raise ValueError(f"decoder layer {i} has {type(core).__name__}, not TreeCoreAttention")
 
@@ -96,6 +116,8 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     if not use_te:
         if base_spec in _TE_SPECS:
             base_spec = gpt_provider.local_layer_spec
+        elif base_spec is _hybrid_te_spec():
+            base_spec = local_hybrid_block_spec
         for flag in _TE_ONLY_FLAGS:
             setattr(provider, flag, False)
 

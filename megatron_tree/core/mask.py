@@ -394,6 +394,13 @@ class TreeMaskPlan:
             return key, value
         return self.rows.keys_values(key, value, layer, self.store)
 
+    def recurrent(self):
+        """The :class:`~megatron_tree.core.recurrent.RecurrentPlan` of the keys (the segments a
+        recurrent layer runs over), built by the first recurrent layer and kept."""
+        from .recurrent import RecurrentPlan
+
+        return self._get("recurrent", lambda: RecurrentPlan(self.subtree_end[0]))
+
     def _get(self, key: Any, build: Callable[[], Any]) -> Any:
         if key not in self._forms:
             self._forms[key] = build()

@@ -40,6 +40,12 @@ def running_tree_plan():
     return getattr(_RUNNING, "plan", None)
 
 
+def set_running_tree_plan(plan) -> None:
+    """Record ``plan`` as the running one (:func:`running_tree_plan`): every tree layer that mixes
+    tokens (attention, a recurrent layer) calls it before the modules after it in the layer run."""
+    _RUNNING.plan = plan
+
+
 class TreeCoreAttention(MegatronModule):
     """Megatron ``core_attention`` for packed trees.
 
@@ -156,7 +162,7 @@ class TreeCoreAttention(MegatronModule):
         """
         cp_size = self.config.context_parallel_size
         plan = getattr(attention_mask, "plan", None)
-        _RUNNING.plan = plan
+        set_running_tree_plan(plan)
         rows = getattr(plan, "rows", None)
         if (1 if rows is None else rows.cp_size) != cp_size:
             raise ValueError(

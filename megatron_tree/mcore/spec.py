@@ -3,8 +3,10 @@
 The rewrite swaps ``SelfAttentionSubmodules.core_attention`` for
 :class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
 ``AttnMaskType.arbitrary``; an ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
-(the same module and parameters, with router losses computed as if unpacked); every other submodule
-(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (multi-latent attention, Mamba/hybrid layers, cross attention,
+(the same module and parameters, with router losses computed as if unpacked); a ``GatedDeltaNet``
+(Qwen3-Next, Qwen3.5) becomes :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its
+convolution and recurrence follow the tree's root paths); every other submodule
+(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (multi-latent attention, Mamba layers, cross attention,
 unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
 skipped silently.
 """
@@ -26,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from ..core.attention import BACKENDS
 from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
+from .gated_delta_net import GatedDeltaNet, TreeGatedDeltaNet
 from .moe import TreeMoELayer
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
@@ -55,7 +58,7 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     ):
         raise ValueError(
             f"{where}: cannot rewrite {_class_name(layer_cls)} for tree attention; only "
-            "TransformerLayer specs are supported (Mamba/hybrid layers are not)"
+            "TransformerLayer specs are supported (Mamba layers are not: Nemotron-H cannot be tree-trained yet)"
         )
     subs = layer_spec.submodules
     cross = getattr(subs, "cross_attention", IdentityOp)
@@ -69,6 +72,9 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     attention_cls = _module_class(attention)
     if attention_cls is IdentityOp:
         return layer_spec  # no attention in this layer: nothing to rewrite
+    if _is_gated_delta_net(attention_cls):
+        _rewrite_gated_delta_net(attention, attention_cls, where)
+        return layer_spec
     if not (
         isinstance(attention, ModuleSpec)
         and isinstance(attention_cls, type)
@@ -89,6 +95,21 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     attention.params = {**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
     attention.submodules.core_attention = core_attention_spec
     return layer_spec
+
+
+def _is_gated_delta_net(cls: Any) -> bool:
+    return GatedDeltaNet is not None and isinstance(cls, type) and issubclass(cls, GatedDeltaNet)
+
+
+def _rewrite_gated_delta_net(attention: Any, cls: type, where: str) -> None:
+    if issubclass(cls, TreeGatedDeltaNet):
+        return
+    if cls is not GatedDeltaNet or not isinstance(attention, ModuleSpec):
+        raise ValueError(
+            f"{where}: custom gated delta-net {_class_name(cls)}: its recurrence would run across the "
+            "tree's branches; derive it from megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet"
+        )
+    attention.module = TreeGatedDeltaNet
 
 
 def _rewrite_moe(subs: Any, where: str) -> None:
@@ -154,3 +175,74 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
         f"cannot rewrite a spec of type {type(spec).__name__}; pass a layer ModuleSpec, a "
         "TransformerBlockSubmodules, a TransformerBlock ModuleSpec or a list of layer specs"
     )
+
+
+def _swap_norms(spec: Any, norm: Any) -> Any:
+    """Every torch-norm builder (``WrappedTorchNorm``, the local spec's norm) in ``spec`` -> ``norm``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def is_norm(value):
+        return value is WrappedTorchNorm or (isinstance(value, type) and value.__name__ in ("FusedLayerNorm",))
+
+    subs = getattr(spec, "submodules", None)
+    if subs is None:
+        return spec
+    for name, value in vars(subs).items():
+        if is_norm(value):
+            setattr(subs, name, norm)
+        elif isinstance(value, ModuleSpec):
+            _swap_norms(value, norm)
+    return spec
+
+
+def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+    """The block spec of a gated delta-net hybrid (Qwen3-Next, Qwen3.5) from Megatron-Core's local
+    modules, for machines without transformer-engine.
+
+    Megatron-Core 0.19's ``get_transformer_block_with_experimental_attention_variant_spec`` builds
+    these models from transformer-engine modules only. This is the same layer pattern
+    (``config.linear_attention_freq``: gated delta-net or softmax attention; ``config.moe_layer_freq``:
+    MoE or dense MLP) with ``ColumnParallelLinear`` / ``RowParallelLinear`` / separate norms
+    (:class:`~megatron_tree.mcore.norm.LocalNorm`, which has zero-centered gamma), sliced to the
+    pipeline stage. Pass the result to :func:`tree_attention_spec` (the Megatron-Bridge patch does).
+
+    Returns:
+        TransformerBlockSubmodules.
+    """
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from .norm import LocalNorm
+
+    if config.experimental_attention_variant not in (None, "gated_delta_net"):
+        raise ValueError(
+            f"experimental_attention_variant={config.experimental_attention_variant!r}: tree training "
+            "supports gated_delta_net (DeepSeek sparse attention selects keys by content, not by tree)"
+        )
+    linear = variants.get_linear_attention_pattern(config) if config.experimental_attention_variant else [0] * config.num_layers
+    moe = variants.get_moe_layer_pattern(config) if config.num_moe_experts else [0] * config.num_layers
+    kinds = {}
+    for sparse in set(moe):
+        base = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if sparse else None, moe_grouped_gemm=False,
+                                        qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        kinds[sparse] = _swap_norms(base, LocalNorm)
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear))
+    layers = []
+    for is_linear, sparse in zip(linear, moe):
+        layer = copy.deepcopy(kinds[sparse])
+        if is_linear:
+            layer.submodules.self_attention = copy.deepcopy(gdn)
+        layers.append(layer)
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    return TransformerBlockSubmodules(layer_specs=[layers[i] for i in ids], layer_norm=LocalNorm)

@@ -32,16 +32,31 @@ MOE_TINY = {
 }
 
 
+# Gated delta-net hybrids (transformers >= 5.8, the Megatron-Bridge stack): 4 layers, three gated
+# delta-net layers then one attention layer (the real models' pattern), 2 key / 4 value heads of 16.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_GDN_TINY = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                 full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, head_dim=16)
+_MOE_HYBRID = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[], router_aux_loss_coef=0.0)
+HYBRID_TINY = {"qwen3_next": {**_GDN_TINY, **_MOE_HYBRID}, "qwen3_5_text": dict(_GDN_TINY),
+               "qwen3_5_moe_text": {**_GDN_TINY, **_MOE_HYBRID}}
+
+
 def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> None:
     """Save a tiny random ``arch`` model (hidden 64, 2 layers, 4 heads, 2 KV heads) to ``path``.
 
-    ``arch`` is one of ``ARCHS`` (dense) or ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`);
-    ``overrides`` replace HF config fields (e.g. ``norm_topk_prob=False``).
+    ``arch`` is one of ``ARCHS`` (dense), ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`) or
+    ``HYBRID_ARCHS`` (:data:`HYBRID_TINY`, transformers >= 5.8); ``overrides`` replace HF config
+    fields (e.g. ``norm_topk_prob=False``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if arch not in ARCHS + MOE_ARCHS:
-        raise ValueError(f"arch={arch!r} is not one of {ARCHS + MOE_ARCHS}")
+    known = ARCHS + MOE_ARCHS + HYBRID_ARCHS
+    if arch not in known:
+        raise ValueError(f"arch={arch!r} is not one of {known}")
 
     common = dict(
         vocab_size=VOCAB,
@@ -59,16 +74,22 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
     if arch == "qwen3":
         common["head_dim"] = 16
     common.update(MOE_TINY.get(arch, {}))
+    common.update(HYBRID_TINY.get(arch, {}))
     common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
+        # Hybrids' norms are zero-centered (scale 1 + weight), except the gated delta-net's output norm;
+        # their matrices are drawn smaller (0.1), or fp32 rounding alone moves HF's own log-probs by
+        # ~2e-5 (measured against HF in fp64), above the 1e-5 parity bar.
+        centered = arch in HYBRID_ARCHS
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.uniform_(0.6, 1.4)
+                shift = 1.0 if centered and not name.endswith("linear_attn.norm.weight") else 0.0
+                p.uniform_(0.6 - shift, 1.4 - shift)
             elif p.dim() >= 2:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, 0.1 if centered else 0.15)
             else:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
@@ -103,6 +124,31 @@ def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
     seqs += [turn1, turn2, turn3a, turn3b, branch_early]
     seqs += [prompt[:15].clone(), seqs[0].clone()]  # prefix of the prompt group; duplicate
     return seqs
+
+
+def recurrent_sequences(seed: int = 0) -> list[torch.Tensor]:
+    """:func:`branching_sequences` plus the tries a recurrent layer gets wrong first: a one-token and
+    a two-token segment between branch points (a child's 3-token convolution window then reaches
+    two and three segments up), a branch at a root's first token, and a chain of one-token
+    segments each with a leaf."""
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def rand(n):
+        return torch.randint(1, VOCAB, (n,), generator=g)
+
+    stem = rand(6)
+    one = torch.cat([stem, rand(1)])  # one-token segment (a branch point below and above it)
+    two = torch.cat([one, rand(2)])  # two-token segment
+    seqs = [torch.cat([one, rand(5)]), torch.cat([two, rand(4)]), torch.cat([two, rand(7)]),
+            torch.cat([stem, rand(9)])]
+    root = rand(1)
+    seqs += [torch.cat([root, rand(8)]), torch.cat([root, rand(3)])]
+    ladder = rand(4)
+    for _ in range(3):
+        seqs.append(torch.cat([ladder, rand(2)]))
+        ladder = torch.cat([ladder, rand(1)])
+    seqs.append(torch.cat([ladder, rand(5)]))
+    return branching_sequences(seed) + seqs
 
 
 def trunk_sequences(seed: int = 0) -> list[torch.Tensor]:
@@ -161,7 +207,7 @@ def pack(seqs: list[torch.Tensor], *, block_size: int = 16, max_tokens: int = 51
 def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.Tensor]:
     """Per-sequence next-token log-probs [L_i - 1] from packed logits [1, N, V], by batch index."""
     tree = micro_batch["tree"]
-    logp = torch.log_softmax(logits[0].float(), dim=-1)
+    logp = torch.log_softmax(logits[0] if logits.dtype == torch.float64 else logits[0].float(), dim=-1)
     out = {}
     for i in range(tree.num_sequences):
         idx = tree.sequence_token_index(i)

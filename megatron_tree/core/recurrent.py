@@ -1,0 +1,253 @@
+"""Recurrent layers (gated delta-net, short causal convolutions) on a packed tree, exactly.
+
+A recurrent layer's state at a token depends only on the token's root path, so a trie is a set of
+*segments*: maximal chains whose inner nodes have exactly one child (the compressed trie). In
+pre-order a segment is a contiguous range of positions; it starts from its parent segment's final
+state (its first token's parent is the parent segment's last token, a branch point), and a root
+segment starts from zero, exactly as every sequence alone starts from zero. A padding position is a
+root without children: a one-token segment.
+
+Segments of one *level* (the number of segments above them) are independent once the levels above
+are done, so the recurrence runs level by level, all segments of a level in one batched chunked
+pass. :class:`RecurrentPlan` is that schedule, built once per micro-batch from the tree mask's
+``subtree_end`` (the parent of a position is the last earlier position one level shallower, a
+pre-order fact), with one host read; every layer and the recomputation reuse it. Within a level the
+torch path pads segments to a common length; it groups them into length buckets (a bucket's
+longest segment at most twice its shortest) so that padding at most doubles a level's work: one
+batched pass per (level, bucket), O(levels * log2(longest segment)) passes, never one per segment.
+
+The short causal convolution reads, for each token, its ``width - 1`` nearest ancestors (parent,
+grandparent, ...), zeros above the root: :meth:`RecurrentPlan.conv_window`.
+
+Legend: K positions of the context (the tree's positions, or a trunk part's / CP rank's keys), S
+segments, B segments of a bucket, T a bucket's padded length, H heads (batch folded in), dk / dv
+key / value head dims, C chunk length, w convolution width.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .mask import tree_depth
+
+__all__ = ["RecurrentPlan", "chunk_gated_delta_rule", "gated_delta_rule_reference", "l2norm",
+           "tree_causal_conv", "tree_gated_delta_rule"]
+
+CHUNK = 64
+
+
+def parents_from_subtree_end(subtree_end: torch.Tensor) -> torch.Tensor:
+    """int64 [K]: each position's parent (-1 for roots and padding), from a pre-order
+    ``subtree_end`` [K] alone: the parent of q is the last position before q one level shallower.
+    Device ops only (one sort, one search)."""
+    ends = subtree_end.to(torch.int64)
+    n = ends.shape[0]
+    depth = tree_depth(ends)
+    pos = torch.arange(n, device=ends.device)
+    order = torch.sort(depth * (n + 1) + pos).values  # positions grouped by depth, ascending
+    found = torch.searchsorted(order, (depth - 1) * (n + 1) + pos) - 1
+    parent = order.clamp(min=0)[found.clamp(min=0)] % (n + 1)
+    return torch.where(depth > 0, parent, torch.full_like(parent, -1))
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Segments of one level padded to one length: ``index`` [B, T] context rows (K = a zero row)
+    and ``init`` [B], the slot of each segment's initial state in the state table (0 = zeros; a
+    bucket's final states take the next B slots, in processing order)."""
+
+    index: torch.Tensor
+    init: torch.Tensor
+
+
+class RecurrentPlan:
+    """The segment schedule of one micro-batch's context, built once (one host read) and shared by
+    every recurrent layer and the recomputation.
+
+    Args:
+        subtree_end: int [K], the context's pre-order encoding (the tree's ``subtree_end``, or
+            ``TreeRows.encoding()[0]`` for a trunk part's or a CP rank's keys).
+    """
+
+    def __init__(self, subtree_end: torch.Tensor):
+        device = subtree_end.device
+        parent = parents_from_subtree_end(subtree_end)
+        self.parent = parent
+        self.num_positions = k = int(parent.shape[0])
+        host = parent.cpu()
+        pos = torch.arange(k)
+        children = torch.bincount(host[host >= 0], minlength=k)
+        # A segment starts where a position does not continue its parent's only-child chain.
+        starts_mask = (host != pos - 1) | (children[host.clamp(min=0)] != 1) | (host < 0)
+        starts = pos[starts_mask]
+        lengths = torch.diff(torch.cat([starts, torch.tensor([k])]))
+        seg_of = torch.cumsum(starts_mask.long(), 0) - 1
+        parent_seg = torch.where(host[starts] >= 0, seg_of[host[starts].clamp(min=0)], -1).tolist()
+        level: list[int] = []
+        for p in parent_seg:  # parents precede children in pre-order
+            level.append(0 if p < 0 else level[p] + 1)
+        self.num_segments = len(level)
+        self.num_levels = (max(level) + 1) if level else 0
+        starts_l, lengths_l = starts.tolist(), lengths.tolist()
+        slot = [0] * len(level)
+        buckets: list[list[_Bucket]] = []
+        next_slot = 1
+        for lv in range(self.num_levels):
+            segs = sorted((s for s in range(len(level)) if level[s] == lv), key=lambda s: -lengths_l[s])
+            groups: list[list[int]] = []
+            for s in segs:
+                if groups and 2 * lengths_l[s] >= lengths_l[groups[-1][0]]:
+                    groups[-1].append(s)
+                else:
+                    groups.append([s])
+            level_buckets = []
+            for group in groups:
+                t = lengths_l[group[0]]
+                index = torch.full((len(group), t), k, dtype=torch.int64)
+                for b, s in enumerate(group):
+                    index[b, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
+                init = torch.tensor([0 if parent_seg[s] < 0 else slot[parent_seg[s]] for s in group])
+                for b, s in enumerate(group):
+                    slot[s] = next_slot + b
+                level_buckets.append(_Bucket(index.to(device), init.to(device)))
+                next_slot += len(group)
+            buckets.append(level_buckets)
+        self.buckets = buckets
+        # Row of the concatenated, flattened bucket outputs holding each context position.
+        flat = torch.cat([b.index.reshape(-1).cpu() for lv in buckets for b in lv]) if k else torch.zeros(0, dtype=torch.int64)
+        inverse = torch.empty(k, dtype=torch.int64)
+        valid = flat < k
+        inverse[flat[valid]] = torch.arange(flat.shape[0])[valid]
+        self.inverse = inverse.to(device)
+        self._windows: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_passes(self) -> int:
+        """Batched chunked passes per layer of the torch path (one per (level, bucket))."""
+        return sum(len(lv) for lv in self.buckets)
+
+    def conv_window(self, width: int) -> torch.Tensor:
+        """int64 [K, width]: column j is the ancestor ``width - 1 - j`` levels up (the last column
+        the position itself), K (a zero row) above the root: a causal convolution's taps."""
+        if width not in self._windows:
+            self._windows[width] = self._build_window(width)
+        return self._windows[width]
+
+    def _build_window(self, width: int) -> torch.Tensor:
+        cols = [torch.arange(self.num_positions, device=self.parent.device)]
+        for _ in range(width - 1):
+            prev = cols[-1]
+            up = self.parent[prev.clamp(max=self.num_positions - 1)]
+            cols.append(torch.where((prev < self.num_positions) & (up >= 0), up, self.num_positions))
+        return torch.stack(cols[::-1], dim=1)
+
+
+def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RecurrentPlan
+                     ) -> torch.Tensor:
+    """Depthwise causal convolution along every root path: x [K, ..., D], weight [D, w] (a
+    ``Conv1d(groups=D)`` weight squeezed, tap w-1 on the token itself), bias [D] -> [K, ..., D]."""
+    width = weight.shape[-1]
+    taps = plan.conv_window(width)
+    padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    windows = padded[taps]  # [K, w, ..., D]
+    w = weight.t().reshape(width, *([1] * (x.dim() - 2)), weight.shape[0])
+    out = (windows * w.to(x.dtype)).sum(1)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the q/k normalization of gated delta-nets)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
+    """The gated delta rule on a batch of sequences, chunk by chunk (at least fp32 inside).
+
+    Per head, with state S [dk, dv] starting at ``initial_state``:
+    ``S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t``. In a chunk the
+    corrections u solve one unit-lower-triangular system (the WY form), so each chunk is a few
+    matmuls and only the chunk-to-chunk state is sequential. Right padding with k = v = beta = g
+    = 0 leaves the state unchanged, so a padded sequence's final state is exact.
+
+    Args:
+        q, k: [B, T, H, dk] (q already scaled); v: [B, T, H, dv]; g (log decay, <= 0), beta: [B, T, H].
+        initial_state: [B, H, dk, dv].
+    Returns:
+        (o [B, T, H, dv] in v's dtype, final state [B, H, dk, dv], fp32 or wider).
+    """
+    dtype = v.dtype
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    c = max(1, min(chunk, t))
+    pad = (-t) % c
+    work = torch.promote_types(dtype, torch.float32)
+    q, k, v, g, beta = (x.to(work).transpose(1, 2) for x in (q, k, v, g, beta))  # [B, H, T, ...]
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // c
+    q, k, v = (x.reshape(bsz, h, n, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(bsz, h, n, c), beta.reshape(bsz, h, n, c)
+    gam = g.cumsum(-1)
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    # Strictly lower part read only (unit diagonal): (I + A) with A_ij = beta_i exp(gam_i - gam_j) k_i.k_j.
+    strict = k @ k.transpose(-1, -2) * decay * beta[..., :, None]
+    solve = functools.partial(torch.linalg.solve_triangular, strict, upper=False, unitriangular=True)
+    w = solve(k * (beta * gam.exp())[..., None])  # [B, H, n, C, dk]
+    u = solve(v * beta[..., None])  # [B, H, n, C, dv]
+    inner = q @ k.transpose(-1, -2) * decay
+    state = initial_state.to(work)
+    out = []
+    for i in range(n):
+        gi = gam[:, :, i]
+        corr = u[:, :, i] - w[:, :, i] @ state
+        out.append((q[:, :, i] * gi.exp()[..., None]) @ state + inner[:, :, i] @ corr)
+        tail = (gi[..., -1:] - gi).exp()[..., None]
+        state = gi[..., -1, None, None].exp() * state + (k[:, :, i] * tail).transpose(-1, -2) @ corr
+    o = torch.stack(out, 2).reshape(bsz, h, n * c, dv)[:, :, :t].transpose(1, 2)
+    return o.to(dtype), state
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CHUNK) -> torch.Tensor:
+    """The gated delta rule over a packed tree: every position's output as its root path alone gives.
+
+    Args:
+        q, k: [K, H, dk] (q already scaled); v: [K, H, dv]; g, beta: [K, H]; K context positions in
+            pre-order, their structure in ``plan``.
+    Returns:
+        o [K, H, dv].
+    """
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    zero = lambda x: torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # noqa: E731
+    q, k, v, g, beta = (zero(x) for x in (q, k, v, g, beta))
+    states = [torch.zeros(1, h, dk, dv, device=v.device, dtype=torch.promote_types(v.dtype, torch.float32))]
+    outs = []
+    for level in plan.buckets:
+        table = torch.cat(states) if len(states) > 1 else states[0]
+        for bucket in level:
+            idx = bucket.index
+            o, final = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx],
+                                              table.index_select(0, bucket.init), chunk)
+            outs.append(o.reshape(-1, h, dv))
+            states.append(final)
+    if not outs:
+        return v[:0]
+    return torch.cat(outs).index_select(0, plan.inverse)
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None):
+    """Token-by-token gated delta rule on one sequence, for tests: q, k [T, H, dk], v [T, H, dv],
+    g, beta [T, H] -> (o [T, H, dv], final state [H, dk, dv]), in the inputs' dtype."""
+    t, h, dk = k.shape
+    state = q.new_zeros(h, dk, v.shape[-1]) if initial_state is None else initial_state
+    out = []
+    for i in range(t):
+        state = state * g[i].exp()[:, None, None]
+        corr = (v[i] - torch.einsum("hk,hkv->hv", k[i], state)) * beta[i][:, None]
+        state = state + k[i][:, :, None] * corr[:, None, :]
+        out.append(torch.einsum("hk,hkv->hv", q[i], state))
+    return torch.stack(out), state
