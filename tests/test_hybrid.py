@@ -132,7 +132,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n.removeprefix("model."): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _step_vs_unpacked(path: str, recompute: dict, **step_kwargs) -> tuple[float, float, dict, dict]:
+def _step_vs_unpacked(path: str, fields: dict, **step_kwargs) -> tuple[float, float, dict, dict]:
+    """(tree step loss, unpacked loss, tree gradients, unpacked gradients); ``fields`` set on both
+    models' providers (recompute, router losses)."""
     from megatron.core import parallel_state as ps
 
     from megatron_tree import tree_forward_backward
@@ -143,9 +145,9 @@ def _step_vs_unpacked(path: str, recompute: dict, **step_kwargs) -> tuple[float,
 
     batch = rl_batch(recurrent_sequences(), response_start=5)
     loss_fn = lambda outputs, mb: ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)  # noqa: E731
-    reference = _OneSequence(_model(path))
+    reference = _OneSequence(_model(path, **fields))
     want = float(unpacked_reference_step(reference, batch, loss_fn))
-    model = _model(path, **recompute)
+    model = _model(path, **fields)
     result = tree_forward_backward(model, batch, loss_fn, gather=LogProbs(), tp_group=ps.get_tensor_model_parallel_group(),
                                    **step_kwargs)
     return float(result.loss), want, _grads(model), _grads(reference)
@@ -182,7 +184,11 @@ def test_hybrid_trunk_reuse_gradients_equal_unpacked(world, hybrid_checkpoints):
     packed = build_packed_tree_batch(rl_batch(recurrent_sequences(), response_start=5), max_tokens_per_mb=64,
                                      block_size=16, pad_to_max=False, share_trunks=True)
     assert any(mb["rows"].records for mb in packed), "the batch must form a trunk group"
-    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_next"], {}, max_tokens_per_mb=64,
+    # Qwen3-Next's bridge sets the global aux loss, which accumulates across steps (refused with
+    # trees). Router losses are as if unpacked over the *batch* (tests/test_moe_aux_loss.py), not
+    # per sequence as this reference runs, so they are off here.
+    fields = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0}
+    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_next"], fields, max_tokens_per_mb=64,
                                           block_size=16, share_trunks=True))
 
 

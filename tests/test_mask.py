@@ -16,7 +16,7 @@ from megatron_tree.core.mask import (
     tree_mask_mod,
 )
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.testing.synthetic import pad_sequences
+from megatron_tree.testing.synthetic import pad_sequences, random_trie_sequences
 
 
 def dense_block_reduction(allowed: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,14 +26,8 @@ def dense_block_reduction(allowed: torch.Tensor, block: int) -> tuple[torch.Tens
 
 
 def random_tree(seed: int, n_seq: int, capacity: int, block: int):
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(n_seq):
-        base = seqs[int(torch.randint(len(seqs), (), generator=g))] if seqs else torch.zeros(0, dtype=torch.int64)
-        cut = int(torch.randint(len(base) + 1, (), generator=g))
-        tail = torch.randint(0, 3, (int(torch.randint(1, 40, (), generator=g)),), generator=g)
-        seqs.append(torch.cat([base[:cut], tail])[: capacity // 2])
-    packed = build_packed_tree_batch(pad_sequences(seqs), max_tokens_per_mb=capacity, block_size=block)
+    packed = build_packed_tree_batch(pad_sequences(random_trie_sequences(seed, n_seq, capacity // 2)),
+                                     max_tokens_per_mb=capacity, block_size=block)
     return packed[0]["tree"]
 
 

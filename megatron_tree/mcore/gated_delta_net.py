@@ -99,7 +99,7 @@ if GatedDeltaNet is not None:
             if plan.query_positions is not None:
                 out = out.index_select(0, plan.query_positions)
             if self.recompute_norm_out:
-                self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+                self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)  # None: off
                 norm_out = self.norm_out_checkpoint.checkpoint(self._gated_norm, out, gate)
             else:
                 norm_out = self._gated_norm(out, gate)

@@ -41,6 +41,12 @@ def unpacked_reference_step(
 
     lengths = batch["attention_mask"].sum(1).tolist()
     device = next(model.parameters()).device
+    if backward:
+        # The MoE router losses' gradient scale, as Megatron's schedule sets it (size 1; Megatron
+        # keeps the first tensor and copies later scales into it).
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
     per_token_keys = [k for k in batch if k not in ("input_ids", "attention_mask")]
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i, n in enumerate(lengths):

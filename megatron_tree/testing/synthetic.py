@@ -31,6 +31,19 @@ def pad_sequences(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] 
     return batch
 
 
+def random_trie_sequences(seed: int, num_sequences: int, max_len: int) -> list[torch.Tensor]:
+    """Random sequences with much sharing, for property tests: each one copies a random prefix of an
+    earlier one (possibly empty or whole) and appends 1-39 tokens from {0, 1, 2}, cut at ``max_len``."""
+    g = torch.Generator().manual_seed(seed)
+    seqs: list[torch.Tensor] = []
+    for _ in range(num_sequences):
+        base = seqs[int(torch.randint(len(seqs), (), generator=g))] if seqs else torch.zeros(0, dtype=torch.int64)
+        cut = int(torch.randint(len(base) + 1, (), generator=g))
+        tail = torch.randint(0, 3, (int(torch.randint(1, 40, (), generator=g)),), generator=g)
+        seqs.append(torch.cat([base[:cut], tail])[:max_len])
+    return seqs
+
+
 def _shuffled(sequences, loss_masks, generator):
     perm = torch.randperm(len(sequences), generator=generator).tolist()
     return pad_sequences([sequences[i] for i in perm], [loss_masks[i] for i in perm])
