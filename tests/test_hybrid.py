@@ -221,3 +221,21 @@ def test_hybrid_context_parallel_2_matches_hf(hybrid_checkpoints, hybrid_referen
     all of it and keeps its rows; attention layers split as for dense models."""
     for rank in run_spawned(_cp2_worker, 2, hybrid_checkpoints["qwen3_5_text"], cp=2, tp=1):
         assert max_err(rank, hybrid_references["qwen3_5_text"]) <= HF_LOGP_TOL
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_flop_model_counts_a_built_hybrid(world, arch, hybrid_checkpoints):
+    """GPTShape.from_config of the bridge's config: its matmul weights per token are the built
+    model's 2-D weights (router and shared-expert gate included); attention pairs are charged to
+    the one attention layer of four only."""
+    from megatron_tree.core.flops import GPTShape
+
+    model = _model(hybrid_checkpoints[arch])
+    shape = GPTShape.from_config(model.config, vocab=model.vocab_size)
+    assert shape.linear_layers == 3 and shape.attention_layers == 1
+    routed = shape.num_experts - shape.topk if shape.num_experts else 0
+    unused = routed * shape._mlp_params(shape.moe_ffn_hidden or shape.ffn_hidden) * shape.num_moe_layers
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters()
+                         if p.dim() == 2 and "embedding" not in n)
+    assert shape.linear_params_per_token == matmul_weights - unused
+    assert shape.recurrent_flops_per_token > 0

@@ -2,7 +2,9 @@
 
 Linear layers cost ``2 * params`` per packed token (for a mixture of experts, the parameters a token
 uses: its top-k routed experts, the shared experts and the router; see :class:`GPTShape`); attention costs ``4 * heads * head_dim`` per allowed
-(query, key) pair per layer (QK^T and PV), with the allowed pairs read off ``subtree_end`` in O(N)
+(query, key) pair per attention layer (QK^T and PV); a gated delta-net layer (hybrids) costs per
+token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state (read,
+update, output: three matrix-vector products), no pairs. The allowed pairs are read off ``subtree_end`` in O(N)
 (equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
 is twice a forward. Padding is not counted: the model gives the ideal of the layout.
 
@@ -47,6 +49,15 @@ class GPTShape:
     shared_ffn_hidden: int = 0
     shared_expert_gate: bool = False
     moe_layers: int | None = None  # default: every layer when num_experts > 0
+    # Gated delta-net hybrids (Qwen3-Next, Qwen3.5): ``linear_layers`` of the ``layers`` are gated
+    # delta-nets with these heads and head dims; the rest are attention.
+    linear_layers: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_width: int = 4
+    attention_output_gate: bool = False
 
     def __post_init__(self):
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.topk <= self.num_experts):
@@ -56,6 +67,12 @@ class GPTShape:
             )
         if self.moe_layers is not None and not 0 <= self.moe_layers <= self.layers:
             raise ValueError(f"moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
+        if not 0 <= self.linear_layers <= self.layers:
+            raise ValueError(f"linear_layers={self.linear_layers} must be in [0, layers={self.layers}]")
+        if self.linear_layers and not (self.linear_key_heads and self.linear_value_heads
+                                       and self.linear_key_dim and self.linear_value_dim):
+            raise ValueError("a gated delta-net hybrid (linear_layers > 0) needs linear_key_heads, "
+                             "linear_value_heads, linear_key_dim and linear_value_dim")
 
     @classmethod
     def from_config(cls, config, vocab: int) -> "GPTShape":
@@ -76,8 +93,14 @@ class GPTShape:
                 shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
                 moe_layers=_moe_layer_count(getattr(config, "moe_layer_freq", 1), config.num_layers),
             )
+        if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+            from_freq = _linear_layer_count(config.linear_attention_freq, config.num_layers)
+            moe.update(linear_layers=from_freq, linear_key_heads=config.linear_num_key_heads,
+                       linear_value_heads=config.linear_num_value_heads, linear_key_dim=config.linear_key_head_dim,
+                       linear_value_dim=config.linear_value_head_dim, conv_width=config.linear_conv_kernel_dim)
         return cls(
             hidden=config.hidden_size,
+            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
             layers=config.num_layers,
             heads=config.num_attention_heads,
             query_groups=config.num_query_groups or config.num_attention_heads,
@@ -111,15 +134,34 @@ class GPTShape:
         return self.hidden * self.num_experts + routed + (shared if self.shared_ffn_hidden else 0)
 
     @property
+    def attention_layers(self) -> int:
+        """Softmax-attention layers (the ones that cost per pair)."""
+        return self.layers - self.linear_layers
+
+    @property
     def linear_params_per_token(self) -> int:
         """Weights one token multiplies by (active parameters for MoE), embedding lookup excluded."""
         head_dim = self.head_dim or self.hidden // self.heads
-        qkv = self.hidden * (self.heads + 2 * self.query_groups) * head_dim
+        qkv = self.hidden * (self.heads * (2 if self.attention_output_gate else 1) + 2 * self.query_groups) * head_dim
         proj = self.heads * head_dim * self.hidden
         moe_layers = self.num_moe_layers
         dense_layers = self.layers - moe_layers
         mlp = dense_layers * self._mlp_params(self.ffn_hidden) + moe_layers * self.moe_params_per_token
-        return self.layers * (qkv + proj) + mlp + self.hidden * self.vocab
+        qk, v = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+        gdn = self.hidden * (2 * qk + 2 * v + 2 * self.linear_value_heads) + v * self.hidden
+        return (self.attention_layers * (qkv + proj) + self.linear_layers * gdn + mlp
+                + self.hidden * self.vocab)
+
+    @property
+    def recurrent_flops_per_token(self) -> int:
+        """Forward FLOPs per token of the gated delta-net layers beyond their projections: the
+        depthwise convolution and the state's three matrix-vector products per value head."""
+        if not self.linear_layers:
+            return 0
+        conv = 2 * self.conv_width * (2 * self.linear_key_heads * self.linear_key_dim
+                                      + self.linear_value_heads * self.linear_value_dim)
+        state = 6 * self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
+        return self.linear_layers * (conv + state)
 
 
 def _moe_layer_count(freq, num_layers: int) -> int:
@@ -136,6 +178,14 @@ def _moe_layer_count(freq, num_layers: int) -> int:
     return sum(pattern)
 
 
+def _linear_layer_count(freq, num_layers: int) -> int:
+    """Gated delta-net layers of Megatron's ``linear_attention_freq`` (int N: every N-th layer is
+    attention, the others linear; or a 1 (linear) / 0 list)."""
+    if isinstance(freq, int):
+        return sum(1 for i in range(num_layers) if (i + 1) % freq != 0)
+    return sum(list(freq))
+
+
 def attention_pairs(tree: PackedTree) -> int:
     """Allowed (query, key) pairs among the tree's real tokens: sum of subtree sizes."""
     u = tree.num_tree_tokens
@@ -150,7 +200,8 @@ def cost_weights(shape: GPTShape | None) -> tuple[float, float]:
         return 1.0, 0.0
     if not isinstance(shape, GPTShape):
         raise ValueError(f"cost_model must be a GPTShape or None, got {type(shape).__name__}")
-    return 3.0 * 2.0 * shape.linear_params_per_token, 3.0 * 4.0 * shape.attention_width * shape.layers
+    per_token = 3.0 * (2.0 * shape.linear_params_per_token + shape.recurrent_flops_per_token)
+    return per_token, 3.0 * 4.0 * shape.attention_width * shape.attention_layers
 
 
 def tree_cost(tree: PackedTree, shape: GPTShape) -> float:
