@@ -14,6 +14,12 @@ the first tree's attention mask.
     torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
     python examples/tree_vs_baseline.py --model qwen3_moe_tiny   # mixture of experts (8 experts, top-2)
+    python examples/tree_vs_baseline.py --model qwen35_tiny      # gated delta-net hybrid (Megatron-Bridge)
+
+``--model qwen35_tiny`` builds a tiny Qwen3.5 (``examples/configs/qwen35_tiny``: three gated
+delta-net layers then one attention layer) through Megatron-Bridge (the Python 3.12 Megatron-Bridge
+stack); its FLOP-model ideal counts the gated delta-net layers per token, so it sits closer to the
+token ratio than a dense model's.
 
 ``--model qwen3_moe_tiny`` builds the bundled tiny Qwen3-MoE (``examples/configs/qwen3_moe_tiny``:
 the dense model's attention, 8 experts of width 256 per layer, top-2, renormalized) through
@@ -39,7 +45,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 PHASES = 7
-MODELS = ("qwen3_tiny", "qwen3_moe_tiny")
+MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny")
+HYBRID_MODELS = ("qwen35_tiny",)  # gated delta-net hybrids: Megatron-Bridge only (transformers >= 5.8)
 
 
 def parse_args(argv=None):
@@ -54,8 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
-    p.add_argument("--bridge", default="mbridge", choices=["mbridge", "megatron-bridge"],
-                   help="HF bridge that builds the model (megatron-bridge: Python 3.12 stack)")
+    p.add_argument("--bridge", default=None, choices=["mbridge", "megatron-bridge"],
+                   help="HF bridge that builds the model (default mbridge; megatron-bridge, the Python "
+                        "3.12 Megatron-Bridge stack, for qwen35_tiny)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=2, help="timed steps of each kind (median)")
     p.add_argument("--parity-sequences", type=int, default=8, help="sequences checked against HF")
@@ -64,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="outputs", help="folder for the mask picture")
     p.add_argument("--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32")
     args = p.parse_args(argv)
+    if args.bridge is None:
+        args.bridge = "megatron-bridge" if args.model in HYBRID_MODELS else "mbridge"
+    if args.model in HYBRID_MODELS and args.bridge != "megatron-bridge":
+        p.error(f"--model {args.model} (a gated delta-net hybrid) needs --bridge megatron-bridge: mbridge "
+                "has no Qwen3.5 bridge")
     if args.config is None:
         args.config = str(HERE / "configs" / args.model)
     if args.small:

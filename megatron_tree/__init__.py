@@ -54,6 +54,8 @@ _LAZY = {
     "TreeCoreAttention": ".mcore.core_attention",
     "TreeGPTModel": ".mcore.model",
     "tree_attention_spec": ".mcore.spec",
+    "local_hybrid_block_spec": ".mcore.spec",
+    "LocalNorm": ".mcore.norm",
     "ValueHead": ".mcore.value_head",
     "attach_value_head": ".mcore.value_head",
     "TreeStepResult": ".mcore.step",

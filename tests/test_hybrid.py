@@ -239,3 +239,24 @@ def test_flop_model_counts_a_built_hybrid(world, arch, hybrid_checkpoints):
                          if p.dim() == 2 and "embedding" not in n)
     assert shape.linear_params_per_token == matmul_weights - unused
     assert shape.recurrent_flops_per_token > 0
+
+
+def test_stock_hybrid_modules_are_refused(world):
+    """A model whose token mixers know nothing of trees (megatron-core 0.19's HybridModel with
+    stock gated delta-net and attention layers) is refused by the step before anything runs."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from megatron_tree import tree_forward_backward
+    from megatron_tree.mcore.spec import check_tree_model
+
+    class Stock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Module()
+            self.layer.mixer = GatedDeltaNet.__new__(GatedDeltaNet)
+            torch.nn.Module.__init__(self.layer.mixer)
+
+    with pytest.raises(ValueError, match="layer.mixer is a stock GatedDeltaNet"):
+        check_tree_model(Stock())
+    with pytest.raises(ValueError, match="stock GatedDeltaNet"):
+        tree_forward_backward(Stock(), {"input_ids": torch.ones(1, 4, dtype=torch.long)}, None, forward_only=True)

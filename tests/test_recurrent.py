@@ -78,6 +78,8 @@ def test_chunked_rule_carries_initial_state():
     want, want_state = gated_delta_rule_reference(q, k, v, g, beta, state)
     for chunk in (1, 5, 16, 64):
         got, got_state = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], state[None], chunk)
+        zero, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], None, chunk, final_state=False)
+        assert (zero[0] - gated_delta_rule_reference(q, k, v, g, beta)[0]).abs().max() <= TOL
         assert (got[0] - want).abs().max() <= TOL and (got_state[0] - want_state).abs().max() <= TOL
 
 

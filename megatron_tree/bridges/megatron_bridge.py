@@ -12,6 +12,11 @@ provider (:func:`make_tree_provider`):
   transformer-engine, the bridge's default TE specs become Megatron-Bridge's own local spec, and the
   provider's TE-only fusions (rope fusion, persistent layer norm, masked-softmax and
   gradient-accumulation fusion, sequence parallelism) are switched off;
+* gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense and MoE): without transformer-engine the
+  bridges' TE-only block spec becomes :func:`megatron_tree.mcore.spec.local_hybrid_block_spec`, and
+  the TE-only MoE fusions (``moe_permute_fusion``, ``moe_grouped_gemm``) are switched off; the
+  rewrite makes every ``GatedDeltaNet`` a
+  :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet`;
 * its ``provide()`` builds :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE): the module
   global is swapped while it runs (process-wide for that moment) and restored; the built model is
   checked to have tree attention in every layer (``attention_backend=local`` would make

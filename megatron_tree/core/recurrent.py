@@ -55,12 +55,14 @@ def parents_from_subtree_end(subtree_end: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Bucket:
-    """Segments of one level padded to one length: ``index`` [B, T] context rows (K = a zero row)
-    and ``init`` [B], the slot of each segment's initial state in the state table (0 = zeros; a
-    bucket's final states take the next B slots, in processing order)."""
+    """Segments of one level padded to one length: ``index`` [B, T] context rows (K = a zero row);
+    ``init`` [B], the slot of each segment's initial state in the state table (0 = zeros; None: all
+    start from zero); ``keep``, the rows whose final states later segments start from (they take
+    the table's next slots, in processing order; None: no row has children, no state is kept)."""
 
     index: torch.Tensor
-    init: torch.Tensor
+    init: torch.Tensor | None
+    keep: torch.Tensor | None
 
 
 class RecurrentPlan:
@@ -92,6 +94,10 @@ class RecurrentPlan:
         self.num_segments = len(level)
         self.num_levels = (max(level) + 1) if level else 0
         starts_l, lengths_l = starts.tolist(), lengths.tolist()
+        has_children = [False] * len(level)
+        for p in parent_seg:
+            if p >= 0:
+                has_children[p] = True
         slot = [0] * len(level)
         buckets: list[list[_Bucket]] = []
         next_slot = 1
@@ -105,15 +111,17 @@ class RecurrentPlan:
                     groups.append([s])
             level_buckets = []
             for group in groups:
-                t = lengths_l[group[0]]
-                index = torch.full((len(group), t), k, dtype=torch.int64)
+                index = torch.full((len(group), lengths_l[group[0]]), k, dtype=torch.int64)
                 for b, s in enumerate(group):
                     index[b, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
-                init = torch.tensor([0 if parent_seg[s] < 0 else slot[parent_seg[s]] for s in group])
-                for b, s in enumerate(group):
-                    slot[s] = next_slot + b
-                level_buckets.append(_Bucket(index.to(device), init.to(device)))
-                next_slot += len(group)
+                inits = [0 if parent_seg[s] < 0 else slot[parent_seg[s]] for s in group]
+                keep = [b for b, s in enumerate(group) if has_children[s]]
+                for b in keep:
+                    slot[group[b]] = next_slot
+                    next_slot += 1
+                level_buckets.append(_Bucket(
+                    index.to(device), torch.tensor(inits, device=device) if any(inits) else None,
+                    torch.tensor(keep, device=device) if keep else None))
             buckets.append(level_buckets)
         self.buckets = buckets
         # Row of the concatenated, flattened bucket outputs holding each context position.
@@ -163,7 +171,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK, final_state: bool = True):
     """The gated delta rule on a batch of sequences, chunk by chunk (at least fp32 inside).
 
     Per head, with state S [dk, dv] starting at ``initial_state``:
@@ -174,9 +182,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
 
     Args:
         q, k: [B, T, H, dk] (q already scaled); v: [B, T, H, dv]; g (log decay, <= 0), beta: [B, T, H].
-        initial_state: [B, H, dk, dv].
+        initial_state: [B, H, dk, dv], or None (zeros, never materialized).
+        final_state: compute the final state (False: skip the last chunk's state update).
     Returns:
-        (o [B, T, H, dv] in v's dtype, final state [B, H, dk, dv], fp32 or wider).
+        (o [B, T, H, dv] in v's dtype, final state [B, H, dk, dv] fp32 or wider, or None).
     """
     dtype = v.dtype
     bsz, t, h, dk = k.shape
@@ -200,16 +209,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk: int = CHUNK):
     w = solve(k * (beta * gam.exp())[..., None])  # [B, H, n, C, dk]
     u = solve(v * beta[..., None])  # [B, H, n, C, dv]
     inner = q @ k.transpose(-1, -2) * decay
-    state = initial_state.to(work)
+    state = None if initial_state is None else initial_state.to(work)
     out = []
     for i in range(n):
         gi = gam[:, :, i]
-        corr = u[:, :, i] - w[:, :, i] @ state
-        out.append((q[:, :, i] * gi.exp()[..., None]) @ state + inner[:, :, i] @ corr)
+        if state is None:
+            corr = u[:, :, i]
+            out.append(inner[:, :, i] @ corr)
+        else:
+            corr = u[:, :, i] - w[:, :, i] @ state
+            out.append((q[:, :, i] * gi.exp()[..., None]) @ state + inner[:, :, i] @ corr)
+        if i == n - 1 and not final_state:
+            break
         tail = (gi[..., -1:] - gi).exp()[..., None]
-        state = gi[..., -1, None, None].exp() * state + (k[:, :, i] * tail).transpose(-1, -2) @ corr
+        update = (k[:, :, i] * tail).transpose(-1, -2) @ corr
+        state = update if state is None else gi[..., -1, None, None].exp() * state + update
     o = torch.stack(out, 2).reshape(bsz, h, n * c, dv)[:, :, :t].transpose(1, 2)
-    return o.to(dtype), state
+    return o.to(dtype), state if final_state else None
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CHUNK) -> torch.Tensor:
@@ -230,10 +246,12 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CH
         table = torch.cat(states) if len(states) > 1 else states[0]
         for bucket in level:
             idx = bucket.index
-            o, final = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx],
-                                              table.index_select(0, bucket.init), chunk)
+            init = None if bucket.init is None else table.index_select(0, bucket.init)
+            o, final = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init, chunk,
+                                              final_state=bucket.keep is not None)
             outs.append(o.reshape(-1, h, dv))
-            states.append(final)
+            if final is not None:
+                states.append(final.index_select(0, bucket.keep))
     if not outs:
         return v[:0]
     return torch.cat(outs).index_select(0, plan.inverse)

@@ -246,3 +246,32 @@ def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: i
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
     return TransformerBlockSubmodules(layer_specs=[layers[i] for i in ids], layer_norm=LocalNorm)
+
+
+# Modules that mix tokens along the sequence and know nothing of trees (by class name, so that
+# transformer-engine's and Mamba's classes are recognized without importing them).
+_STOCK_MIXERS = {"DotProductAttention", "TEDotProductAttention", "GatedDeltaNet", "MambaMixer",
+                 "MLASelfAttention", "FlashAttention"}
+
+
+def check_tree_model(model: Any) -> None:
+    """Raise ValueError unless every module of ``model`` that mixes tokens is a tree module.
+
+    A stock core attention, gated delta-net or Mamba mixer would run causally over the packed
+    positions and silently mix branches: the error names the first one and the fix. Checked once
+    per model object (the result is remembered on it).
+    """
+    if getattr(model, "_megatron_tree_checked", False):
+        return
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind in _STOCK_MIXERS:
+            raise ValueError(
+                f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; "
+                "build the model with a spec from tree_attention_spec() (or through "
+                "patch_bridge_for_tree_training / patch_megatron_bridge_for_tree_training)"
+                + (" (Mamba layers, Nemotron-H, are not supported with trees yet)" if kind == "MambaMixer" else "")
+                + (" (HybridModel: build a TreeGPTModel with local_hybrid_block_spec instead)"
+                   if type(model).__name__ == "HybridModel" else "")
+            )
+    object.__setattr__(model, "_megatron_tree_checked", True)

@@ -42,6 +42,7 @@ from ..core.results import merge_packed_tree_results
 from .moe import RoutingReplay, router_losses_on, step_loss_scale
 from .moe_stats import ExpertTokenCounter
 from .runner import MicroBatchInputs, StepRunner, plain_forward_step
+from .spec import check_tree_model
 from .trunk_step import check_trunk_parts, run_trunks_scheduled, run_with_trunks
 
 logger = logging.getLogger(__name__)
@@ -337,6 +338,8 @@ def tree_forward_backward(
             f"got {len(chunks)} model chunks but the virtual pipeline size is {vpp}; pass one chunk "
             "per virtual stage (the list Megatron's get_model returns)"
         )
+    for chunk in chunks:
+        check_tree_model(chunk)
     config = get_model_config(chunks[0])
     cp_group = _context_parallel_group(config, cp_group)
     tp_group = _tensor_parallel_group(config, tp_group)
