@@ -111,7 +111,11 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     if getattr(provider, _BOUND_ATTR, None) is not None:
         return provider
     if not isinstance(provider, gpt_provider.GPTModelProvider):
-        raise ValueError(f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT models")
+        raise ValueError(
+            f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT models "
+            "(attention, MoE and gated delta-net hybrids); Mamba hybrids such as Nemotron-H build a "
+            "HybridModel, which is not supported with trees yet"
+        )
     if getattr(provider, "mtp_num_layers", None):
         raise ValueError("tree training does not support multi-token prediction; set mtp_num_layers=None")
     if provider.attention_backend == AttnBackend.local:
