@@ -13,3 +13,7 @@ find_python312() {
     fi
   fi
 }
+
+# The tests that run on the Megatron-Bridge stack (transformers 5: the mbridge tests cannot run
+# there). One list for .ci/run and scripts/test_matrix.sh.
+MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_hybrid.py)

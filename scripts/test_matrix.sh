@@ -28,7 +28,7 @@ for stack in "${stacks[@]}"; do
     bash scripts/test.sh -q "$@" >"$log" 2>&1
   elif [ -n "$bridge" ]; then
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
-      bash scripts/test.sh -q tests/test_megatron_bridge.py "$@" >"$log" 2>&1
+      bash scripts/test.sh -q "${MEGATRON_BRIDGE_TESTS[@]}" "$@" >"$log" 2>&1
   else
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" bash scripts/test.sh -q "$@" >"$log" 2>&1
   fi

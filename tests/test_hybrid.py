@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import HYBRID_ARCHS, max_err, pack, packed_logprobs, recurrent_sequences
+from megatron_tree.testing.models import (
+    HYBRID_ARCHS,
+    max_err,
+    megatron_bridge_tree_model,
+    pack,
+    recurrent_sequences,
+    step_logprobs,
+    tree_logprobs,
+)
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
@@ -56,36 +64,8 @@ def hybrid_references(hybrid_checkpoints):
     return {arch: hf_logprobs(path, recurrent_sequences()) for arch, path in hybrid_checkpoints.items()}
 
 
-def _model(path: str, tp: int = 1, cp: int = 1, **provider_fields):
-    from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
-    from megatron.bridge import AutoBridge
-
-    with patch_megatron_bridge_for_tree_training(backend="sdpa"):
-        bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
-    provider = bridge.to_megatron_provider(load_weights=True)
-    provider.tensor_model_parallel_size = tp
-    provider.context_parallel_size = cp
-    for name, value in provider_fields.items():
-        setattr(provider, name, value)
-    provider.finalize()
-    return provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
-
-
-def _logprobs(model, seqs, one_at_a_time: bool = False) -> dict[int, torch.Tensor]:
-    from megatron.core import tensor_parallel
-
-    from megatron_tree.core.mask import tree_attention_mask
-
-    groups = [[s] for s in seqs] if one_at_a_time else [seqs]
-    out = {}
-    with torch.no_grad():
-        for g, group in enumerate(groups):
-            for mb in pack(group):
-                logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
-                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-                for i, values in packed_logprobs(logits, mb).items():
-                    out[g if one_at_a_time else i] = values
-    return out
+def _model(path: str, **kwargs):
+    return megatron_bridge_tree_model(path, backend="sdpa", **kwargs)
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -98,7 +78,7 @@ def test_hybrid_tree_logprobs_match_hf(world, arch, hybrid_checkpoints, hybrid_r
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
     assert kinds == ["TreeGatedDeltaNet"] * 3 + ["SelfAttention"]
     assert all(isinstance(layer.self_attention, TreeGatedDeltaNet) for layer in model.decoder.layers[:3])
-    assert max_err(_logprobs(model, recurrent_sequences()), hybrid_references[arch]) <= HF_LOGP_TOL
+    assert max_err(tree_logprobs(model, recurrent_sequences()), hybrid_references[arch]) <= HF_LOGP_TOL
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe_text"])
@@ -106,8 +86,8 @@ def test_hybrid_tree_is_exact_in_float64(world, arch, hybrid_checkpoints):
     """Every rounding difference gone: tree and sequences alone agree to 1e-10."""
     model = _model(hybrid_checkpoints[arch]).eval().double()
     seqs = recurrent_sequences()
-    tree = _logprobs(model, seqs)
-    alone = _logprobs(model, seqs, one_at_a_time=True)
+    tree = tree_logprobs(model, seqs)
+    alone = tree_logprobs(model, seqs, alone=True)
     assert max_err(tree, alone) <= EXACT_TOL
 
 
@@ -193,7 +173,7 @@ def test_hybrid_trunk_reuse_gradients_equal_unpacked(world, hybrid_checkpoints):
 
 
 def _tp2_worker(rank: int, paths: dict) -> dict:
-    return {arch: _logprobs(_model(path, tp=2).eval(), recurrent_sequences()) for arch, path in paths.items()}
+    return {arch: tree_logprobs(_model(path, tp=2).eval(), recurrent_sequences()) for arch, path in paths.items()}
 
 
 def test_hybrid_tensor_parallel_2_matches_hf(hybrid_checkpoints, hybrid_references):
@@ -203,17 +183,7 @@ def test_hybrid_tensor_parallel_2_matches_hf(hybrid_checkpoints, hybrid_referenc
 
 
 def _cp2_worker(rank: int, path: str) -> dict:
-    from megatron.core import parallel_state as ps
-
-    from megatron_tree import tree_forward_backward
-    from megatron_tree.testing.synthetic import pad_sequences
-
-    model = _model(path, cp=2)
-    seqs = recurrent_sequences()
-    result = tree_forward_backward(model, pad_sequences(seqs), None, forward_only=True, collect_outputs=True,
-                                   max_tokens_per_mb=64, block_size=16, tp_group=ps.get_tensor_model_parallel_group())
-    merged = result.merged_outputs()["logprobs"]
-    return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
+    return step_logprobs(_model(path, cp=2), recurrent_sequences(), max_tokens_per_mb=64, block_size=16)
 
 
 def test_hybrid_context_parallel_2_matches_hf(hybrid_checkpoints, hybrid_references):

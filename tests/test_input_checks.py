@@ -263,3 +263,12 @@ def test_the_building_block_loop_on_a_part_names_the_rows_mask(world):
         _model()(part["input_ids"], part["position_ids"], attention_mask=tree_attention_mask(part["tree"]))
     with pytest.raises(ValueError, match="pass store=KeyValueStore"):
         tree_attention_mask(part["rows"])
+
+
+def test_a_model_without_tree_attention_is_refused_by_the_step(world):
+    """The stock GPTModel (causal core attention) would attend across the tree's branches: the step
+    names its first layer's core attention before anything runs; the tree model passes."""
+    stock = build_gpt_model(small_gpt_config(), tree=False, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"decoder.layers.0.self_attention is a stock DotProductAttention"):
+        tree_forward_backward(stock, rl_batch(branching_sequences()), _ppo, **PACKING)
+    _step(_model(), rl_batch(branching_sequences()))

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import ARCHS, branching_sequences, max_err, pack, packed_logprobs
+from megatron_tree.testing.models import (
+    ARCHS,
+    branching_sequences,
+    max_err,
+    megatron_bridge_tree_model,
+    step_logprobs,
+    tree_logprobs,
+)
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
@@ -25,42 +32,15 @@ pytestmark = [
 LOGP_TOL = 1e-5
 
 
-def _tree_model(path: str, tp: int = 1, cp: int = 1, **patch_kwargs):
-    # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs here.
-    from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
-    from megatron.bridge import AutoBridge
-
-    with patch_megatron_bridge_for_tree_training(**patch_kwargs):
-        bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
-    provider = bridge.to_megatron_provider(load_weights=True)  # after the block: still bound
-    provider.tensor_model_parallel_size = tp
-    provider.context_parallel_size = cp
-    provider.finalize()
-    return bridge, provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0].eval()
-
-
-def _tree_logprobs(model) -> dict[int, torch.Tensor]:
-    from megatron.core import tensor_parallel
-
-    from megatron_tree.core.mask import tree_attention_mask
-
-    out = {}
-    with torch.no_grad():
-        for mb in pack(branching_sequences()):
-            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
-            out.update(packed_logprobs(tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb))
-    return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_megatron_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
     from megatron_tree.mcore.core_attention import TreeCoreAttention
     from megatron_tree.mcore.model import TreeGPTModel
 
-    _, model = _tree_model(checkpoints[arch], backend="block_sparse")
+    model = megatron_bridge_tree_model(checkpoints[arch], backend="block_sparse").eval()
     assert isinstance(model, TreeGPTModel)
     assert all(isinstance(layer.self_attention.core_attention, TreeCoreAttention) for layer in model.decoder.layers)
-    assert max_err(_tree_logprobs(model), references[arch]) <= LOGP_TOL
+    assert max_err(tree_logprobs(model, branching_sequences()), references[arch]) <= LOGP_TOL
 
 
 def test_patch_restores_init_and_binds_instances(checkpoints):
@@ -90,9 +70,9 @@ def test_patch_restores_init_and_binds_instances(checkpoints):
 def _tp2_worker(rank: int, checkpoints: dict) -> dict:
     out = {}
     for arch in ARCHS:
-        _, model = _tree_model(checkpoints[arch], tp=2)
+        model = megatron_bridge_tree_model(checkpoints[arch], tp=2).eval()
         assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
-        out[arch] = _tree_logprobs(model)
+        out[arch] = tree_logprobs(model, branching_sequences())
     return out
 
 
@@ -103,18 +83,9 @@ def test_megatron_bridge_tp2_matches_hf(checkpoints, references):
 
 
 def _cp2_worker(rank: int, path: str) -> dict:
-    from megatron.core import parallel_state as ps
-
-    from megatron_tree import tree_forward_backward
-    from megatron_tree.testing.synthetic import pad_sequences
-
-    _, model = _tree_model(path, cp=2)
+    model = megatron_bridge_tree_model(path, cp=2)
     assert model.config.context_parallel_size == 2
-    seqs = branching_sequences()
-    result = tree_forward_backward(model, pad_sequences(seqs), None, forward_only=True, collect_outputs=True,
-                                   max_tokens_per_mb=64, block_size=16, tp_group=ps.get_tensor_model_parallel_group())
-    merged = result.merged_outputs()["logprobs"]
-    return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
+    return step_logprobs(model, branching_sequences(), max_tokens_per_mb=64, block_size=16)
 
 
 def test_megatron_bridge_context_parallel_2_matches_hf(checkpoints, references):

@@ -47,10 +47,8 @@ from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from ..core.attention import BACKENDS  # noqa: E402
-from ..mcore.core_attention import TreeCoreAttention  # noqa: E402
-from ..mcore.gated_delta_net import TreeGatedDeltaNet  # noqa: E402
 from ..mcore.model import TreeGPTModel  # noqa: E402
-from ..mcore.spec import local_hybrid_block_spec, tree_attention_spec  # noqa: E402
+from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec  # noqa: E402
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
 # Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
@@ -93,13 +91,7 @@ def _resolve_spec(spec: Any, config: Any, vp_stage: int | None) -> Any:
 def _check_tree_model(model: Any) -> None:
     if not isinstance(model, TreeGPTModel):
         raise ValueError(f"the provider built {type(model).__name__}, not a TreeGPTModel")
-    for i, layer in enumerate(model.decoder.layers):
-        attention = getattr(layer, "self_attention", None)
-        if TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet):
-            continue
-        core = getattr(attention, "core_attention", None)
-        if not isinstance(core, TreeCoreAttention):
-            raise ValueError(f"decoder layer {i} has {type(core).__name__}, not TreeCoreAttention")
+    check_tree_model(model)
 
 
 def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int = 128) -> Any:

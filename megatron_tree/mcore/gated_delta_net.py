@@ -68,10 +68,9 @@ if GatedDeltaNet is not None:
             with _without_fla_requirement():
                 super().__init__(*args, **kwargs)
 
-        def _setup_variant_attrs(self):
-            with _without_fla_requirement():
-                super()._setup_variant_attrs()
-            self.gated_delta_rule = tree_gated_delta_rule
+        def _setup_variant_attrs(self):  # called by the constructor
+            super()._setup_variant_attrs()
+            self.gated_delta_rule = tree_gated_delta_rule  # fla's kernel is None without fla
 
         def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
                     sequence_len_offset=None, *, inference_params=None, **kwargs):

@@ -257,21 +257,33 @@ _STOCK_MIXERS = {"DotProductAttention", "TEDotProductAttention", "GatedDeltaNet"
 def check_tree_model(model: Any) -> None:
     """Raise ValueError unless every module of ``model`` that mixes tokens is a tree module.
 
-    A stock core attention, gated delta-net or Mamba mixer would run causally over the packed
-    positions and silently mix branches: the error names the first one and the fix. Checked once
-    per model object (the result is remembered on it).
+    Every ``TransformerLayer``'s self-attention must be a tree one (``TreeCoreAttention`` as its
+    core attention, or ``TreeGatedDeltaNet``, or none), and no stock mixer (core attention, gated
+    delta-net, Mamba mixer, MLA) may sit anywhere else: it would run causally over the packed
+    positions and silently mix branches. The error names the first such module and the fix.
+    Checked once per model object (the result is remembered on it).
     """
     if getattr(model, "_megatron_tree_checked", False):
         return
     for name, module in model.named_modules():
-        kind = type(module).__name__
-        if kind in _STOCK_MIXERS:
-            raise ValueError(
-                f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; "
-                "build the model with a spec from tree_attention_spec() (or through "
-                "patch_bridge_for_tree_training / patch_megatron_bridge_for_tree_training)"
-                + (" (Mamba layers, Nemotron-H, are not supported with trees yet)" if kind == "MambaMixer" else "")
-                + (" (HybridModel: build a TreeGPTModel with local_hybrid_block_spec instead)"
-                   if type(model).__name__ == "HybridModel" else "")
-            )
+        if isinstance(module, TransformerLayer):
+            attention = module.self_attention
+            core = getattr(attention, "core_attention", None)
+            if not (isinstance(attention, IdentityOp) or isinstance(core, TreeCoreAttention)
+                    or (TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet))):
+                _refuse_mixer(model, f"{name}.self_attention", attention if core is None else core)
+        elif type(module).__name__ in _STOCK_MIXERS:
+            _refuse_mixer(model, name, module)
     object.__setattr__(model, "_megatron_tree_checked", True)
+
+
+def _refuse_mixer(model: Any, name: str, module: Any) -> None:
+    kind = type(module).__name__
+    hint = {"MambaMixer": " Mamba layers (Nemotron-H) are not supported with trees yet."}.get(kind, "")
+    if type(model).__name__ == "HybridModel":
+        hint += " For a HybridModel, build a TreeGPTModel with local_hybrid_block_spec instead."
+    raise ValueError(
+        f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; build the "
+        "model with a spec from tree_attention_spec() (or through patch_bridge_for_tree_training / "
+        f"patch_megatron_bridge_for_tree_training).{hint}"
+    )

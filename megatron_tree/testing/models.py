@@ -215,6 +215,57 @@ def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.
     return out
 
 
+def megatron_bridge_tree_model(path: str, *, tp: int = 1, cp: int = 1, backend: str = "auto", **provider_fields):
+    """The tree model Megatron-Bridge builds from the HF checkpoint at ``path`` under
+    ``patch_megatron_bridge_for_tree_training`` (fp32, no DDP; ``provider_fields`` set on the
+    provider before it is finalized, e.g. recompute or router settings). Needs parallel_state."""
+    # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs here.
+    from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+    from megatron.bridge import AutoBridge
+
+    with patch_megatron_bridge_for_tree_training(backend=backend):
+        bridge = AutoBridge.from_hf_pretrained(path, dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)  # after the block: still bound
+    provider.tensor_model_parallel_size = tp
+    provider.context_parallel_size = cp
+    for name, value in provider_fields.items():
+        setattr(provider, name, value)
+    provider.finalize()
+    return provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
+
+
+def tree_logprobs(model, seqs: list[torch.Tensor], *, alone: bool = False) -> dict[int, torch.Tensor]:
+    """Per-sequence log-probs of a tree model (vocab-parallel logits gathered over TP), the
+    sequences packed into whole trees, or each packed alone (``alone``), by index in ``seqs``."""
+    from megatron.core import tensor_parallel
+
+    from ..core.mask import tree_attention_mask
+
+    groups = [[s] for s in seqs] if alone else [seqs]
+    out = {}
+    with torch.no_grad():
+        for g, group in enumerate(groups):
+            for mb in pack(group):
+                logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+                for i, values in packed_logprobs(logits, mb).items():
+                    out[g if alone else i] = values
+    return out
+
+
+def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch.Tensor]:
+    """Per-sequence log-probs from a forward-only ``tree_forward_backward`` (packing as given:
+    context-parallel splits, trunk reuse), by index in ``seqs``."""
+    from megatron.core import parallel_state as ps
+
+    from ..mcore.step import tree_forward_backward
+
+    result = tree_forward_backward(model, pad_sequences(seqs), None, forward_only=True, collect_outputs=True,
+                                   tp_group=ps.get_tensor_model_parallel_group(), **packing)
+    merged = result.merged_outputs()["logprobs"]
+    return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
+
+
 def max_err(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
     """Largest absolute difference between two {sequence: log-probs} maps over the same sequences."""
     assert a.keys() == b.keys()
