@@ -12,8 +12,9 @@ are done, so the recurrence runs level by level, all segments of a level in one 
 pass. :class:`RecurrentPlan` is that schedule, built once per micro-batch from the tree mask's
 ``subtree_end`` (the parent of a position is the last earlier position one level shallower, a
 pre-order fact), with one host read; every layer and the recomputation reuse it. Within a level the
-torch path pads segments to a common length; it groups them into length buckets (a bucket's
-longest segment at most twice its shortest) so that padding at most doubles a level's work: one
+torch path pads segments to a common length; it groups them into length buckets (lengths in
+[2^j, 2^(j+1)): a bucket's longest segment under twice its shortest) so that padding at most
+doubles a level's work: one
 batched pass per (level, bucket), O(levels * log2(longest segment)) passes, never one per segment.
 
 The short causal convolution reads, for each token, its ``width - 1`` nearest ancestors (parent,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .mask import tree_depth
@@ -65,6 +67,21 @@ class _Bucket:
     keep: torch.Tensor | None
 
 
+def _segments(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host parents [K] -> the compressed trie's segments: (first position [S], length [S], parent
+    segment [S], -1 for roots). A position starts a segment unless it continues its parent's
+    only-child chain (in pre-order a first child comes right after its parent)."""
+    k = parent.shape[0]
+    pos = torch.arange(k)
+    children = torch.bincount(parent[parent >= 0], minlength=k)
+    starts_mask = (parent != pos - 1) | (children[parent.clamp(min=0)] != 1) | (parent < 0)
+    starts = pos[starts_mask]
+    lengths = torch.diff(starts, append=torch.tensor([k]))
+    seg_of = torch.cumsum(starts_mask.long(), 0) - 1
+    first_parent = parent[starts]
+    return starts, lengths, torch.where(first_parent >= 0, seg_of[first_parent.clamp(min=0)], -1)
+
+
 class RecurrentPlan:
     """The segment schedule of one micro-batch's context, built once (one host read) and shared by
     every recurrent layer and the recomputation.
@@ -76,56 +93,39 @@ class RecurrentPlan:
 
     def __init__(self, subtree_end: torch.Tensor):
         device = subtree_end.device
-        parent = parents_from_subtree_end(subtree_end)
-        self.parent = parent
-        self.num_positions = k = int(parent.shape[0])
-        host = parent.cpu()
-        pos = torch.arange(k)
-        children = torch.bincount(host[host >= 0], minlength=k)
-        # A segment starts where a position does not continue its parent's only-child chain.
-        starts_mask = (host != pos - 1) | (children[host.clamp(min=0)] != 1) | (host < 0)
-        starts = pos[starts_mask]
-        lengths = torch.diff(torch.cat([starts, torch.tensor([k])]))
-        seg_of = torch.cumsum(starts_mask.long(), 0) - 1
-        parent_seg = torch.where(host[starts] >= 0, seg_of[host[starts].clamp(min=0)], -1).tolist()
-        level: list[int] = []
-        for p in parent_seg:  # parents precede children in pre-order
-            level.append(0 if p < 0 else level[p] + 1)
-        self.num_segments = len(level)
-        self.num_levels = (max(level) + 1) if level else 0
-        starts_l, lengths_l = starts.tolist(), lengths.tolist()
-        has_children = [False] * len(level)
-        for p in parent_seg:
-            if p >= 0:
-                has_children[p] = True
-        slot = [0] * len(level)
-        buckets: list[list[_Bucket]] = []
-        next_slot = 1
-        for lv in range(self.num_levels):
-            segs = sorted((s for s in range(len(level)) if level[s] == lv), key=lambda s: -lengths_l[s])
-            groups: list[list[int]] = []
-            for s in segs:
-                if groups and 2 * lengths_l[s] >= lengths_l[groups[-1][0]]:
-                    groups[-1].append(s)
-                else:
-                    groups.append([s])
-            level_buckets = []
-            for group in groups:
-                index = torch.full((len(group), lengths_l[group[0]]), k, dtype=torch.int64)
-                for b, s in enumerate(group):
-                    index[b, : lengths_l[s]] = torch.arange(starts_l[s], starts_l[s] + lengths_l[s])
-                inits = [0 if parent_seg[s] < 0 else slot[parent_seg[s]] for s in group]
-                keep = [b for b, s in enumerate(group) if has_children[s]]
-                for b in keep:
-                    slot[group[b]] = next_slot
-                    next_slot += 1
-                level_buckets.append(_Bucket(
-                    index.to(device), torch.tensor(inits, device=device) if any(inits) else None,
-                    torch.tensor(keep, device=device) if keep else None))
-            buckets.append(level_buckets)
-        self.buckets = buckets
+        self.parent = parents_from_subtree_end(subtree_end)
+        self.num_positions = k = int(self.parent.shape[0])
+        starts, lengths, parent_seg = _segments(self.parent.cpu())
+        self.num_segments = s = int(starts.shape[0])
+        level = torch.zeros(s, dtype=torch.int64)
+        for _ in range(s):  # one round per level: a segment's level is its parent's + 1
+            deeper = torch.where(parent_seg >= 0, level[parent_seg.clamp(min=0)] + 1, 0)
+            if torch.equal(deeper, level):
+                break
+            level = deeper
+        self.num_levels = int(level.max()) + 1 if s else 0
+        # Processing order: by level, then by length band [2^j, 2^(j+1)) longest first (a bucket),
+        # then by length. Segments with children take state slots 1, 2, ... in that order.
+        band = torch.floor(torch.log2(lengths.double())).long()
+        order = torch.from_numpy(np.lexsort((-lengths.numpy(), -band.numpy(), level.numpy())))
+        has_children = torch.zeros(s, dtype=torch.bool)
+        has_children[parent_seg[parent_seg >= 0]] = True
+        slot = torch.zeros(s, dtype=torch.int64)
+        slot[order] = torch.cumsum(has_children[order].long(), 0) * has_children[order]
+        init = torch.where(parent_seg >= 0, slot[parent_seg.clamp(min=0)], 0)
+        self.buckets: list[list[_Bucket]] = [[] for _ in range(self.num_levels)]
+        host_index = []  # every bucket's [B, T] rows, in processing order
+        key = level[order] * 64 + band[order]
+        for ids in torch.split(order, torch.unique_consecutive(key, return_counts=True)[1].tolist()):
+            cols = torch.arange(int(lengths[ids[0]]))
+            index = torch.where(cols < lengths[ids, None], starts[ids, None] + cols, k)
+            keep = has_children[ids].nonzero()[:, 0]
+            host_index.append(index)
+            self.buckets[int(level[ids[0]])].append(_Bucket(
+                index.to(device), init[ids].to(device) if bool(init[ids].any()) else None,
+                keep.to(device) if len(keep) else None))
         # Row of the concatenated, flattened bucket outputs holding each context position.
-        flat = torch.cat([b.index.reshape(-1).cpu() for lv in buckets for b in lv]) if k else torch.zeros(0, dtype=torch.int64)
+        flat = torch.cat([i.reshape(-1) for i in host_index]) if host_index else torch.zeros(0, dtype=torch.int64)
         inverse = torch.empty(k, dtype=torch.int64)
         valid = flat < k
         inverse[flat[valid]] = torch.arange(flat.shape[0])[valid]
