@@ -212,7 +212,9 @@ class TreeRows:
     def keys_values(self, key: torch.Tensor, value: torch.Tensor, layer: int, store: "KeyValueStore | None"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's keys/values [n, b, ng, hn] -> the context's [K, b, ng, hn]: all-gather
-        over the CP group, record for later parts, prepend the stored keys, put in key order."""
+        over the CP group, record for later parts, prepend the stored keys, put in key order. Any
+        per-row pair [n, ...] works the same way (a gated delta-net passes its convolution input
+        and gate logits, [n, b, d1] and [n, b, d2])."""
         if self.is_whole:
             return key, value
         both = torch.cat([key, value], dim=-1)
