@@ -100,6 +100,10 @@ def test_passes_per_layer_follow_levels_not_segments():
     plan = RecurrentPlan(grpo.subtree_end)
     assert plan.num_levels == 2 and plan.num_segments >= 9
     assert plan.num_passes <= 2 + 2 * 2  # each level: its length buckets (+ one for the padding)
+    for level in plan.buckets:  # padding to a bucket's longest segment at most doubles its work
+        for bucket in level:
+            lengths = (bucket.index < plan.num_positions).sum(1)
+            assert int(lengths.max()) < 2 * int(lengths.min()) or int(lengths.max()) == 1
     turns = [torch.arange(1, 11)]
     for t in range(5):
         turns.append(torch.cat([turns[-1], torch.full((7,), 20 + t)]))

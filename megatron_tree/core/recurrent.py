@@ -12,9 +12,9 @@ are done, so the recurrence runs level by level, all segments of a level in one 
 pass. :class:`RecurrentPlan` is that schedule, built once per micro-batch from the tree mask's
 ``subtree_end`` (the parent of a position is the last earlier position one level shallower, a
 pre-order fact), with one host read; every layer and the recomputation reuse it. Within a level the
-torch path pads segments to a common length; it groups them into length buckets (lengths in
-[2^j, 2^(j+1)): a bucket's longest segment under twice its shortest) so that padding at most
-doubles a level's work: one
+torch path pads segments to a common length; it groups them into length buckets (band j of a
+level: lengths in (longest / 2^(j+1), longest / 2^j], so a bucket's longest segment is under twice
+its shortest) and padding at most doubles a level's work: one
 batched pass per (level, bucket), O(levels * log2(longest segment)) passes, never one per segment.
 
 The short causal convolution reads, for each token, its ``width - 1`` nearest ancestors (parent,
@@ -104,10 +104,12 @@ class RecurrentPlan:
                 break
             level = deeper
         self.num_levels = int(level.max()) + 1 if s else 0
-        # Processing order: by level, then by length band [2^j, 2^(j+1)) longest first (a bucket),
-        # then by length. Segments with children take state slots 1, 2, ... in that order.
-        band = torch.floor(torch.log2(lengths.double())).long()
-        order = torch.from_numpy(np.lexsort((-lengths.numpy(), -band.numpy(), level.numpy())))
+        # Processing order: by level, then by length band (a bucket: band j of a level holds the
+        # lengths in (longest / 2^(j+1), longest / 2^j]), then by length. Segments with children
+        # take state slots 1, 2, ... in that order.
+        longest = torch.zeros(self.num_levels, dtype=torch.int64).scatter_reduce(0, level, lengths, "amax")
+        band = torch.floor(torch.log2(longest[level].double() / lengths.double())).long()
+        order = torch.from_numpy(np.lexsort((-lengths.numpy(), band.numpy(), level.numpy())))
         has_children = torch.zeros(s, dtype=torch.bool)
         has_children[parent_seg[parent_seg >= 0]] = True
         slot = torch.zeros(s, dtype=torch.int64)
