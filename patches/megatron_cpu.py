@@ -40,6 +40,14 @@ patched symbol                                              CPU behaviour
                                                             for a CPU tensor too (upstream converts
                                                             only CUDA tensors), so the all-to-all
                                                             gets its split sizes as on a GPU
+``megatron.core.transformer.moe.shared_experts.torch``      ``torch`` with the CPU stand-in streams:
+                                                            the shared experts' overlap stream
+                                                            (``moe_shared_expert_overlap``, on in
+                                                            DeepSeek-V3 / GLM-4.5 bridges)
+``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` (0.16.x stubs TE's classes
+                                                            with mocks when it is missing, so its
+                                                            MLA reads True and fails in
+                                                            ``isinstance(..., TELinear)``)
 ``megatron.core.transformer.moe.moe_utils.te_general_gemm``  defined as ``None`` where it is missing
                                                             (megatron-core 0.16.x without
                                                             transformer-engine; 0.17+ define it);
@@ -124,6 +132,8 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher", "torch"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.transformer.moe.shared_experts", "torch"),
+    ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
 )
 
 # (module path, name, value): module globals that some versions read but never define; defined
@@ -363,6 +373,8 @@ _REPLACEMENTS: dict[str, Any] = {
     ("megatron.core.transformer.moe.token_dispatcher", "torch"): _TorchWithCpuStreams(),
     "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream": _CpuStream(),
     "maybe_move_tensor_to_cpu": _cpu_maybe_move_tensor_to_cpu,
+    ("megatron.core.transformer.moe.shared_experts", "torch"): _TorchWithCpuStreams(),
+    "HAVE_TE": False,
 }
 
 

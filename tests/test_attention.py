@@ -21,9 +21,9 @@ def _tree(block_size: int = 16):
     return pack(branching_sequences(), block_size=block_size, max_tokens=512)[0]["tree"]
 
 
-def _qkv(n, heads=4, groups=2, dim=8, seed=0, grad=True):
+def _qkv(n, heads=4, groups=2, dim=8, seed=0, grad=True, value_dim=None):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(n, 1, heads, dim), (n, 1, groups, dim), (n, 1, groups, dim)]
+    shapes = [(n, 1, heads, dim), (n, 1, groups, dim), (n, 1, groups, value_dim or dim)]
     return [torch.randn(s, generator=g, dtype=torch.float64).requires_grad_(grad) for s in shapes]
 
 
@@ -60,6 +60,30 @@ def test_flex_forward_matches_reference_on_cpu(block_size):
     for mask in (tree.subtree_end, masked):
         out = tree_attention(q, k, v, mask, backend="flex", block_size=block_size)
         assert (out - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "block_sparse", "flex"])
+@pytest.mark.parametrize("sink", [False, True])
+def test_value_head_dim_may_differ_from_query_head_dim(backend, sink):
+    # Multi-latent attention: queries and keys of 24 (nope + rope parts), values of 16.
+    tree = _tree()
+    masked = build_attention_mask_from_trie(tree)
+    q, k, v = _qkv(tree.padded_length, dim=24, value_dim=16, grad=backend != "flex")
+    offset = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64) if sink else None
+    scores = torch.einsum("qhd,khd->hqk", q[:, 0], k[:, 0].repeat_interleave(2, dim=1)) / math.sqrt(24)
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sink:
+        scores = torch.cat([scores, offset[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+    probs = scores.softmax(-1)[..., : tree.padded_length]
+    ref = torch.einsum("hqk,khd->qhd", probs, v[:, 0].repeat_interleave(2, dim=1)).reshape(-1, 1, 64)
+    out = tree_attention(q, k, v, tree_attention_mask(tree), backend=backend, block_size=16, softmax_offset=offset)
+    assert out.shape == (tree.padded_length, 1, 64)
+    assert (out - ref).abs().max() < TOL
+    if backend != "flex":
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        for got, want in zip(grads, ref_grads):
+            assert (got - want).abs().max() < TOL
 
 
 def test_flex_backward_on_cpu_raises_clearly():

@@ -98,7 +98,8 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     """Make a Megatron-Bridge ``GPTModelProvider`` build tree models (in place, idempotent).
 
     Raises:
-        ValueError: not a GPT provider, or multi-token prediction (not a tree operation).
+        ValueError: not a GPT provider; at ``provide()``, multi-token prediction (``mtp_num_layers``,
+            not a tree operation: set it to None first).
     """
     if getattr(provider, _BOUND_ATTR, None) is not None:
         return provider
@@ -108,8 +109,6 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
             "(attention, MoE and gated delta-net hybrids); Mamba hybrids such as Nemotron-H build a "
             "HybridModel, which is not supported with trees yet"
         )
-    if getattr(provider, "mtp_num_layers", None):
-        raise ValueError("tree training does not support multi-token prediction; set mtp_num_layers=None")
     if provider.attention_backend == AttnBackend.local:
         provider.attention_backend = AttnBackend.auto  # local would overwrite core_attention
     use_te = _transformer_engine_available()
@@ -130,6 +129,12 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
 
     @functools.wraps(original_provide)
     def provide(*args, **kwargs):
+        if provider.mtp_num_layers:  # e.g. DeepSeek-V3's num_nextn_predict_layers=1
+            raise ValueError(
+                f"provider.mtp_num_layers={provider.mtp_num_layers}: multi-token prediction is not "
+                "supported with tree training (a branch point has one next token per child); set "
+                "provider.mtp_num_layers = None before provide() (RL trains the main head only)"
+            )
         original_cls = gpt_provider.MCoreGPTModel
         gpt_provider.MCoreGPTModel = TreeGPTModel
         try:

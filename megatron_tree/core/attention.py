@@ -134,7 +134,7 @@ def tree_attention(
     Args:
         query: [N, b, np, hn] ([n, b, np, hn] under context parallelism: this rank's rows).
         key: [N, b, ng, hn]; ``np`` must be a multiple of ``ng`` (grouped-query attention).
-        value: [N, b, ng, hn].
+        value: [N, b, ng, hv]; ``hv`` may differ from ``hn`` (multi-latent attention).
         attention_mask: a TreeMask, ``subtree_end`` int [N] / [b, N], or bool [N, N] /
             [b, 1, N, N] with True = masked out (see the module docstring).
         backend: one of ``BACKENDS``.
@@ -148,7 +148,7 @@ def tree_attention(
             "off-by-one" softmax, its ``softmax_offset`` parameter for "learnable"), or None.
 
     Returns:
-        [N, b, np * hn] (``[n, ...]`` under context parallelism).
+        [N, b, np * hv] (``[n, ...]`` under context parallelism).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -156,6 +156,7 @@ def tree_attention(
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     sq, b, num_heads, head_dim = query.shape
     sk, _, num_groups, _ = key.shape
+    value_dim = value.shape[-1]
     if num_heads % num_groups:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_groups} key/value groups")
     window = depth_window(window_size)
@@ -192,13 +193,13 @@ def tree_attention(
             groups = plan.block_sparse(row if plan.subtree_end.shape[0] > 1 else 0, block_size, window)
             rows.append(_block_sparse_row(q[row], k[row], v[row], groups, attend)[:, :sq])
         out = torch.stack(rows)
-    # [b, np, N, hn] -> [N, b, np * hn]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * head_dim)
+    # [b, np, N, hv] -> [N, b, np * hv]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * value_dim)
 
 
 def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
-    """Masked attention. q [..., np, nq, hn], k / v [..., ng, nk, hn], keep bool broadcastable to
-    [..., np, nq, nk] (True = attend), sink float [np] or None -> [..., np, nq, hn]."""
+    """Masked attention. q / k [..., np | ng, nq | nk, hn], v [..., ng, nk, hv], keep bool
+    broadcastable to [..., np, nq, nk] (True = attend), sink float [np] or None -> [..., np, nq, hv]."""
     if sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     *lead, heads, nq, head_dim = q.shape
@@ -214,11 +215,11 @@ def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     out = torch.matmul(probs.reshape(*lead, groups, heads // groups, nq, -1), v.unsqueeze(-3))
-    return out.reshape(*lead, heads, nq, head_dim)
+    return out.reshape(*lead, heads, nq, v.shape[-1])
 
 
 def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, window, sink) -> torch.Tensor:
-    """[b=1, h, nq, hn] queries, [1, h, N, hn] keys / values -> [1, np, nq, hn]."""
+    """[b=1, h, nq, hn] queries, [1, h, N, hn] keys, [1, h, N, hv] values -> [1, np, nq, hv]."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     if plan.subtree_end.shape[0] != 1 or q.shape[0] != 1:
@@ -248,8 +249,8 @@ def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, 
 
 
 def _block_sparse_row(q, k, v, plan, attend: dict) -> torch.Tensor:
-    """One tree. q [np, nq, hn], k/v [ng, N, hn] -> [np, padded nq, hn]; ``attend``: :func:`_attend`'s
-    keyword arguments."""
+    """One tree. q [np, nq, hn], k [ng, N, hn], v [ng, N, hv] -> [np, padded nq, hv]; ``attend``:
+    :func:`_attend`'s keyword arguments."""
     block_size = plan[0][2].shape[-2]
     num_tiles = sum(len(group[0]) for group in plan)
     padded_q, padded_k = num_tiles * block_size, -(-k.shape[1] // block_size) * block_size
@@ -258,6 +259,7 @@ def _block_sparse_row(q, k, v, plan, attend: dict) -> torch.Tensor:
     if padded_k != k.shape[1]:
         k, v = (F.pad(t, (0, 0, 0, padded_k - k.shape[1])) for t in (k, v))
     num_heads, _, head_dim = q.shape
+    value_dim = v.shape[-1]
     # [np, tiles*B, hn] -> [tiles, np, B, hn]
     q_all = q.view(num_heads, num_tiles, block_size, head_dim).transpose(0, 1)
     outs, order = [], []
@@ -266,11 +268,11 @@ def _block_sparse_row(q, k, v, plan, attend: dict) -> torch.Tensor:
         flat = kv_index.reshape(-1)
         # [ng, g*M*B, hn] -> [g, ng, M*B, hn]
         k_blocks = k[:, flat].view(k.shape[0], g, span, head_dim).transpose(0, 1)
-        v_blocks = v[:, flat].view(v.shape[0], g, span, head_dim).transpose(0, 1)
+        v_blocks = v[:, flat].view(v.shape[0], g, span, value_dim).transpose(0, 1)
         outs.append(_attend(q_all[q_tiles], k_blocks, v_blocks, keep, **attend))
         order.append(q_tiles)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [tiles, np, B, hn] in group order
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [tiles, np, B, hv] in group order
     if len(outs) > 1:
         out = out[torch.argsort(torch.cat(order))]
-    # [tiles, np, B, hn] -> [np, tiles*B, hn]
-    return out.transpose(0, 1).reshape(num_heads, padded_q, head_dim)
+    # [tiles, np, B, hv] -> [np, tiles*B, hv]
+    return out.transpose(0, 1).reshape(num_heads, padded_q, value_dim)

@@ -387,6 +387,16 @@ class TreeMaskPlan:
         """How deep a rotary table must reach for the rows (None: as deep as they are many)."""
         return None if self.rows is None else self.rows.reach
 
+    def query_depths(self) -> torch.Tensor:
+        """int64 [r, nq]: each query row's depth in its tree (:func:`tree_depth` of the keys, which
+        hold every row's ancestors), built once per micro-batch; a rotary table indexed by it gives
+        each row the angle it has in its own sequences (multi-latent attention rotates this way)."""
+        def build():
+            depth = torch.stack([tree_depth(ends) for ends in self.subtree_end])
+            return depth if self._queries is None else depth[:, self._queries]
+
+        return self._get("query_depths", build)
+
     def keys_values(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's keys/values [n, b, ng, hn] -> those of every key [K, b, ng, hn]
         (:meth:`~megatron_tree.core.rows.TreeRows.keys_values`)."""

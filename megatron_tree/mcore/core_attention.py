@@ -62,6 +62,8 @@ class TreeCoreAttention(MegatronModule):
         attention_type: "self" (cross attention is not a tree operation).
         attention_dropout: overrides ``config.attention_dropout``.
         softmax_scale: overrides 1 / sqrt(head_dim).
+        k_channels, v_channels: unused (multi-latent attention passes its query-key and value head
+            dims; the attention reads them off the tensors).
         cp_comm_type: unused (context parallelism gathers keys and values over the split's group).
         pg_collection: process groups: its ``tp`` group (default Megatron's parallel_state) sizes
             ``softmax_offset``. The tree mask's context-parallel split carries the CP group.
@@ -77,6 +79,8 @@ class TreeCoreAttention(MegatronModule):
         attention_type: str = "self",
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
         backend: str = "auto",
@@ -151,7 +155,7 @@ class TreeCoreAttention(MegatronModule):
         packed_seq_params=None,
         **extra_kwargs,
     ) -> torch.Tensor:
-        """query [n, b, np, hn], key/value [n, b, ng, hn], the tree mask -> [n, b, np * hn].
+        """query / key [n, b, np | ng, hn], value [n, b, ng, hv], the tree mask -> [n, b, np * hv].
 
         n is the micro-batch's rows on this rank. When they are not the whole tree (a
         context-parallel rank's share, ``config.context_parallel_size > 1``, or a trunk-reuse part)

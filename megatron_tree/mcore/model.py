@@ -20,9 +20,23 @@ class TreeGPTModel(GPTModel):
     :func:`megatron_tree.mcore.spec.tree_attention_spec`, and call it with a packed micro-batch:
     ``model(input_ids [1, N], position_ids [1, N], attention_mask=tree_attention_mask(tree))``.
     With ``position_embedding_type="rope"`` or ``"yarn"`` it requires ``position_ids``; other
-    position embeddings already read them and are left alone. Under context parallelism each rank
-    passes its rows' tokens and depths (``tree_forward_backward`` splits the tree).
+    position embeddings already read them and are left alone. Multi-latent attention layers
+    (:class:`~megatron_tree.mcore.mla.TreeMLASelfAttention`) rotate by the depths the tree mask
+    gives. Under context parallelism each rank passes its rows' tokens and depths
+    (``tree_forward_backward`` splits the tree). Multi-token prediction is refused (ValueError).
     """
+
+    def __init__(self, config, *args, **kwargs):
+        layers = getattr(config, "mtp_num_layers", None)
+        if layers or kwargs.get("mtp_block_spec") is not None:
+            raise ValueError(
+                f"multi-token prediction (mtp_num_layers={layers}) is not supported with tree training: "
+                "its input at a token is the embedding of the next token, which a branch point does not "
+                "have once (one per child), and Megatron's MTP takes the next *packed* token instead. "
+                "Set mtp_num_layers=None (Megatron-Bridge: provider.mtp_num_layers = None before "
+                "provide(); RL trains the main head only)"
+            )
+        super().__init__(config, *args, **kwargs)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         # A trunk-reuse part's rows can sit deeper than they are many: its rows say how deep the

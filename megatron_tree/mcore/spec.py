@@ -1,12 +1,13 @@
 """Rewrite a Megatron-Core layer/block spec so that every self-attention uses tree attention.
 
-The rewrite swaps ``SelfAttentionSubmodules.core_attention`` for
+The rewrite swaps ``SelfAttentionSubmodules.core_attention`` (or ``MLASelfAttentionSubmodules``') for
 :class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
-``AttnMaskType.arbitrary``; an ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
+``AttnMaskType.arbitrary``; an ``MLASelfAttention`` (DeepSeek-V3, Kimi-K2) becomes
+:class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part follows depth); an ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
 (the same module and parameters, with router losses computed as if unpacked); a ``GatedDeltaNet``
 (Qwen3-Next, Qwen3.5) becomes :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its
 convolution and recurrence follow the tree's root paths); every other submodule
-(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (multi-latent attention, Mamba layers, cross attention,
+(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (DeepSeek sparse attention, Mamba layers, cross attention,
 unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
 skipped silently.
 """
@@ -21,6 +22,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -29,6 +31,7 @@ from ..core.attention import BACKENDS
 from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
 from .gated_delta_net import GatedDeltaNet, TreeGatedDeltaNet
+from .mla import TreeMLASelfAttention
 from .moe import TreeMoELayer
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
@@ -75,18 +78,31 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     if _is_gated_delta_net(attention_cls):
         _rewrite_gated_delta_net(attention, attention_cls, where)
         return layer_spec
+    latent = isinstance(attention_cls, type) and issubclass(attention_cls, MLASelfAttention)
     if not (
         isinstance(attention, ModuleSpec)
         and isinstance(attention_cls, type)
-        and issubclass(attention_cls, SelfAttention)
-        and isinstance(attention.submodules, SelfAttentionSubmodules)
+        and (issubclass(attention_cls, SelfAttention) or latent)
+        and isinstance(attention.submodules, (SelfAttentionSubmodules, MLASelfAttentionSubmodules))
     ):
         raise ValueError(
-            f"{where}: cannot rewrite self-attention {_class_name(attention_cls)} for tree attention "
-            "(multi-latent attention and other attention variants are not supported); use a spec "
-            "whose self_attention is SelfAttention"
+            f"{where}: cannot rewrite self-attention {_class_name(attention_cls)} for tree attention; "
+            "use a spec whose self_attention is SelfAttention or MLASelfAttention"
         )
+    if latent and not issubclass(attention_cls, TreeMLASelfAttention):
+        if attention_cls is not MLASelfAttention:
+            raise ValueError(
+                f"{where}: custom multi-latent attention {_class_name(attention_cls)}: its rotary "
+                "angles would follow packed offsets; derive it from "
+                "megatron_tree.mcore.mla.TreeMLASelfAttention"
+            )
+        attention.module = TreeMLASelfAttention
     core_cls = _module_class(attention.submodules.core_attention)
+    if _class_name(core_cls) == "DSAttention":
+        raise ValueError(
+            f"{where}: DeepSeek sparse attention (DSAttention: DeepSeek-V3.2, GLM-5) selects its keys "
+            "by content with an indexer, which tree training does not support; use a model without it"
+        )
     if _class_name(core_cls) not in _KNOWN_CORE_ATTENTION:
         raise ValueError(
             f"{where}: unknown core attention {_class_name(core_cls)}; tree attention replaces only "
@@ -251,7 +267,7 @@ def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: i
 # Modules that mix tokens along the sequence and know nothing of trees (by class name, so that
 # transformer-engine's and Mamba's classes are recognized without importing them).
 _STOCK_MIXERS = {"DotProductAttention", "TEDotProductAttention", "GatedDeltaNet", "MambaMixer",
-                 "MLASelfAttention", "FlashAttention"}
+                 "MLASelfAttention", "DSAttention", "FlashAttention"}
 
 
 def check_tree_model(model: Any) -> None:

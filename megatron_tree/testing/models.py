@@ -349,7 +349,14 @@ def build_gpt_model(
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=config.normalization, vp_stage=vp_stage)
     else:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention)
+    if config.multi_latent_attention and not tree:
+        # Megatron's local core attention cannot run MLA (it is TE-only): the reference's is ours.
+        from .reference import CausalCoreAttention
+
+        for layer in (spec.layer_specs if hasattr(spec, "layer_specs") else [spec]):
+            layer.submodules.self_attention.submodules.core_attention = CausalCoreAttention
     cls = GPTModel
     if tree:
         spec, cls = tree_attention_spec(spec, backend=backend, block_size=block_size), TreeGPTModel
@@ -366,6 +373,28 @@ def build_gpt_model(
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     return attach_value_head(model) if critic else model
+
+
+def small_mla_config(*, rope_type: str = "yarn", **overrides):
+    """A ``small_gpt_config`` with multi-latent attention (DeepSeek-V3's shape, scaled down): query
+    rank 32, key-value rank 16, per head 16 no-rope + 8 rope query-key dims and 12 value dims
+    (unequal, as in DeepSeek-V3's 192 / 128), latent norms on; ``rope_type="yarn"`` scales by 4
+    over 16 original positions with ``mscale`` 0.707 / ``mscale_all_dim`` 1.0 (so both YaRN factors,
+    on the rotary cos / sin and on the softmax scale, differ from 1), or plain ``"rope"``."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    base = small_gpt_config(num_query_groups=None).__dict__
+    fields = {k: base[k] for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization",
+        "gated_linear_unit", "add_bias_linear", "use_cpu_initialization", "masked_softmax_fusion",
+        "hidden_dropout", "attention_dropout", "params_dtype", "pipeline_dtype")}
+    fields.update(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                  qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, rope_type=rope_type,
+                  rotary_base=10000, rotary_scaling_factor=4.0 if rope_type == "yarn" else 1.0,
+                  original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0,
+                  apply_rope_fusion=False)
+    fields.update(overrides)
+    return MLATransformerConfig(**fields)
 
 
 def small_moe_config(*, dispatcher: str = "allgather", num_experts: int = 4, topk: int = 2, **overrides):

@@ -70,6 +70,34 @@ def unpacked_reference_step(
     return loss.detach().float()
 
 
+class CausalCoreAttention(torch.nn.Module):
+    """Reference core attention for Megatron layers on one unpacked sequence: causal softmax
+    attention written out (scores, upper triangle to -inf, fp32 softmax, weighted values), with
+    Megatron's core-attention constructor and forward protocol.
+
+    Megatron-Core's local ``DotProductAttention`` does not take the ``k_channels`` / ``v_channels``
+    that multi-latent attention passes (only transformer-engine's attention does), so a stock MLA
+    model needs this to run on a CPU. query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hv]
+    -> [s, b, np * hv].
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        s, b, heads, dim = query.shape
+        repeat = heads // key.shape[2]
+        key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
+        scale = dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
+        scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * scale
+        future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(value.dtype)
+        return torch.einsum("bhqk,kbhd->qbhd", probs, value).reshape(s, b, -1)
+
+
 def stage_parameter_name(name: str, first_layer: int) -> str:
     """A pipeline stage's parameter name in the unsplit model (``decoder.layers.j`` -> ``j + first``)."""
     parts = name.split(".")
