@@ -48,6 +48,10 @@ patched symbol                                              CPU behaviour
                                                             with mocks when it is missing, so its
                                                             MLA reads True and fails in
                                                             ``isinstance(..., TELinear)``)
+``...embeddings.rope_utils.get_pos_emb_on_this_cp_rank``    the same zigzag slice with a CPU index
+(and its copies in ``rotary_pos_embedding`` and             (upstream builds it with
+``yarn_rotary_pos_embedding``)                              ``pin_memory=True`` and ``.cuda()``;
+                                                            YaRN calls it in its constructor at CP > 1)
 ``megatron.core.transformer.moe.moe_utils.te_general_gemm``  defined as ``None`` where it is missing
                                                             (megatron-core 0.16.x without
                                                             transformer-engine; 0.17+ define it);
@@ -134,6 +138,9 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.moe.shared_experts", "torch"),
     ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
 )
 
 # (module path, name, value): module globals that some versions read but never define; defined
@@ -327,6 +334,18 @@ def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_st
     return tensor
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Megatron's zigzag slice of a rotary table for a context-parallel rank (chunks ``r`` and
+    ``2 cp - r - 1`` of ``2 cp``), with its index on the CPU (upstream pins it and copies it to CUDA)."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def _module_cuda_noop(self, device: Any = None):
     # No CUDA device exists: keep the module where it is (on the CPU).
     return self
@@ -375,6 +394,7 @@ _REPLACEMENTS: dict[str, Any] = {
     "maybe_move_tensor_to_cpu": _cpu_maybe_move_tensor_to_cpu,
     ("megatron.core.transformer.moe.shared_experts", "torch"): _TorchWithCpuStreams(),
     "HAVE_TE": False,
+    "get_pos_emb_on_this_cp_rank": _cpu_pos_emb_on_this_cp_rank,
 }
 
 

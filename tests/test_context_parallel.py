@@ -15,7 +15,7 @@ from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.context_parallel import attention_work, context_parallel_split, split_positions
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.core.tree import PackedTree
-from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.dist import reinitialize_model_parallel, run_spawned
 from megatron_tree.testing.models import (
     VOCAB,
     attention_reference,
@@ -131,19 +131,6 @@ def _short_sequences() -> list[torch.Tensor]:
     return [torch.cat([prefix, torch.randint(1, VOCAB, (n,), generator=g)]) for n in (2, 4, 3)]
 
 
-def _init(tp: int, cp: int) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_tree.patches import megatron_cpu
-
-    megatron_cpu.apply()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234)
-
-
 def _model(tree: bool, critic: bool, cp: int, recompute: dict):
     from megatron.core import parallel_state as ps
 
@@ -186,14 +173,14 @@ def _cp_worker(rank: int, tp: int, cp: int, cases: list[tuple]) -> list[dict]:
         batch = _batch(seqs)
         options = options[0] if options else {}
         loss_fn = value_loss if critic else ppo_clipped_loss
-        _init(tp, 1)
+        reinitialize_model_parallel(tp=tp, cp=1)
         reference = _model(False, critic, 1, {})
         want_loss = float(unpacked_reference_step(reference, batch, loss_fn, critic=critic))
         want = {n: p.grad.clone() for n, p in reference.named_parameters()}
         want_logprobs = None if critic else _reference_logprobs(reference, batch)
         state = reference.state_dict()
 
-        _init(tp, cp)
+        reinitialize_model_parallel(tp=tp, cp=cp)
         model = _model(True, critic, cp, recompute)
         model.load_state_dict(state)
         result = tree_forward_backward(

@@ -39,6 +39,22 @@ def single_process_world(seed: int = 1234) -> None:
     mp_random.model_parallel_cuda_manual_seed(seed)
 
 
+def reinitialize_model_parallel(*, tp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """Inside a spawned world: Megatron's parallel_state again at TP=``tp`` x CP=``cp`` (the rest
+    data parallel), CPU patch applied, model-parallel seed set; e.g. an unpacked reference at CP=1,
+    then the tree model at CP=2, in one worker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from ..patches import megatron_cpu
+
+    megatron_cpu.apply()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    mp_random.model_parallel_cuda_manual_seed(seed)
+
+
 def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict | None) -> None:
     torch.set_num_threads(1)
     result: Any
