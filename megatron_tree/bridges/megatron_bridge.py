@@ -14,7 +14,9 @@ provider (:func:`make_tree_provider`):
   gradient-accumulation fusion, sequence parallelism) are switched off;
 * gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense and MoE): without transformer-engine the
   bridges' TE-only block spec becomes :func:`megatron_tree.mcore.spec.local_hybrid_block_spec`, and
-  the TE-only MoE fusions (``moe_permute_fusion``, ``moe_grouped_gemm``) are switched off; the
+  the TE-only MoE fusions (``moe_permute_fusion``, ``moe_grouped_gemm``) are switched off (the
+  experts become a ``SequentialMLP``, whose weights every bridge loads with
+  ``megatron_tree.patches.megatron_bridge_experts``, applied then); the
   rewrite makes every ``GatedDeltaNet`` a
   :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet`;
 * its ``provide()`` builds :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE): the module
@@ -36,7 +38,7 @@ import importlib.util
 import inspect
 from typing import Any, Iterator
 
-from ..patches import megatron_bridge_te
+from ..patches import megatron_bridge_experts, megatron_bridge_te
 
 megatron_bridge_te.apply()
 
@@ -53,8 +55,9 @@ from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attenti
 _BOUND_ATTR = "_megatron_tree_tree_training"
 # Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
 # the tree gated delta-net is split like Megatron's (its A_log / dt_bias / conv1d by heads), a local
-# norm is replicated.
-for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated")):
+# norm is replicated, tree core attention's learnable softmax offset (gpt-oss's sinks) is split by
+# heads as in DotProductAttention.
+for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"), ("TreeCoreAttention", "column")):
     AutoMapping.register_module_type(_name, _kind)
 _TE_SPECS = {
     gpt_provider.default_layer_spec,
@@ -120,6 +123,8 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
             base_spec = local_hybrid_block_spec
         for flag in _TE_ONLY_FLAGS:
             setattr(provider, flag, False)
+        if provider.num_moe_experts:  # SequentialMLP experts: some bridges map only grouped names
+            megatron_bridge_experts.apply()
 
     def tree_layer_spec(config, vp_stage=None):
         return tree_attention_spec(_resolve_spec(base_spec, config, vp_stage), backend=backend,
