@@ -94,6 +94,27 @@ def test_router_losses_equal_the_unpacked_batch(world):
     assert rel > 1e-3
 
 
+def test_expert_bias_counts_equal_the_unpacked_batch(world):
+    """Aux-loss-free balancing (DeepSeek-V3, GLM-4.5): the token counts the expert-bias update reads
+    after the step count each token once per sequence through it and padding not at all."""
+    seqs = branching_sequences()
+    micro_batch = pack(seqs, max_tokens=512)[0]
+    fields = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    counts = {}
+    def one_at_a_time(model):  # every sequence alone, no padding; the counts add up over calls
+        return torch.cat([model(s[None], torch.arange(len(s))[None], attention_mask=None).flatten() for s in seqs])
+
+    for name, forward in (("unpacked", one_at_a_time), ("tree", lambda m: _tree(m, micro_batch)),
+                          ("plain tree", lambda m: _tree(m, micro_batch, weighted=False))):
+        reference, tree = _models(**fields)
+        model = reference if name == "unpacked" else tree
+        _router_losses(model, forward)
+        counts[name] = torch.stack([layer.mlp.router.local_tokens_per_expert for layer in model.decoder.layers])
+    assert float(counts["unpacked"].sum()) == sum(len(s) for s in seqs) * 2 * 2  # tokens x top-2 x layers
+    assert torch.equal(counts["tree"], counts["unpacked"])
+    assert not torch.equal(counts["plain tree"], counts["unpacked"])
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor drops tokens"),

@@ -18,6 +18,10 @@ Megatron's meaning. The sequence-level aux loss (per sequence statistics), the g
 token dropping (a capacity factor: which tokens an expert drops depends on every token of the
 micro-batch, so a tree cannot reproduce it) are refused with a clear error; see :func:`check_tree_moe_config`.
 
+The expert-bias token counts of aux-loss-free balancing (DeepSeek-V3, GLM-4.5:
+``moe_router_enable_expert_bias``) weigh each token by its multiplicity too, so the bias update
+after the step is the unpacked one.
+
 Routing is unchanged: with token-choice top-k routing and no capacity, a token's experts depend on
 that token alone, so the tree's routing equals the unpacked one.
 
@@ -73,7 +77,9 @@ def check_tree_moe_config(config) -> None:
         raise ValueError(
             f"moe_router_load_balancing_type {active} is not supported with trees: the sequence-level "
             "aux loss needs per-sequence statistics and the global one accumulates across steps; use "
-            "'aux_loss' (computed as if unpacked) or set its coefficient to 0"
+            "'aux_loss' (computed as if unpacked) or set its coefficient to 0 (Megatron-Bridge's "
+            "DeepSeek-V3 / Kimi-K2 / GLM-4.5 providers set 'seq_aux_loss': set provider."
+            "moe_router_load_balancing_type = 'aux_loss' or provider.moe_aux_loss_coeff = 0.0 before provide())"
         )
     if config.moe_expert_capacity_factor is not None:
         raise ValueError(
@@ -141,8 +147,12 @@ class TreeMoELayer(MoELayer):
         if weights is None or not (self.training and torch.is_grad_enabled()):
             return super().route(hidden_states, padding_mask)
         check_tree_moe_config(self.config)
+        counts = self.router.local_tokens_per_expert if self.router.enable_expert_bias else None
+        before = None if counts is None else counts.clone()
         with _router_losses_off(self.config):
             probs, routing_map = super().route(hidden_states, None)
+        if counts is not None:
+            _count_tokens_as_unpacked(counts, before, routing_map, weights)
         group_stats = None
         if store is not None and router_losses_on(self.config):
             group_stats = store.layer_stats.get(self.router.layer_number)
@@ -152,6 +162,18 @@ class TreeMoELayer(MoELayer):
                     "statistics, collected by a first pass over its parts (tree_forward_backward does this)"
                 )
         return _attach_weighted_losses(self.router, hidden_states, probs, weights, group_stats), routing_map
+
+
+def _count_tokens_as_unpacked(counts, before, routing_map, weights) -> None:
+    """The expert-bias token counts (``local_tokens_per_expert`` [E], which ``finalize_model_grads``
+    turns into the aux-loss-free bias update) as the unpacked batch counts them: each routed token
+    weighed by its multiplicity, padding by 0. Megatron's router counted each packed token once, and
+    only when it counts at all (not in an activation recomputation): that choice is kept, without a
+    host read."""
+    with torch.no_grad():
+        counted = (counts - before).sum() > 0
+        weighted = (routing_map.to(counts.dtype) * weights.to(counts.dtype)[:, None]).sum(0)
+        counts.copy_(before + torch.where(counted, weighted, torch.zeros_like(weighted)))
 
 
 def _routing_stats(router, hidden_states, weights, routing_map=None) -> torch.Tensor:

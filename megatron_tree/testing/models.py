@@ -45,16 +45,39 @@ HYBRID_TINY = {"qwen3_next": {**_GDN_TINY, **_MOE_HYBRID}, "qwen3_5_text": dict(
                "qwen3_5_moe_text": {**_GDN_TINY, **_MOE_HYBRID}}
 
 
+# Frontier MoE families (tiny; HF classes in transformers 4.57 and 5.12 unless noted), two layers:
+# DeepSeek-V3 (multi-latent attention with unequal query-key 16 + 8 rope / value 12 head dims, YaRN
+# x4 over 16 positions with both mscales, layer 0 dense then routed + shared experts, sigmoid routing
+# with expert bias in 2 groups, scaled by 2.5); GLM-4.5 (half-rotary attention with q/k norms and
+# biases, a dense first layer, routed + shared experts); gpt-oss (5.x: sinks, sliding window 8 then
+# full attention, YaRN, biased experts with its clamped SwiGLU).
+FRONTIER_ARCHS = ("deepseek_v3", "glm4_moe", "gpt_oss")
+FRONTIER_TINY = {
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                          beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=1.0)),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1, head_dim=16, n_group=1, topk_group=1, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+
 def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> None:
     """Save a tiny random ``arch`` model (hidden 64, 2 layers, 4 heads, 2 KV heads) to ``path``.
 
-    ``arch`` is one of ``ARCHS`` (dense), ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`) or
-    ``HYBRID_ARCHS`` (:data:`HYBRID_TINY`, transformers >= 5.8); ``overrides`` replace HF config
+    ``arch`` is one of ``ARCHS`` (dense), ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`),
+    ``HYBRID_ARCHS`` (:data:`HYBRID_TINY`, transformers >= 5.8) or ``FRONTIER_ARCHS``
+    (:data:`FRONTIER_TINY`); ``overrides`` replace HF config
     fields (e.g. ``norm_topk_prob=False``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    known = ARCHS + MOE_ARCHS + HYBRID_ARCHS
+    known = ARCHS + MOE_ARCHS + HYBRID_ARCHS + FRONTIER_ARCHS
     if arch not in known:
         raise ValueError(f"arch={arch!r} is not one of {known}")
 
@@ -75,6 +98,7 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
         common["head_dim"] = 16
     common.update(MOE_TINY.get(arch, {}))
     common.update(HYBRID_TINY.get(arch, {}))
+    common.update(FRONTIER_TINY.get(arch, {}))
     common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)
