@@ -56,8 +56,9 @@ _BOUND_ATTR = "_megatron_tree_tree_training"
 # Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
 # the tree gated delta-net is split like Megatron's (its A_log / dt_bias / conv1d by heads), a local
 # norm is replicated, tree core attention's learnable softmax offset (gpt-oss's sinks) is split by
-# heads as in DotProductAttention.
-for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"), ("TreeCoreAttention", "column")):
+# heads as in DotProductAttention, and the local experts' second projection is row-parallel.
+for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"), ("TreeCoreAttention", "column"),
+                     ("ExpertRowParallelLinear", "row")):
     AutoMapping.register_module_type(_name, _kind)
 _TE_SPECS = {
     gpt_provider.default_layer_spec,

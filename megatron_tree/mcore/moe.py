@@ -39,6 +39,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
@@ -114,6 +115,21 @@ def _aux_coeff(config) -> float:
     if isinstance(types, list):
         return sum(c for t, c in zip(types, coeff) if t == "aux_loss")
     return float(coeff) if types == "aux_loss" else 0.0
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` as a ``SequentialMLP`` expert's second projection (the local spec's
+    experts, used without transformer-engine), with the same parameters.
+
+    Megatron-Core's MLP (0.16.1, 0.17.0, 0.19.2) adds a biased expert's bias to this layer's output
+    *in place*; that output is the tensor-parallel reduction's, a view of its input at TP=1, so any
+    backward through biased experts (gpt-oss) fails: "Output 0 of _ReduceFromModelParallelRegion is
+    a view and is being modified inplace". This returns a copy when there is a bias to add.
+    """
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        return (output if bias is None else output.clone()), bias
 
 
 class TreeMoELayer(MoELayer):

@@ -21,6 +21,8 @@ from typing import Any
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
@@ -32,7 +34,7 @@ from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
 from .gated_delta_net import GatedDeltaNet, TreeGatedDeltaNet
 from .mla import TreeMLASelfAttention
-from .moe import TreeMoELayer
+from .moe import ExpertRowParallelLinear, TreeMoELayer
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
 # that TE's classes are recognized without importing transformer-engine.
@@ -144,6 +146,12 @@ def _rewrite_moe(subs: Any, where: str) -> None:
         subs.mlp = functools.partial(TreeMoELayer, *mlp.args, **mlp.keywords)
     else:
         raise ValueError(f"{where}: cannot rewrite the MoE layer given as {type(mlp).__name__}")
+    moe_subs = subs.mlp.submodules if isinstance(subs.mlp, ModuleSpec) else subs.mlp.keywords.get("submodules")
+    experts = getattr(moe_subs, "experts", None)
+    expert_subs = experts.keywords.get("submodules") if isinstance(experts, functools.partial) else getattr(
+        experts, "submodules", None)
+    if _module_class(experts) is SequentialMLP and getattr(expert_subs, "linear_fc2", None) is RowParallelLinear:
+        expert_subs.linear_fc2 = ExpertRowParallelLinear
 
 
 def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 128) -> Any:

@@ -50,8 +50,9 @@ HYBRID_TINY = {"qwen3_next": {**_GDN_TINY, **_MOE_HYBRID}, "qwen3_5_text": dict(
 # x4 over 16 positions with both mscales, layer 0 dense then routed + shared experts, sigmoid routing
 # with expert bias in 2 groups, scaled by 2.5); GLM-4.5 (half-rotary attention with q/k norms and
 # biases, a dense first layer, routed + shared experts); gpt-oss (5.x: sinks, sliding window 8 then
-# full attention, YaRN, biased experts with its clamped SwiGLU).
-FRONTIER_ARCHS = ("deepseek_v3", "glm4_moe", "gpt_oss")
+# full attention, YaRN, biased experts with its clamped SwiGLU). Kimi-K2 is DeepSeek-V3's architecture
+# under its own model type (its HF code is remote); see :func:`register_kimi_k2`.
+FRONTIER_ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss")
 FRONTIER_TINY = {
     "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
@@ -65,6 +66,30 @@ FRONTIER_TINY = {
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"]),
 }
+
+
+def register_kimi_k2() -> None:
+    """Make ``model_type="kimi_k2"`` / ``KimiK2ForCausalLM`` (Megatron-Bridge's Kimi-K2 bridge)
+    loadable offline in this process: Kimi-K2 checkpoints run DeepSeek-V3's modeling code from their
+    own repository (``trust_remote_code``), so the stand-in is HF's DeepSeek-V3 classes under that
+    model type, with DeepSeek-V3's checkpoint conversion (per-expert weights -> fused experts; without
+    it HF would leave the experts random). Idempotent."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    try:
+        AutoConfig.for_model("kimi_k2")
+        return
+    except ValueError:
+        pass
+    config_cls = type("KimiK2Config", (DeepseekV3Config,), {"model_type": "kimi_k2"})
+    model_cls = type("KimiK2ForCausalLM", (DeepseekV3ForCausalLM,), {"config_class": config_cls})
+    AutoConfig.register("kimi_k2", config_cls)
+    AutoModelForCausalLM.register(config_cls, model_cls)
+    from transformers import conversion_mapping
+
+    conversion_mapping.register_checkpoint_conversion_mapping(
+        "kimi_k2", conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3"), overwrite=True)
 
 
 def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> None:
@@ -100,7 +125,9 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
     common.update(HYBRID_TINY.get(arch, {}))
     common.update(FRONTIER_TINY.get(arch, {}))
     common.update(overrides)
-    config = AutoConfig.for_model(arch, **common)
+    if arch == "kimi_k2":  # written as DeepSeek-V3 (per-expert weights, as Kimi-K2 ships), renamed below
+        common.update(FRONTIER_TINY["deepseek_v3"])
+    config = AutoConfig.for_model("deepseek_v3" if arch == "kimi_k2" else arch, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -117,6 +144,21 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
             else:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
+    if arch == "kimi_k2":
+        _rename_to_kimi_k2(path)
+
+
+def _rename_to_kimi_k2(path: str) -> None:
+    """A DeepSeek-V3 checkpoint as a Kimi-K2 one: its model type, architecture and routing fields."""
+    import json
+    from pathlib import Path
+
+    register_kimi_k2()
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(model_type="kimi_k2", architectures=["KimiK2ForCausalLM"], scoring_func="sigmoid",
+                  topk_method="noaux_tc")
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def make_hf_checkpoints(root) -> dict[str, str]:
@@ -288,6 +330,37 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
                                    tp_group=ps.get_tensor_model_parallel_group(), **packing)
     merged = result.merged_outputs()["logprobs"]
     return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
+
+
+PARITY_LOG_ENV = "MEGATRON_TREE_PARITY_LOG"
+
+
+def record_parity(model_type: str, bridge: str, max_logprob_err: float, *, layout: str = "TP=1") -> None:
+    """Append one parity result (a JSON line: model type, bridge, stack, layout, max |log-prob - HF|)
+    to the file ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns the
+    lines of a suite run into the README's supported-models table."""
+    import json
+    import os
+    import platform
+    from importlib import metadata
+
+    target = os.environ.get(PARITY_LOG_ENV)
+    if not target:
+        return
+
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    stack = {"python": platform.python_version(), "megatron-core": version("megatron-core"),
+             "bridge": version({"megatron-bridge": "megatron-bridge", "mbridge": "mbridge"}.get(bridge, bridge) or ""),
+             "transformers": version("transformers"), "torch": version("torch")}
+    row = {"model_type": model_type, "bridge": bridge, "layout": layout, "max_logprob_err": float(max_logprob_err),
+           "stack": stack}
+    with open(target, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def max_err(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
