@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from megatron_tree.core.flops import GPTShape, attention_pairs, train_flops
+import pytest
+
+from megatron_tree.core.flops import GPTShape, attention_pairs, cost_weights, train_flops
 from megatron_tree.core.mask import build_attention_mask_from_trie
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.testing.synthetic import grpo_batch
@@ -113,3 +115,19 @@ def test_moe_active_parameters_match_a_built_megatron_model():
     others = sum(v for n, v in weights.items() if "local_experts" not in n)
     assert any("gate_weight" in n for n in weights) and any("shared_experts.linear_fc1" in n for n in weights)
     assert GPTShape.from_config(config, vocab=50).linear_params_per_token == others + experts * 2 // 4
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_multi_latent_attention_costs(world, q_lora_rank):
+    """DeepSeek-V3's attention: the per-token weights are the built MLA model's matrices (latent
+    down / up projections, rope key, output), and a pair costs 2 x heads x (24 query-key + 12 value
+    dims), not 4 x heads x the hidden's head dim."""
+    from megatron_tree.testing.models import build_gpt_model, small_mla_config
+
+    config = small_mla_config(q_lora_rank=q_lora_rank)
+    model = build_gpt_model(config, tree=True, vocab_size=50)
+    shape = GPTShape.from_config(config, vocab=50)
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    assert shape.linear_params_per_token == matmul_weights
+    assert shape.pair_flops == 2 * 4 * (16 + 8 + 12)
+    assert cost_weights(shape)[1] == 3 * shape.pair_flops * 2

@@ -161,3 +161,18 @@ def test_multi_token_prediction_is_refused_until_switched_off(world, tmp_path, f
         megatron_bridge_tree_model(path)
     model = megatron_bridge_tree_model(path, mtp_num_layers=None).eval()
     assert max_err(tree_logprobs(model, branching_sequences()), frontier_references["deepseek_v3"]) <= LOGP_TOL
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_flop_model_counts_a_built_frontier_model(world, arch, frontier_checkpoints):
+    """GPTShape.from_config of the bridge's config: the active matmul weights per token are the
+    built model's 2-D weights less the routed experts a token does not use (MLA's latent projections,
+    the dense first layer, routers and shared experts included)."""
+    from megatron_tree.core.flops import GPTShape
+
+    model = megatron_bridge_tree_model(frontier_checkpoints[arch])
+    shape = GPTShape.from_config(model.config, vocab=model.vocab_size)
+    unused = (shape.num_experts - shape.topk) * shape._mlp_params(shape.moe_ffn_hidden) * shape.num_moe_layers
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    assert shape.num_moe_layers == 1 and bool(shape.kv_lora_rank) == (arch == "deepseek_v3")
+    assert shape.linear_params_per_token == matmul_weights - unused

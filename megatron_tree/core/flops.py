@@ -1,8 +1,10 @@
 """A FLOP model of a GPT forward+backward over packed trees, for ideal speed-ups.
 
 Linear layers cost ``2 * params`` per packed token (for a mixture of experts, the parameters a token
-uses: its top-k routed experts, the shared experts and the router; see :class:`GPTShape`); attention costs ``4 * heads * head_dim`` per allowed
-(query, key) pair per attention layer (QK^T and PV); a gated delta-net layer (hybrids) costs per
+uses: its top-k routed experts, the shared experts and the router; see :class:`GPTShape`); attention
+costs ``2 * heads * (query-key dim + value dim)`` per allowed (query, key) pair per attention layer
+(QK^T and PV: ``4 * heads * head_dim`` for standard attention; multi-latent attention's query-key
+dim is its no-rope plus rope dims, its value dim its own); a gated delta-net layer (hybrids) costs per
 token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state (read,
 update, output: three matrix-vector products), no pairs. The allowed pairs are read off ``subtree_end`` in O(N)
 (equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
@@ -58,6 +60,15 @@ class GPTShape:
     linear_value_dim: int = 0
     conv_width: int = 4
     attention_output_gate: bool = False
+    # Multi-latent attention (DeepSeek-V3, Kimi-K2), with ``kv_lora_rank > 0``: queries through a
+    # rank-``q_lora_rank`` down / up projection (None: one projection), keys and values through a
+    # rank-``kv_lora_rank`` latent plus a shared ``qk_rope_head_dim`` rope key; per head
+    # ``qk_head_dim + qk_rope_head_dim`` query-key dims and ``v_head_dim`` value dims.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.topk <= self.num_experts):
@@ -73,6 +84,8 @@ class GPTShape:
                                        and self.linear_key_dim and self.linear_value_dim):
             raise ValueError("a gated delta-net hybrid (linear_layers > 0) needs linear_key_heads, "
                              "linear_value_heads, linear_key_dim and linear_value_dim")
+        if self.kv_lora_rank and not (self.qk_head_dim and self.v_head_dim):
+            raise ValueError("multi-latent attention (kv_lora_rank > 0) needs qk_head_dim and v_head_dim")
 
     @classmethod
     def from_config(cls, config, vocab: int) -> "GPTShape":
@@ -80,7 +93,9 @@ class GPTShape:
 
         MoE fields read: ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
         ``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate`` and ``moe_layer_freq``
-        (an int N: every N-th layer from layer 0 is MoE; or a list of 0/1 per layer).
+        (an int N: every N-th layer from layer 0 is MoE; or a list of 0/1 per layer); with
+        ``multi_latent_attention``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``,
+        ``qk_pos_emb_head_dim``, ``v_head_dim``.
         """
         num_experts = getattr(config, "num_moe_experts", None) or 0
         moe = {}
@@ -98,6 +113,10 @@ class GPTShape:
             moe.update(linear_layers=from_freq, linear_key_heads=config.linear_num_key_heads,
                        linear_value_heads=config.linear_num_value_heads, linear_key_dim=config.linear_key_head_dim,
                        linear_value_dim=config.linear_value_head_dim, conv_width=config.linear_conv_kernel_dim)
+        if getattr(config, "multi_latent_attention", False):
+            moe.update(kv_lora_rank=config.kv_lora_rank, q_lora_rank=config.q_lora_rank,
+                       qk_head_dim=config.qk_head_dim, qk_rope_head_dim=config.qk_pos_emb_head_dim,
+                       v_head_dim=config.v_head_dim)
         return cls(
             hidden=config.hidden_size,
             attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
@@ -112,9 +131,27 @@ class GPTShape:
         )
 
     @property
-    def attention_width(self) -> int:
-        """heads x head_dim: the width of QK^T and PV per layer."""
-        return self.heads * (self.head_dim or self.hidden // self.heads)
+    def pair_flops(self) -> int:
+        """Forward FLOPs per allowed (query, key) pair per attention layer: QK^T over the query-key
+        dims and PV over the value dims of every head."""
+        if self.kv_lora_rank:
+            return 2 * self.heads * (self.qk_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return 4 * self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def attention_params(self) -> int:
+        """Projection weights of one attention layer (query / key / value / output)."""
+        heads = self.heads
+        if self.kv_lora_rank:
+            qk = self.qk_head_dim + self.qk_rope_head_dim
+            rank = self.q_lora_rank
+            query = self.hidden * heads * qk if rank is None else self.hidden * rank + rank * heads * qk
+            key_value = (self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+                         + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
+            return query + key_value + heads * self.v_head_dim * self.hidden
+        head_dim = self.head_dim or self.hidden // heads
+        qkv = self.hidden * (heads * (2 if self.attention_output_gate else 1) + 2 * self.query_groups) * head_dim
+        return qkv + heads * head_dim * self.hidden
 
     def _mlp_params(self, width: int) -> int:
         return self.hidden * width * (3 if self.gated_mlp else 2)
@@ -141,15 +178,12 @@ class GPTShape:
     @property
     def linear_params_per_token(self) -> int:
         """Weights one token multiplies by (active parameters for MoE), embedding lookup excluded."""
-        head_dim = self.head_dim or self.hidden // self.heads
-        qkv = self.hidden * (self.heads * (2 if self.attention_output_gate else 1) + 2 * self.query_groups) * head_dim
-        proj = self.heads * head_dim * self.hidden
         moe_layers = self.num_moe_layers
         dense_layers = self.layers - moe_layers
         mlp = dense_layers * self._mlp_params(self.ffn_hidden) + moe_layers * self.moe_params_per_token
         qk, v = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
         gdn = self.hidden * (2 * qk + 2 * v + 2 * self.linear_value_heads) + v * self.hidden
-        return (self.attention_layers * (qkv + proj) + self.linear_layers * gdn + mlp
+        return (self.attention_layers * self.attention_params + self.linear_layers * gdn + mlp
                 + self.hidden * self.vocab)
 
     @property
@@ -201,7 +235,7 @@ def cost_weights(shape: GPTShape | None) -> tuple[float, float]:
     if not isinstance(shape, GPTShape):
         raise ValueError(f"cost_model must be a GPTShape or None, got {type(shape).__name__}")
     per_token = 3.0 * (2.0 * shape.linear_params_per_token + shape.recurrent_flops_per_token)
-    return per_token, 3.0 * 4.0 * shape.attention_width * shape.attention_layers
+    return per_token, 3.0 * shape.pair_flops * shape.attention_layers
 
 
 def tree_cost(tree: PackedTree, shape: GPTShape) -> float:
