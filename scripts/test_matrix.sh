@@ -5,11 +5,14 @@
 #   the Megatron-Bridge stack (Python 3.12, megatron-core 0.19.2, megatron-bridge 0.6.2, transformers
 #   5: mbridge does not work there, so it runs the Megatron-Bridge tests).
 # Each stack has its own venv (scripts/_env.sh); logs go to a temporary folder. Extra arguments go
-# to pytest. Exit status 0 iff every stack passed.
+# to pytest. Exit status 0 iff every stack passed. The HF parity results of all stacks become the
+# README's supported-models table (scripts/models_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_python312.sh
 LOGS="$(mktemp -d)"
+# The HF parity tests append their results here; the supported-models table is built from them.
+export MEGATRON_TREE_PARITY_LOG="$LOGS/parity.jsonl"
 py312="$(find_python312)"
 stacks=("default|python3||")
 if [ -n "$py312" ]; then
@@ -45,4 +48,9 @@ for row in "${rows[@]}"; do
   IFS="|" read -r a b c d e f g <<<"$row"
   printf '%-32s %-50s %7s %7s %8s %8s %3s\n' "$a" "$b" "$c" "$d" "$e" "$f" "$g"
 done
+if [ -s "$MEGATRON_TREE_PARITY_LOG" ]; then
+  python3 scripts/models_table.py "$MEGATRON_TREE_PARITY_LOG" >"$LOGS/models_table.md" \
+    && echo "[matrix] supported-models table: $LOGS/models_table.md (README: python3 scripts/models_table.py" \
+            "$MEGATRON_TREE_PARITY_LOG --readme README.md)"
+fi
 exit $status

@@ -1,0 +1,46 @@
+"""The README's supported-models table is built from what the parity tests record."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from megatron_tree.testing.models import PARITY_LOG_ENV, record_parity
+
+
+def _script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "models_table.py"
+    spec = importlib.util.spec_from_file_location("models_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recorded_results_become_one_row_per_family_bridge_and_stack(tmp_path, monkeypatch):
+    log = tmp_path / "parity.jsonl"
+    record_parity("qwen3", "mbridge", 1e-6)  # no log set: nothing written
+    assert not log.exists()
+    monkeypatch.setenv(PARITY_LOG_ENV, str(log))
+    record_parity("deepseek_v3", "megatron-bridge", 2e-6)
+    record_parity("deepseek_v3", "megatron-bridge", 3e-6, layout="TP=2")
+    record_parity("qwen3", "mbridge", 1e-6)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["layout"] for r in rows] == ["TP=1", "TP=2", "TP=1"] and rows[0]["stack"]["megatron-core"]
+    table = _script().render(rows)
+    lines = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(lines) == 2 and lines[0].startswith("| `qwen3`")  # families in the table's order
+    assert "TP=1, TP=2" in lines[1] and lines[1].endswith("| 3.0e-06 |")  # the worst over layouts
+    assert "DSAttention" in table and "Nemotron-H" in table
+
+
+def test_readme_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
+    module = _script()
+    log, readme = tmp_path / "parity.jsonl", tmp_path / "README.md"
+    monkeypatch.setenv(PARITY_LOG_ENV, str(log))
+    record_parity("gpt_oss", "megatron-bridge", 2e-6)
+    readme.write_text(f"intro\n{module.START}\nold table\n{module.END}\noutro\n")
+    monkeypatch.setattr("sys.argv", ["models_table.py", str(log), "--readme", str(readme)])
+    module.main()
+    text = readme.read_text()
+    assert "old table" not in text and "| `gpt_oss` |" in text and text.endswith("outro\n")
