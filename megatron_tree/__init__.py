@@ -62,6 +62,7 @@ _LAZY = {
     "tree_forward_backward": ".mcore.step",
     "ExpertTokenCounter": ".mcore.moe_stats",
     "TreeMoELayer": ".mcore.moe",
+    "TreeMLASelfAttention": ".mcore.mla",
     "token_multiplicity": ".mcore.moe",
     "patch_bridge_for_tree_training": ".bridges.mbridge",
     "is_tree_training_bridge": ".bridges.mbridge",
