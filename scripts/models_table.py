@@ -2,9 +2,9 @@
 
 The HuggingFace parity tests append one JSON line per result to ``$MEGATRON_TREE_PARITY_LOG``
 (:func:`megatron_tree.testing.models.record_parity`); ``scripts/test_matrix.sh`` sets it for every
-stack. This script groups the lines by model type, bridge and stack, and prints a Markdown table
-(the worst log-prob error over the layouts tested), followed by the families tree training refuses
-and why. With ``--readme README.md`` it replaces the table between the README's markers.
+stack. This script groups the lines by model type and bridge, and prints a Markdown table (the
+stacks and layouts tested, the worst log-prob error over them), followed by the families tree
+training refuses and why. With ``--readme README.md`` it replaces the table between the README's markers.
 
 Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...] [--readme README.md]
 """
@@ -50,26 +50,21 @@ REFUSED = [
 ]
 
 
-def _stack(stack: dict) -> str:
-    parts = [f"py {stack['python']}", f"mcore {stack['megatron-core']}"]
-    if stack.get("bridge"):
-        parts.append(f"bridge {stack['bridge']}")
-    parts.append(f"transformers {stack['transformers']}")
-    return ", ".join(parts)
-
-
 def render(rows: list[dict]) -> str:
-    """Markdown: one line per (model type, bridge, stack), the worst error over its layouts."""
-    groups: dict[tuple, dict] = defaultdict(lambda: {"layouts": set(), "err": 0.0})
+    """Markdown: one line per (model type, bridge), its stacks and layouts, the worst error."""
+    groups: dict[tuple, dict] = defaultdict(lambda: {"stacks": set(), "layouts": set(), "err": 0.0})
     for row in rows:
-        key = (row["model_type"], row["bridge"], _stack(row["stack"]))
-        groups[key]["layouts"].add(row["layout"])
-        groups[key]["err"] = max(groups[key]["err"], row["max_logprob_err"])
+        stack = row["stack"]
+        group = groups[(row["model_type"], f"{row['bridge']} {stack.get('bridge') or ''}".strip())]
+        group["stacks"].add((stack["megatron-core"], stack["python"], stack["transformers"]))
+        group["layouts"].add(row["layout"])
+        group["err"] = max(group["err"], row["max_logprob_err"])
     order = {name: i for i, name in enumerate(FAMILY)}
-    lines = ["| model type | family | bridge | stack | layouts | max abs log-prob error vs HF (fp32) |",
-             "|---|---|---|---|---|---|"]
-    for (model_type, bridge, stack), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])):
-        lines.append(f"| `{model_type}` | {FAMILY.get(model_type, '')} | {bridge} | {stack} | "
+    lines = ["| model type | family | bridge | megatron-core (python, transformers) | layouts | "
+             "max abs log-prob error vs HF (fp32) |", "|---|---|---|---|---|---|"]
+    for (model_type, bridge), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])):
+        stacks = ", ".join(f"{m} ({'.'.join(p.split('.')[:2])}, {t})" for m, p, t in sorted(group["stacks"]))
+        lines.append(f"| `{model_type}` | {FAMILY.get(model_type, '')} | {bridge} | {stacks} | "
                      f"{', '.join(sorted(group['layouts']))} | {group['err']:.1e} |")
     lines += ["", "Refused (a clear `ValueError` naming the module or setting and the fix):", "",
               "| family / setting | why |", "|---|---|"]

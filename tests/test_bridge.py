@@ -13,6 +13,7 @@ from megatron_tree.testing.models import (
     max_err,
     pack,
     packed_logprobs,
+    record_parity,
 )
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
@@ -62,7 +63,9 @@ def test_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
     bridge, model = _load(checkpoints[arch])
     assert isinstance(model, TreeGPTModel)
     micro_batches = pack(branching_sequences())
-    assert max_err(tree_logprobs(model, micro_batches), references[arch]) <= LOGP_TOL
+    err = max_err(tree_logprobs(model, micro_batches), references[arch])
+    record_parity(arch, "mbridge", err)
+    assert err <= LOGP_TOL
 
 
 def test_patch_restores_everything_and_binds_instances(checkpoints):
@@ -150,6 +153,7 @@ def test_bridge_tp2_matches_tp1_and_hf(checkpoints, references):
         for rank in ranks:
             assert max_err(rank[arch], tp1) <= LOGP_TOL, arch
             assert max_err(rank[arch], references[arch]) <= LOGP_TOL, arch
+        record_parity(arch, "mbridge", max(max_err(rank[arch], references[arch]) for rank in ranks), layout="TP=2")
 
 
 def step_logprobs(model, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -215,7 +219,9 @@ def test_bridge_moe_tree_logprobs_match_hf(case, moe_checkpoints):
     assert isinstance(model.decoder.layers[0].mlp, MoELayer)
     assert bridge.config.moe_router_pre_softmax == (not bridge.hf_config.norm_topk_prob)
     assert bridge.config.moe_token_dispatcher_type == "alltoall"
-    assert max_err(tree_logprobs(model, pack(branching_sequences())), reference) <= LOGP_TOL
+    err = max_err(tree_logprobs(model, pack(branching_sequences())), reference)
+    record_parity(MOE_CASES[case][0], "mbridge", err)
+    assert err <= LOGP_TOL
 
 
 def _moe_ep2_worker(rank: int, path: str) -> dict:
@@ -236,6 +242,7 @@ def test_bridge_moe_expert_parallel_2_matches_hf(moe_checkpoints):
     assert [(r["ep_rank"], r["local_experts"]) for r in ranks] == [(0, 2), (1, 2)]
     for r in ranks:
         assert max_err(r["logprobs"], reference) <= LOGP_TOL
+    record_parity("qwen3_moe", "mbridge", max(max_err(r["logprobs"], reference) for r in ranks), layout="EP=2")
 
 
 def test_bridge_moe_refuses_expert_tp_other_than_tp(moe_checkpoints, monkeypatch):

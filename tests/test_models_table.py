@@ -17,7 +17,7 @@ def _script():
     return module
 
 
-def test_recorded_results_become_one_row_per_family_bridge_and_stack(tmp_path, monkeypatch):
+def test_recorded_results_become_one_row_per_family_and_bridge(tmp_path, monkeypatch):
     log = tmp_path / "parity.jsonl"
     record_parity("qwen3", "mbridge", 1e-6)  # no log set: nothing written
     assert not log.exists()

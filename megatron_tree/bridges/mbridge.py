@@ -11,13 +11,21 @@ no model exists yet. So the patch binds to every bridge *instance* created insid
   torch norms do not support it);
 * its models are :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE);
 * with the local spec, its weight-name maps also know the local spec's ``input_layernorm.weight``
-  and ``pre_mlp_layernorm.weight`` (TE fuses those norms into the linear layers), so
-  ``load_weights`` / ``export_weights`` map HuggingFace checkpoints correctly.
+  and ``pre_mlp_layernorm.weight`` (and multi-latent attention's ``q_layernorm`` /
+  ``kv_layernorm``: TE fuses those norms into the linear layers), so ``load_weights`` /
+  ``export_weights`` map HuggingFace checkpoints correctly;
+* its router and config match what the HF model computes where mbridge 0.15.1 gets them wrong
+  (softmax order, shared-expert gate and size, group-limited routing; see ``_match_hf_router``),
+  and its attention backend is ``auto`` (tree attention replaces TE's core attention);
+* a DeepSeek-V3 bridge is corrected before its ``Bridge.__init__`` builds the config
+  (``megatron_tree.patches.mbridge_deepseek.bind``: mbridge 0.15.1 cannot build it at all on
+  megatron-core 0.16 / 0.17, and gets its RoPE type, routing and MTP setting wrong).
 
 These instance bindings outlive the block, so ``get_model`` may be called after it. Process-wide
 changes: while the block is open, a hook on ``mbridge.core.bridge.Bridge.__init__`` binds new
 instances (restored on exit, also on exceptions); and while a bound bridge's model provider runs
-(inside ``get_model``), the module global ``mbridge.core.llm_bridge.GPTModel`` is swapped for
+(inside ``get_model``), the module global ``mbridge.core.llm_bridge.GPTModel`` (and that of a
+bridge module with its own provider: ``mbridge.models.deepseek_v3``) is swapped for
 ``TreeGPTModel`` and restored afterwards, so another thread building an mbridge model at that
 moment would get a ``TreeGPTModel`` too. On megatron-core >= 0.17 the same holds for the
 ``ModelType.encoder_and_decoder`` property that mbridge 0.15.1 needs there
@@ -35,15 +43,17 @@ import importlib.util
 import inspect
 import logging
 import re
+import sys
 from typing import Any, Iterator
 
 from mbridge.core import bridge as bridge_module
-from mbridge.core import llm_bridge
 from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.enums import AttnBackend
 
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
-from ..patches import mbridge_compat
+from ..patches import mbridge_compat, mbridge_deepseek
 from ..mcore.spec import tree_attention_spec
 
 logger = logging.getLogger(__name__)
@@ -65,12 +75,30 @@ def _swap_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
         setattr(owner, name, original)
 
 
+# Multi-latent attention: the local spec's separate latent norms, and the TE names (norms fused into
+# the up projections) whose HF weights they take.
+_MLA_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+_INPUT_NORM = re.compile(r"^decoder\.layers\.\d+\.input_layernorm\.weight$")
+
+
 def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
-    """Instance copies of the maps with the local spec's separate norm weights added."""
+    """Instance copies of the maps with the local spec's separate norm weights added.
+
+    TE fuses the input norm into the first attention projection (``linear_qkv``; multi-latent
+    attention bridges map ``input_layernorm`` already), dense layers' pre-MLP norm into
+    ``linear_fc1``, and MLA's q / kv latent norms into ``linear_q_up_proj`` / ``linear_kv_up_proj``;
+    the local spec keeps all of them as separate norms. Some bridges route names with their own
+    ``_weight_name_mapping_mcore_to_hf`` and have no route for ``input_layernorm`` (GLM-4.5's raises
+    ``NotImplementedError: Unsupported parameter name: decoder.layers.0.input_layernorm.weight``),
+    so the bound bridge sends that name to ``_OTHER_MAPPING`` itself.
+    """
     attention = dict(type(bridge)._ATTENTION_MAPPING)
     mlp = dict(type(bridge)._MLP_MAPPING)
     other = dict(type(bridge)._OTHER_MAPPING)
-    input_norm = attention.get("self_attention.linear_qkv.layer_norm_weight")
+    input_norm = attention.get("self_attention.linear_qkv.layer_norm_weight", attention.get("input_layernorm.weight"))
     # Dense TE specs fuse the pre-MLP norm into linear_fc1; MoE specs keep a separate
     # pre_mlp_layernorm, which mbridge's MoE bridges already map (as the local spec names it).
     pre_mlp_norm = mlp.get("mlp.linear_fc1.layer_norm_weight", mlp.get("pre_mlp_layernorm"))
@@ -78,14 +106,24 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
         raise ValueError(
             f"{type(bridge).__name__} has no fused-norm weight mapping to derive the local spec's "
             "norm names from; tree training through mbridge without transformer-engine supports "
-            "GPT bridges with RMSNorm/LayerNorm layers (Qwen2, Qwen3, Llama, Qwen3-MoE, ...)"
+            "GPT bridges with RMSNorm/LayerNorm layers (Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, ...)"
         )
+    for local, fused in _MLA_NORMS.items():
+        if fused in attention and local not in attention:
+            attention[local] = list(attention[fused])
     # mbridge routes names without ".self_attention." and without "mlp" to _OTHER_MAPPING, and
     # "pre_mlp_layernorm" (it contains "mlp") to _MLP_MAPPING.
     other["input_layernorm.weight"] = list(input_norm)
     mlp = {"pre_mlp_layernorm.weight": list(pre_mlp_norm), **mlp}
+    bridge._ATTENTION_MAPPING = attention
     bridge._OTHER_MAPPING = other
     bridge._MLP_MAPPING = mlp
+    route = bridge._weight_name_mapping_mcore_to_hf
+
+    def mcore_to_hf(name: str) -> list[str]:
+        return bridge._weight_name_mapping_other(name) if _INPUT_NORM.match(name) else route(name)
+
+    bridge._weight_name_mapping_mcore_to_hf = mcore_to_hf
 
 
 # The local spec's SequentialMLP experts: decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc{1,2}.weight
@@ -93,30 +131,63 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_
 
 
 def _match_hf_router(bridge: Any) -> None:
-    """Set Megatron's softmax order to the HF model's ``norm_topk_prob``.
+    """Set Megatron's router to what the HF model computes, where mbridge 0.15.1 gets it wrong.
 
-    HF Qwen2-MoE / Qwen3-MoE take a softmax over all experts, keep the top k and, only with
-    ``norm_topk_prob``, renormalize them to sum to 1. Megatron's softmax router renormalizes when
-    the softmax follows the top-k (``moe_router_pre_softmax=False``) and does not when it precedes
-    it (``True``). mbridge 0.15.1 hard-codes one order per architecture (Qwen3-MoE: renormalized,
-    Qwen2-MoE: not), which is wrong for checkpoints with the other setting.
+    Softmax routers: HF Qwen2-MoE / Qwen3-MoE take a softmax over all experts, keep the top k and,
+    only with ``norm_topk_prob``, renormalize them to sum to 1. Megatron's softmax router
+    renormalizes when the softmax follows the top-k (``moe_router_pre_softmax=False``) and does not
+    when it precedes it (``True``). mbridge hard-codes one order per architecture (Qwen3-MoE:
+    renormalized, Qwen2-MoE: not), which is wrong for checkpoints with the other setting.
 
-    Also: HF Qwen2-MoE scales its shared expert by ``sigmoid(shared_expert_gate(x))``; mbridge maps
-    that weight to Megatron's ``shared_experts.gate_weight`` but never sets
-    ``moe_shared_expert_gate``, so the gate would be missing (log-probs off by O(1)).
+    HF Qwen2-MoE scales its shared expert by ``sigmoid(shared_expert_gate(x))`` (its config names
+    the shared expert ``shared_expert_intermediate_size``); mbridge maps that weight to Megatron's
+    ``shared_experts.gate_weight`` but never sets ``moe_shared_expert_gate``, so the gate would be
+    missing (log-probs off by O(1)). GLM-4.5's bridge inherits that map entry, but GLM-4.5 (like
+    DeepSeek-V3: ``n_shared_experts``) has no gate, so it must stay off there.
+
+    Sigmoid routers (DeepSeek-V3, GLM-4.5): see :func:`_match_hf_sigmoid_router`.
     """
     if not bridge.config.num_moe_experts:
         return
+    config, hf_config = bridge.config, bridge.hf_config
     extra = {}
-    norm_topk_prob = getattr(bridge.hf_config, "norm_topk_prob", None)
-    if (norm_topk_prob is not None and bridge.config.moe_router_score_function == "softmax"
-            and bridge.config.moe_router_pre_softmax != (not norm_topk_prob)):
+    norm_topk_prob = getattr(hf_config, "norm_topk_prob", None)
+    if (norm_topk_prob is not None and config.moe_router_score_function == "softmax"
+            and config.moe_router_pre_softmax != (not norm_topk_prob)):
         extra["moe_router_pre_softmax"] = not norm_topk_prob
-    if (bridge.config.moe_shared_expert_intermediate_size and not bridge.config.moe_shared_expert_gate
-            and "shared_experts.gate_weight" in type(bridge)._MLP_MAPPING):
+    if (config.moe_shared_expert_intermediate_size and not config.moe_shared_expert_gate
+            and "shared_experts.gate_weight" in type(bridge)._MLP_MAPPING
+            and getattr(hf_config, "shared_expert_intermediate_size", None)):
         extra["moe_shared_expert_gate"] = True
+    if config.moe_router_score_function == "sigmoid":
+        extra.update(_match_hf_sigmoid_router(bridge))
     if extra:
         bridge.set_extra_args(**extra)
+
+
+def _match_hf_sigmoid_router(bridge: Any) -> dict:
+    """Extra args that make a sigmoid router (HF DeepSeek-V3 / GLM-4.5 ``TopkRouter``) match HF.
+
+    * Group-limited routing (HF ``n_group`` / ``topk_group``): mbridge's GLM-4.5 bridge never sets
+      it (its DeepSeek-V3 bridge neither: ``megatron_tree.patches.mbridge_deepseek``), so with
+      ``n_group > 1`` Megatron would route over all experts.
+    * The shared expert's size: HF's is ``moe_intermediate_size * n_shared_experts``; mbridge's
+      GLM-4.5 bridge drops the factor.
+    * HF divides the chosen sigmoid scores by their sum only with ``norm_topk_prob``; Megatron
+      always does (top-k > 1), so ``norm_topk_prob=False`` cannot be reproduced: ValueError.
+    """
+    config, hf_config = bridge.config, bridge.hf_config
+    if getattr(hf_config, "norm_topk_prob", True) is False and config.moe_router_topk > 1:
+        raise ValueError(
+            f"{type(bridge).__name__}: the HF router does not renormalize its top-k sigmoid scores "
+            "(norm_topk_prob=False), Megatron's sigmoid router always does; this checkpoint's routing "
+            "cannot be reproduced"
+        )
+    extra = {k: v for k, v in mbridge_deepseek.group_routing(hf_config).items() if getattr(config, k) != v}
+    shared = getattr(hf_config, "n_shared_experts", None)
+    if shared and config.moe_shared_expert_intermediate_size != hf_config.moe_intermediate_size * shared:
+        extra["moe_shared_expert_intermediate_size"] = hf_config.moe_intermediate_size * shared
+    return extra
 
 
 def _bind_local_moe(bridge: Any) -> None:
@@ -155,12 +226,33 @@ def _bind_local_moe(bridge: Any) -> None:
     bridge._weight_name_mapping_mcore_local_to_global = local_to_global
 
 
+def _provider_modules(bridge: Any) -> list:
+    """The modules whose ``GPTModel`` global the bridge's model provider reads.
+
+    ``LLMBridge._model_provider`` reads ``mbridge.core.llm_bridge.GPTModel``; a bridge that defines
+    its own provider (DeepSeek-V3's) reads its own module's import of it.
+    """
+    modules = []
+    for cls in type(bridge).__mro__:
+        module = sys.modules.get(cls.__module__) if "_model_provider" in vars(cls) else None
+        found = getattr(module, "GPTModel", None)
+        if isinstance(found, type) and issubclass(found, GPTModel) and module not in modules:
+            modules.append(module)
+    return modules
+
+
 def _bind(bridge: Any, backend: str, block_size: int) -> None:
     """Make ``bridge`` build tree-attention models from now on (idempotent)."""
     if getattr(bridge, _BOUND_ATTR, None) is not None:
         return
     use_te = _transformer_engine_available()
     _match_hf_router(bridge)
+    if bridge.config.attention_backend != AttnBackend.auto:
+        # Tree attention replaces the core attention, so TE's backend is moot; but Megatron's
+        # LanguageModule asserts that the NVTE_* variables an earlier model set in this process
+        # match its backend, and mbridge's DeepSeek-V3 bridge asks for "fused" where the others
+        # (and Megatron-Bridge) use "auto": building both kinds in one process raised.
+        bridge.set_extra_args(attention_backend=AttnBackend.auto)
     if not use_te:
         _extend_weight_maps_for_local_spec(bridge)
         if bridge.config.num_moe_experts:
@@ -194,7 +286,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 
         @functools.wraps(provider)
         def tree_provider(*pargs, **pkwargs):
-            with _swap_attr(llm_bridge, "GPTModel", TreeGPTModel):
+            with contextlib.ExitStack() as stack:
+                for module in _provider_modules(bridge):
+                    stack.enter_context(_swap_attr(module, "GPTModel", TreeGPTModel))
                 model = provider(*pargs, **pkwargs)
             if not isinstance(model, TreeGPTModel):
                 raise ValueError(
@@ -254,9 +348,12 @@ def patch_bridge_for_tree_training(
 
         @functools.wraps(original_init)
         def init(self, *args, **kwargs):
+            settings = _ACTIVE[-1] if _ACTIVE else None
+            if settings is not None and mbridge_deepseek.applies_to(self):
+                mbridge_deepseek.bind(self)  # before __init__ builds the config mbridge gets wrong
             original_init(self, *args, **kwargs)
-            if _ACTIVE and _ACTIVE[-1] is not None:
-                _bind(self, **_ACTIVE[-1])
+            if settings is not None:
+                _bind(self, **settings)
 
         bridge_module.Bridge.__init__ = init
         _HOOK.append(original_init)

@@ -34,7 +34,8 @@ class TreeGPTModel(GPTModel):
                 "its input at a token is the embedding of the next token, which a branch point does not "
                 "have once (one per child), and Megatron's MTP takes the next *packed* token instead. "
                 "Set mtp_num_layers=None (Megatron-Bridge: provider.mtp_num_layers = None before "
-                "provide(); RL trains the main head only)"
+                "provide(); mbridge: bridge.set_extra_args(mtp_num_layers=None) before get_model(); "
+                "RL trains the main head only)"
             )
         super().__init__(config, *args, **kwargs)
 
