@@ -81,19 +81,10 @@ def applies_to(bridge: Any) -> bool:
 
 
 def group_routing(hf_config) -> dict:
-    """Megatron's group-limited routing for HF's ``n_group`` / ``topk_group`` (empty if unlimited).
+    """Megatron's group-limited routing for HF's ``n_group`` / ``topk_group`` (symptom 4)."""
+    from ..bridges.routing import sigmoid_router_fields
 
-    HF ranks a group by the sum of its top-2 scores; Megatron by its top ``topk // group_topk``."""
-    n_group, topk_group = getattr(hf_config, "n_group", None) or 1, getattr(hf_config, "topk_group", None) or 1
-    if n_group <= 1 or topk_group >= n_group:
-        return {}
-    if hf_config.num_experts_per_tok // topk_group != 2:
-        raise ValueError(
-            f"num_experts_per_tok={hf_config.num_experts_per_tok} // topk_group={topk_group} is not 2: HF "
-            "ranks expert groups by their top-2 scores, Megatron by their top num_experts_per_tok // "
-            "topk_group; this routing cannot be reproduced"
-        )
-    return {"moe_router_num_groups": n_group, "moe_router_group_topk": topk_group}
+    return sigmoid_router_fields(hf_config, where="DeepseekV3Bridge")
 
 
 def _rope_kwargs(hf_config) -> dict:

@@ -19,6 +19,7 @@ def _script():
 
 def test_recorded_results_become_one_row_per_family_and_bridge(tmp_path, monkeypatch):
     log = tmp_path / "parity.jsonl"
+    monkeypatch.delenv(PARITY_LOG_ENV, raising=False)  # (test_matrix.sh sets it for the real results)
     record_parity("qwen3", "mbridge", 1e-6)  # no log set: nothing written
     assert not log.exists()
     monkeypatch.setenv(PARITY_LOG_ENV, str(log))

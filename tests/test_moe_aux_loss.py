@@ -94,12 +94,15 @@ def test_router_losses_equal_the_unpacked_batch(world):
     assert rel > 1e-3
 
 
-def test_expert_bias_counts_equal_the_unpacked_batch(world):
+@pytest.mark.parametrize("recompute", [{}, dict(recompute_granularity="full", recompute_method="uniform",
+                                                  recompute_num_layers=1)], ids=["none", "full"])
+def test_expert_bias_counts_equal_the_unpacked_batch(world, recompute):
     """Aux-loss-free balancing (DeepSeek-V3, GLM-4.5): the token counts the expert-bias update reads
-    after the step count each token once per sequence through it and padding not at all."""
+    after the step count each token once per sequence through it and padding not at all (under full
+    recompute Megatron counts in the backward's recomputation: once, too)."""
     seqs = branching_sequences()
     micro_batch = pack(seqs, max_tokens=512)[0]
-    fields = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    fields = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", **recompute)
     counts = {}
     def one_at_a_time(model):  # every sequence alone, no padding; the counts add up over calls
         return torch.cat([model(s[None], torch.arange(len(s))[None], attention_mask=None).flatten() for s in seqs])

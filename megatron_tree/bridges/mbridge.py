@@ -54,6 +54,7 @@ from megatron.core.transformer.enums import AttnBackend
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..patches import mbridge_compat, mbridge_deepseek
+from .routing import sigmoid_router_fields
 from ..mcore.spec import tree_attention_spec
 
 logger = logging.getLogger(__name__)
@@ -177,13 +178,8 @@ def _match_hf_sigmoid_router(bridge: Any) -> dict:
       always does (top-k > 1), so ``norm_topk_prob=False`` cannot be reproduced: ValueError.
     """
     config, hf_config = bridge.config, bridge.hf_config
-    if getattr(hf_config, "norm_topk_prob", True) is False and config.moe_router_topk > 1:
-        raise ValueError(
-            f"{type(bridge).__name__}: the HF router does not renormalize its top-k sigmoid scores "
-            "(norm_topk_prob=False), Megatron's sigmoid router always does; this checkpoint's routing "
-            "cannot be reproduced"
-        )
-    extra = {k: v for k, v in mbridge_deepseek.group_routing(hf_config).items() if getattr(config, k) != v}
+    fields = sigmoid_router_fields(hf_config, where=type(bridge).__name__)
+    extra = {k: v for k, v in fields.items() if getattr(config, k) != v}
     shared = getattr(hf_config, "n_shared_experts", None)
     if shared and config.moe_shared_expert_intermediate_size != hf_config.moe_intermediate_size * shared:
         extra["moe_shared_expert_intermediate_size"] = hf_config.moe_intermediate_size * shared

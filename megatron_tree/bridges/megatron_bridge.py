@@ -51,6 +51,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from ..core.attention import BACKENDS  # noqa: E402
 from ..mcore.model import TreeGPTModel  # noqa: E402
 from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec  # noqa: E402
+from .routing import sigmoid_router_fields  # noqa: E402
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
 # Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
@@ -98,8 +99,11 @@ def _check_tree_model(model: Any) -> None:
     check_tree_model(model)
 
 
-def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int = 128) -> Any:
+def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int = 128, hf_config: Any = None) -> Any:
     """Make a Megatron-Bridge ``GPTModelProvider`` build tree models (in place, idempotent).
+
+    With the checkpoint's ``hf_config`` (what the bound bridges pass), a sigmoid router is checked
+    to be one Megatron reproduces (:func:`megatron_tree.bridges.routing.sigmoid_router_fields`).
 
     Raises:
         ValueError: not a GPT provider; at ``provide()``, multi-token prediction (``mtp_num_layers``,
@@ -113,6 +117,11 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
             "(attention, MoE and gated delta-net hybrids); Mamba hybrids such as Nemotron-H build a "
             "HybridModel, which is not supported with trees yet"
         )
+    if hf_config is not None and provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
+        for name, value in sigmoid_router_fields(hf_config, where=type(provider).__name__).items():
+            setattr(provider, name, value)
+    if provider.mtp_num_layers == 0:  # Kimi-K2's provider: 0 means none, but megatron-core 0.16 runs MTP
+        provider.mtp_num_layers = None
     if provider.attention_backend == AttnBackend.local:
         provider.attention_backend = AttnBackend.auto  # local would overwrite core_attention
     use_te = _transformer_engine_available()
@@ -163,7 +172,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 
     @functools.wraps(original)
     def to_megatron_provider(*args, **kwargs):
-        return make_tree_provider(original(*args, **kwargs), backend=backend, block_size=block_size)
+        hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
+        return make_tree_provider(original(*args, **kwargs), backend=backend, block_size=block_size,
+                                  hf_config=hf_config)
 
     bridge.to_megatron_provider = to_megatron_provider
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size})

@@ -28,7 +28,7 @@ class TreeGPTModel(GPTModel):
 
     def __init__(self, config, *args, **kwargs):
         layers = getattr(config, "mtp_num_layers", None)
-        if layers or kwargs.get("mtp_block_spec") is not None:
+        if layers is not None or kwargs.get("mtp_block_spec") is not None:  # 0 too: 0.16 runs MTP then
             raise ValueError(
                 f"multi-token prediction (mtp_num_layers={layers}) is not supported with tree training: "
                 "its input at a token is the embedding of the next token, which a branch point does not "

@@ -183,9 +183,10 @@ class TreeMoELayer(MoELayer):
 def _count_tokens_as_unpacked(counts, before, routing_map, weights) -> None:
     """The expert-bias token counts (``local_tokens_per_expert`` [E], which ``finalize_model_grads``
     turns into the aux-loss-free bias update) as the unpacked batch counts them: each routed token
-    weighed by its multiplicity, padding by 0. Megatron's router counted each packed token once, and
-    only when it counts at all (not in an activation recomputation): that choice is kept, without a
-    host read."""
+    weighed by its multiplicity, padding by 0. Megatron's router counted each packed token once
+    whenever it counts at all (grad enabled: under full recompute that is the backward's
+    recomputation, the checkpointed forward runs without grad); which calls count is kept as
+    Megatron decides it, without a host read."""
     with torch.no_grad():
         counted = (counts - before).sum() > 0
         weighted = (routing_map.to(counts.dtype) * weights.to(counts.dtype)[:, None]).sum(0)
