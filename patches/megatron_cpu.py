@@ -44,10 +44,11 @@ patched symbol                                              CPU behaviour
                                                             the shared experts' overlap stream
                                                             (``moe_shared_expert_overlap``, on in
                                                             DeepSeek-V3 / GLM-4.5 bridges)
-``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` (0.16.x stubs TE's classes
-                                                            with mocks when it is missing, so its
-                                                            MLA reads True and fails in
-                                                            ``isinstance(..., TELinear)``)
+``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` where it is True (0.16.x stubs
+                                                            TE's classes with mocks when it is
+                                                            missing, so its MLA reads True and fails
+                                                            in ``isinstance(..., TELinear)``; 0.17
+                                                            and 0.19 read False: untouched)
 ``...embeddings.rope_utils.get_pos_emb_on_this_cp_rank``    the same zigzag slice with a CPU index
 (and its copies in ``rotary_pos_embedding`` and             (upstream builds it with
 ``yarn_rotary_pos_embedding``)                              ``pin_memory=True`` and ``.cuda()``;
@@ -137,7 +138,6 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.moe.shared_experts", "torch"),
-    ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
     ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
@@ -149,6 +149,11 @@ _DEFINE_IF_MISSING: tuple[tuple[str, str, Any], ...] = (
     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None),
 )
 _ABSENT = object()  # the "original" of a name that did not exist before apply
+# (module path, name): flags that some versions set True without transformer-engine (0.16.x stubs
+# TE's classes with mocks); set False while applied, only where True, and put back by undo.
+_FALSE_WHERE_TRUE: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
+)
 
 # (owner object, attribute name, original value) for every patched attribute, in apply order.
 _saved: list[tuple[Any, str, Any]] = []
@@ -393,7 +398,6 @@ _REPLACEMENTS: dict[str, Any] = {
     "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream": _CpuStream(),
     "maybe_move_tensor_to_cpu": _cpu_maybe_move_tensor_to_cpu,
     ("megatron.core.transformer.moe.shared_experts", "torch"): _TorchWithCpuStreams(),
-    "HAVE_TE": False,
     "get_pos_emb_on_this_cp_rank": _cpu_pos_emb_on_this_cp_rank,
 }
 
@@ -467,6 +471,11 @@ def apply() -> bool:
         if not hasattr(module, name):
             _saved.append((module, name, _ABSENT))
             setattr(module, name, value)
+    for module_name, name in _FALSE_WHERE_TRUE:
+        module = importlib.import_module(module_name)
+        if getattr(module, name, False) is True:
+            _saved.append((module, name, True))
+            setattr(module, name, False)
     logging.getLogger(_RNG_LOGGER).addFilter(_rng_filter)
     return True
 

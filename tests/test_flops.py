@@ -124,7 +124,8 @@ def test_multi_latent_attention_costs(world, q_lora_rank):
     dims), not 4 x heads x the hidden's head dim."""
     from megatron_tree.testing.models import build_gpt_model, small_mla_config
 
-    config = small_mla_config(q_lora_rank=q_lora_rank)
+    # Without a query rank there is no query latent to norm (megatron-core 0.17+ refuses the norm).
+    config = small_mla_config(q_lora_rank=q_lora_rank, qk_layernorm=q_lora_rank is not None)
     model = build_gpt_model(config, tree=True, vocab_size=50)
     shape = GPTShape.from_config(config, vocab=50)
     matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
