@@ -58,7 +58,6 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def references(checkpoints):
     """HF fp32 (eager attention, CPU) on each branching sequence alone: {arch: {sequence: log-probs}}."""
-    from megatron_tree.testing.models import branching_sequences, hf_logprobs
+    from megatron_tree.testing.models import branching_sequences, hf_references
 
-    seqs = branching_sequences()
-    return {arch: hf_logprobs(path, seqs) for arch, path in checkpoints.items()}
+    return hf_references(checkpoints, branching_sequences())

@@ -196,14 +196,11 @@ MOE_CASES = {  # name: (arch, HF config overrides)
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
     """{case: (path, HF log-probs on each branching sequence alone)} for the tiny MoE checkpoints."""
-    from megatron_tree.testing.models import hf_logprobs, make_hf_checkpoint
+    from megatron_tree.testing.models import hf_references, make_hf_checkpoints
 
-    out = {}
-    for case, (arch, overrides) in MOE_CASES.items():
-        path = str(tmp_path_factory.mktemp(case))
-        make_hf_checkpoint(arch, path, **overrides)
-        out[case] = (path, hf_logprobs(path, branching_sequences()))
-    return out
+    paths = make_hf_checkpoints(tmp_path_factory.mktemp("cases"), MOE_CASES)
+    references = hf_references(paths, branching_sequences())
+    return {case: (paths[case], references[case]) for case in MOE_CASES}
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))

@@ -8,12 +8,11 @@ Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``, Python 3.12); s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.models import (
     FRONTIER_ARCHS,
     branching_sequences,
@@ -25,9 +24,7 @@ from megatron_tree.testing.models import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge is not installed (MEGATRON_TREE_BRIDGE=megatron-bridge stack)"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    *MEGATRON_BRIDGE_STACK,
 ]
 
 FAMILIES = FRONTIER_ARCHS + ("qwen3_moe",)
@@ -44,20 +41,16 @@ NO_ROUTER_LOSS = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_co
 
 @pytest.fixture(scope="module")
 def frontier_checkpoints(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from megatron_tree.testing.models import make_hf_checkpoints
 
-    root = tmp_path_factory.mktemp("frontier")
-    paths = {arch: str(root / arch) for arch in FAMILIES}
-    for arch, path in paths.items():
-        make_hf_checkpoint(arch, path)
-    return paths
+    return make_hf_checkpoints(tmp_path_factory.mktemp("frontier"), FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def frontier_references(frontier_checkpoints):
-    from megatron_tree.testing.models import hf_logprobs
+    from megatron_tree.testing.models import hf_references
 
-    return {arch: hf_logprobs(path, branching_sequences()) for arch, path in frontier_checkpoints.items()}
+    return hf_references(frontier_checkpoints, branching_sequences())
 
 
 def _assert_family_modules(arch: str, model) -> None:

@@ -14,12 +14,11 @@ checked against HuggingFace, which is independent.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.models import (
     HYBRID_ARCHS,
     max_err,
@@ -32,9 +31,7 @@ from megatron_tree.testing.models import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge is not installed (MEGATRON_TREE_BRIDGE=megatron-bridge stack)"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    *MEGATRON_BRIDGE_STACK,
 ]
 
 # fp32 on CPU against HF fp32: HF's own log-probs move by up to 7.6e-6 between fp32 and fp64 here
@@ -49,20 +46,16 @@ GRAD_RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def hybrid_checkpoints(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from megatron_tree.testing.models import make_hf_checkpoints
 
-    root = tmp_path_factory.mktemp("hybrid")
-    paths = {arch: str(root / arch) for arch in HYBRID_ARCHS}
-    for arch, path in paths.items():
-        make_hf_checkpoint(arch, path)
-    return paths
+    return make_hf_checkpoints(tmp_path_factory.mktemp("hybrid"), HYBRID_ARCHS)
 
 
 @pytest.fixture(scope="module")
 def hybrid_references(hybrid_checkpoints):
-    from megatron_tree.testing.models import hf_logprobs
+    from megatron_tree.testing.models import hf_references
 
-    return {arch: hf_logprobs(path, recurrent_sequences()) for arch, path in hybrid_checkpoints.items()}
+    return hf_references(hybrid_checkpoints, recurrent_sequences())
 
 
 def _model(path: str, **kwargs):

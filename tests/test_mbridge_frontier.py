@@ -32,14 +32,11 @@ CASES = {  # name: (arch, HF config overrides)
 @pytest.fixture(scope="module")
 def frontier(tmp_path_factory):
     """{case: (checkpoint path, HF log-probs of each branching sequence alone)}."""
-    from megatron_tree.testing.models import hf_logprobs, make_hf_checkpoint
+    from megatron_tree.testing.models import hf_references, make_hf_checkpoints
 
-    out = {}
-    for case, (arch, overrides) in CASES.items():
-        path = str(tmp_path_factory.mktemp(case))
-        make_hf_checkpoint(arch, path, **overrides)
-        out[case] = (path, hf_logprobs(path, branching_sequences()))
-    return out
+    paths = make_hf_checkpoints(tmp_path_factory.mktemp("cases"), CASES)
+    references = hf_references(paths, branching_sequences())
+    return {case: (paths[case], references[case]) for case in CASES}
 
 
 def _load(path: str):

@@ -5,12 +5,11 @@ TP=1 and TP=2. Runs in the Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatro
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.models import (
     ARCHS,
     branching_sequences,
@@ -22,9 +21,7 @@ from megatron_tree.testing.models import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge is not installed (MEGATRON_TREE_BRIDGE=megatron-bridge stack)"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    *MEGATRON_BRIDGE_STACK,
     pytest.mark.usefixtures("world"),
 ]
 

@@ -161,15 +161,22 @@ def _rename_to_kimi_k2(path: str) -> None:
     config_file.write_text(json.dumps(config, indent=2))
 
 
-def make_hf_checkpoints(root) -> dict[str, str]:
-    """One tiny checkpoint per architecture in ``ARCHS``, under ``root``: {arch: path}."""
+def make_hf_checkpoints(root, archs=ARCHS) -> dict[str, str]:
+    """Tiny checkpoints under ``root``: one per architecture of ``archs`` (default ``ARCHS``), or one
+    per case of a dict ``{name: (arch, HF config overrides)}``; returns {arch or name: path}."""
     from pathlib import Path
 
+    cases = archs if isinstance(archs, dict) else {arch: (arch, {}) for arch in archs}
     paths = {}
-    for arch in ARCHS:
-        paths[arch] = str(Path(root) / arch)
-        make_hf_checkpoint(arch, paths[arch])
+    for name, (arch, overrides) in cases.items():
+        paths[name] = str(Path(root) / name)
+        make_hf_checkpoint(arch, paths[name], **overrides)
     return paths
+
+
+def hf_references(paths: dict[str, str], seqs: list[torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+    """:func:`hf_logprobs` of every checkpoint of ``paths`` on ``seqs``: {name: {sequence: log-probs}}."""
+    return {name: hf_logprobs(path, seqs) for name, path in paths.items()}
 
 
 def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
