@@ -182,6 +182,20 @@ def test_mtp_and_sparse_attention_are_refused(world):
         TreeGPTModel(config=_config(apply_rope_fusion=True), transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=64)
 
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_tree.mcore.mla import TreeMLASelfAttention
+
+    assert tree_attention_spec(spec).submodules.self_attention.module is TreeMLASelfAttention  # kept as is
+
+    class CustomMLA(MLASelfAttention):
+        pass
+
+    custom = get_gpt_layer_local_spec(multi_latent_attention=True)
+    custom.submodules.self_attention.module = CustomMLA
+    with pytest.raises(ValueError, match="custom multi-latent attention CustomMLA: .*megatron_tree.mcore.mla.TreeMLASelfAttention"):
+        tree_attention_spec(custom)
+
     class DSAttention(torch.nn.Module):  # DeepSeek-V3.2's core attention, by name
         pass
 

@@ -78,7 +78,8 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     if attention_cls is IdentityOp:
         return layer_spec  # no attention in this layer: nothing to rewrite
     if _is_gated_delta_net(attention_cls):
-        _rewrite_gated_delta_net(attention, attention_cls, where)
+        _to_tree_module(attention, attention_cls, GatedDeltaNet, TreeGatedDeltaNet, where,
+                        "gated delta-net", "its recurrence would run across the tree's branches")
         return layer_spec
     latent = isinstance(attention_cls, type) and issubclass(attention_cls, MLASelfAttention)
     if not (
@@ -91,14 +92,9 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
             f"{where}: cannot rewrite self-attention {_class_name(attention_cls)} for tree attention; "
             "use a spec whose self_attention is SelfAttention or MLASelfAttention"
         )
-    if latent and not issubclass(attention_cls, TreeMLASelfAttention):
-        if attention_cls is not MLASelfAttention:
-            raise ValueError(
-                f"{where}: custom multi-latent attention {_class_name(attention_cls)}: its rotary "
-                "angles would follow packed offsets; derive it from "
-                "megatron_tree.mcore.mla.TreeMLASelfAttention"
-            )
-        attention.module = TreeMLASelfAttention
+    if latent:
+        _to_tree_module(attention, attention_cls, MLASelfAttention, TreeMLASelfAttention, where,
+                        "multi-latent attention", "its rotary angles would follow packed offsets")
     core_cls = _module_class(attention.submodules.core_attention)
     if _class_name(core_cls) == "DSAttention":
         raise ValueError(
@@ -119,15 +115,16 @@ def _is_gated_delta_net(cls: Any) -> bool:
     return GatedDeltaNet is not None and isinstance(cls, type) and issubclass(cls, GatedDeltaNet)
 
 
-def _rewrite_gated_delta_net(attention: Any, cls: type, where: str) -> None:
-    if issubclass(cls, TreeGatedDeltaNet):
+def _to_tree_module(spec: Any, cls: type, stock: type, tree: type, where: str, kind: str, why: str) -> None:
+    """The spec's ``stock`` module becomes its ``tree`` subclass (same parameters); a ``tree``
+    subclass is kept; any other subclass of ``stock`` is refused (ValueError naming ``why``)."""
+    if issubclass(cls, tree):
         return
-    if cls is not GatedDeltaNet or not isinstance(attention, ModuleSpec):
+    if cls is not stock or not isinstance(spec, ModuleSpec):
         raise ValueError(
-            f"{where}: custom gated delta-net {_class_name(cls)}: its recurrence would run across the "
-            "tree's branches; derive it from megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet"
+            f"{where}: custom {kind} {_class_name(cls)}: {why}; derive it from {tree.__module__}.{tree.__name__}"
         )
-    attention.module = TreeGatedDeltaNet
+    spec.module = tree
 
 
 def _rewrite_moe(subs: Any, where: str) -> None:
