@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from .flops import GPTShape, cost_weights, tree_cost
+from .ragged import InputLayout
 from .rows import TreeRows
 from .tree import PackedTree
 
@@ -81,6 +82,8 @@ class PackedTreeBatch(Sequence):
             against the model's vocabulary before a forward.
         cost_model: the :class:`GPTShape` the tree costs are measured with (None: no costs in the
             statistics; :meth:`tree_costs` then takes a shape).
+        input_layout: the :class:`~megatron_tree.core.ragged.InputLayout` the batch was given in
+            (padded, a list of sequences, a nested tensor or THD).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class PackedTreeBatch(Sequence):
         self.num_padded_tokens = sum(mb["rows"].num_rows for mb in micro_batches)
         self.num_dummy_trees = sum(mb["rows"].num_real == 0 for mb in micro_batches)
         self._costs: list[float] | None = None
+        self.input_layout = InputLayout("padded", ())  # set by build_packed_tree_batch
 
     @property
     def tree_token_ratio(self) -> float:
@@ -223,6 +227,8 @@ class PackedTreeBatch(Sequence):
             new = micro_batch(tree, rows.to(device, trees[id(rows.tree)]))
             new.update({k: v.to(device) for k, v in mb.items() if k not in RESERVED_KEYS})
             moved.append(new)
-        return PackedTreeBatch(
+        result = PackedTreeBatch(
             moved, self.batch_size, self.num_real_tokens, self.max_token_id, cost_model=self.cost_model
         )
+        result.input_layout = self.input_layout
+        return result

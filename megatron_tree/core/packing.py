@@ -33,6 +33,7 @@ from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
 from .partition import TrieCounts, _lexicographic_order, _neighbour_lcp, balance_by_cost, cut_tries, pack_pieces
+from .ragged import to_padded
 from .tree import PackedTree
 from .trunk import TrunkPlan, first_fit, split_group
 
@@ -406,8 +407,11 @@ def build_packed_tree_batch(
         data: ``input_ids`` [B, L] int, ``attention_mask`` [B, L] (1 for real tokens, right-padded),
             and any other per-token tensors [B, L, ...] (loss mask, old log-probs, advantages...),
             which the micro-batches carry in tree layout [T, ...]. numpy arrays are accepted
-            (``torch.as_tensor``, keeping their dtype), and so are rectangular nested lists; a
-            ragged list (rows of different lengths) is refused: right-pad it first.
+            (``torch.as_tensor``, keeping their dtype), and so are rectangular nested lists. Or a
+            ragged batch without ``attention_mask``: ``input_ids`` a list of 1-D sequences, a jagged
+            nested tensor, or THD ``[T]`` with ``cu_seqlens`` [B + 1], extras in the same layout
+            (:mod:`megatron_tree.core.ragged`); the batch's ``input_layout`` then says how to give
+            results back in it (``TreeStepResult.merged_outputs`` does).
         max_tokens_per_mb: unique-token capacity of one tree (an int); a multiple of
             ``lcm(block_size, parallel_size)``.
         block_size: attention tile size the packed length is aligned to.
@@ -450,6 +454,7 @@ def build_packed_tree_batch(
         :class:`PackedTreeBatch`.
     """
     share_trunks = _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model)
+    data, input_layout = to_padded(data)
     data, lengths, align, max_tokens_per_mb = _validate(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
     )
@@ -522,5 +527,6 @@ def build_packed_tree_batch(
         micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model
     )
     result.attach_padded({k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")})
+    result.input_layout = input_layout
     logger.debug("packed %s", result)
     return result

@@ -81,13 +81,17 @@ class TreeStepResult:
         return self.packed.tree_token_ratio
 
     def merged_outputs(self, max_seq_len: int | None = None) -> dict[str, torch.Tensor]:
-        """``tree_outputs`` in the batch layout [B, L] (rolled for log-probs, 0 past each sequence)."""
+        """``tree_outputs`` in the layout the batch was given in (rolled for log-probs: entry t is
+        token t + 1's, the last is 0): [B, L] for a padded batch (0 past each sequence); for a
+        ragged one its own layout (a list of [L_b], a nested tensor or THD [T],
+        :mod:`megatron_tree.core.ragged`)."""
         if self.tree_outputs is None:
             raise ValueError("no outputs were collected: pass collect_outputs=True (last pipeline stage)")
+        layout = self.packed.input_layout
         return {
-            name: merge_packed_tree_results(
+            name: layout.restore(merge_packed_tree_results(
                 list(zip(values, self.packed.trees)), self.packed.batch_size, max_seq_len=max_seq_len
-            )
+            ))
             for name, values in self.tree_outputs.items()
         }
 
