@@ -1,0 +1,1 @@
+"""Adapters that switch tree training on inside RL frameworks (imported only on demand)."""
