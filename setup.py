@@ -26,4 +26,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
     extras_require={"megatron": MEGATRON, "test": TEST, "all": MEGATRON + TEST},
+    # verl imports every "verl.plugins" entry point at import: this one registers the tree engines
+    # (VERL_ENGINE_VENDOR=megatron_tree selects them). Nothing is imported until verl asks.
+    entry_points={"verl.plugins": ["megatron_tree = megatron_tree.integrations.verl"]},
 )

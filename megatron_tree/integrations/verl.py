@@ -130,7 +130,7 @@ class _TreeEngine:
         mb = tu.get_non_tensor_data(batch, key=_TREE, default=None)
         if mb is None:
             raise ValueError("a micro-batch without its tree reached the tree engine's forward step")
-        input_ids, position_ids, kwargs = MicroBatchInputs([model], None)(_on(mb, input_ids_device()))
+        input_ids, position_ids, kwargs = MicroBatchInputs([model], None)(_on(mb, batch["input_ids"].device))
         logits = model(input_ids=input_ids, position_ids=position_ids, **kwargs)  # [1, N, V / tp]
         output = self._per_sample_outputs(logits, mb["tree"], batch, logits_processor_func)
         return output, partial(postprocess_micro_batch_func, data=batch)
@@ -153,10 +153,6 @@ class _TreeEngine:
             logits_processor_func=logits_processor_func, batch=batch, data_format="thd", **flags)
         return {k: torch.nested.as_nested_tensor(list(v[0].split(lengths)), layout=torch.jagged)
                 for k, v in out.items()}
-
-
-def input_ids_device():
-    return torch.device(get_device_id()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _on(mb: dict, device) -> dict:

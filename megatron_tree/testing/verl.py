@@ -1,0 +1,340 @@
+"""verl 0.9.1's Megatron engine on a CPU-only machine, for tests: stand-ins, an engine builder and
+a GRPO-style batch in verl's layout.
+
+The stand-ins are process-wide and not undone (run them in a spawned worker); each is one need,
+found by removing it and reading the failure. None of them is needed by the adapter
+(:mod:`megatron_tree.integrations.verl`) on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from types import ModuleType
+
+import torch
+
+
+def apply_megatron_cpu_patch() -> None:
+    """megatron_tree's reversible CPU runtime patch: torch.cuda.current_device -> cpu, Megatron's
+    CUDA RNG tracker on the CPU generator, CPU causal masks, Module.cuda() a no-op, ..."""
+    from megatron_tree.patches import megatron_cpu
+
+    megatron_cpu.apply()
+
+
+def init_gloo_world(port: int = 29517) -> None:
+    """One-process gloo world (verl's engine expects torch.distributed to be initialized)."""
+    if torch.distributed.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+def register_cpu_platform() -> None:
+    """A verl platform (``verl.plugin.platform``) whose device is "cpu": get_device_name() ==
+    "cpu", get_device_id() == torch.device("cpu"), get_torch_device() a small CPU module. The
+    engine registry has no "cpu" key for megatron, so the lookup is pointed at the CUDA
+    registration with ``VERL_ENGINE_DEVICE=cuda`` (base.py reads it on every lookup)."""
+    from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
+
+    cpu_module = ModuleType("verl_cpu_device")
+    cpu_module.empty_cache = lambda: None
+    cpu_module.synchronize = lambda *a, **k: None
+    cpu_module.device_count = lambda: 0
+    cpu_module.is_available = lambda: True
+    cpu_module.manual_seed = lambda seed: None
+    cpu_module.manual_seed_all = lambda seed: None
+    cpu_module.current_device = lambda: torch.device("cpu")
+    cpu_module.memory_allocated = lambda *a, **k: 0
+    cpu_module.memory_reserved = lambda *a, **k: 0
+    cpu_module.max_memory_allocated = lambda *a, **k: 0
+    cpu_module.max_memory_reserved = lambda *a, **k: 0
+    cpu_module.mem_get_info = lambda *a, **k: (0, 0)
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = cpu_module
+
+        def is_available(self): return True
+        def is_platform_available(self, use_smi_check=False): return True
+        def current_device(self): return torch.device("cpu")
+        def device_count(self): return 0
+        def set_device(self, device_index): pass
+        def synchronize(self, device_index=None): pass
+        def manual_seed(self, seed): torch.manual_seed(seed)
+        def manual_seed_all(self, seed): torch.manual_seed(seed)
+        def set_allocator_settings(self, settings): pass
+        def empty_cache(self): pass
+        def get_device_capability(self, device_index=0): return None, None
+        def communication_backend_name(self): return "gloo"
+        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+
+        @contextmanager
+        def nvtx_range(self, msg):
+            yield
+
+        def profiler_start(self): pass
+        def profiler_stop(self): pass
+        def ray_resource_name(self): return "CPU"
+        def ray_noset_envvars(self): return []
+        def is_ipc_supported(self): return False
+        def cudart(self): return None
+
+    set_platform(PlatformCPU())
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+
+
+def seed_megatron_rng_tracker(seed: int = 42) -> None:
+    """verl's set_random_seed (engine/megatron/utils.py) skips model_parallel_cuda_manual_seed
+    when no accelerator is present, and Megatron's layers then fail in get_cuda_rng_tracker().fork()
+    ("cuda rng state model-parallel-rng is not added"). Under the CPU patch the call seeds the CPU
+    generator's tracker states."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def force_fp32(engine_config) -> None:
+    """McoreEngineConfig.__post_init__ accepts only bfloat16/float16 and the field is frozen;
+    PrecisionType.to_dtype("fp32") gives torch.float32, which the engine passes to the bridge."""
+    object.__setattr__(engine_config, "dtype", "fp32")
+
+
+def apply_mbridge_compat() -> None:
+    """Not CPU-specific: mbridge 0.15.1's get_model compares with ModelType.encoder_and_decoder,
+    which megatron-core >= 0.17 removed (AttributeError). megatron_tree's version-gated patch puts
+    0.16.1's deprecated property back (a no-op where not needed)."""
+    from megatron_tree.patches import mbridge_compat
+
+    mbridge_compat.apply()
+
+
+# local-spec parameter name -> the TE-spec name mbridge maps (TE fuses these norms into the linears)
+_LOCAL_TO_TE_NAMES = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def use_local_spec_in_mbridge() -> None:
+    """Without transformer-engine (always, on a CPU) mbridge 0.15.1's LLMBridge asks for the TE
+    block spec (``get_gpt_decoder_block_spec(use_transformer_engine=True)`` -> TypeError:
+    'NoneType' object is not callable). Build the local spec instead, and translate the local
+    spec's separate norm names to the fused TE names before mbridge maps them to HF (load and
+    export). Dense GPT bridges only (Qwen2/Qwen3/Llama)."""
+    import inspect
+
+    from mbridge.core import bridge as bridge_module
+    from mbridge.core import llm_bridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    def local_spec(self, vp_stage=None):
+        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
+                                          normalization=self.config.normalization, **extra)
+
+    original = bridge_module.Bridge._weight_name_mapping_mcore_to_hf
+
+    def mcore_to_hf(self, name):
+        for local, te in _LOCAL_TO_TE_NAMES.items():
+            if name.endswith(local):
+                name = name[: -len(local)] + te
+        return original(self, name)
+
+    llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
+    bridge_module.Bridge._weight_name_mapping_mcore_to_hf = mcore_to_hf
+
+
+class _NoStream:
+    """A CPU stand-in for a CUDA stream: work on the CPU is already synchronous."""
+
+    def wait_stream(self, other): pass
+    def wait_event(self, event): pass
+    def synchronize(self): pass
+    def record_event(self, event=None): return event
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` with no-op streams; everything else is torch.cuda itself."""
+
+    def current_stream(self, device=None): return _NoStream()
+    def stream(self, stream): return nullcontext()
+    def Stream(self, *args, **kwargs): return _NoStream()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """``torch`` as one Megatron module sees it: factory calls with ``device="cuda"`` build CPU
+    tensors, ``torch.cuda`` streams are no-ops; everything else is torch itself."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
+# Megatron modules that create small state tensors with device="cuda" on the training path:
+# FP32Optimizer._scale (optimizer.py:1249, at optimizer construction), the grad-norm / zero-count
+# buffers of clip_grads.py (:96-231, at optimizer.step()); and DDP's bucket-group grad sync, which
+# reads torch.cuda.current_stream() (param_and_grad_buffer.py:632, in finalize_model_grads); and
+# the apex-free l2 norm that clip_grads falls back to (megatron/core/utils.py:1332,
+# local_multi_tensor_l2_norm).
+_CUDA_FACTORY_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+                         "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils")
+
+
+def redirect_cuda_in_optimizer_and_ddp() -> None:
+    import importlib
+
+    for name in _CUDA_FACTORY_MODULES:
+        importlib.import_module(name).torch = _TorchOnCpu()
+
+
+def bshd_padding_mask_for_local_attention(engine) -> None:
+    """verl's BSHD path hands the model a [B, S] bool mask, True = real token
+    (models/mcore/util.py preprocess_bshd_engine); TE's causal attention ignores it, but Megatron's
+    local DotProductAttention (the only one on a CPU) reads a [B, 1, S, S] mask, True = masked, and
+    the [B, S] one fails in masked_fill_ ("size of tensor a (S) must match ... b (B)"). A forward
+    pre-hook on each model chunk turns it into causal | padded-key. Call after engine.initialize()."""
+    from verl.utils.megatron_utils import unwrap_model
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and mask.dtype == torch.bool:
+            s = mask.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+            kwargs["attention_mask"] = causal[None, None] | ~mask[:, None, None, :]
+        return args, kwargs
+
+    for chunk in engine.module:
+        unwrap_model(chunk).register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def cpu_grad_clipping() -> None:
+    """clip_grad_by_total_norm_fp32 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``
+    (clip_grads.py:174) whenever clip_grad > 0 (verl's default 1.0). The stand-in scales the
+    same gradients by the same min(1, max_norm / (total_norm + 1e-6))."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(coeff, torch.Tensor):
+            coeff = coeff.clamp_max(1.0)
+        elif coeff >= 1.0:
+            return
+        torch._foreach_mul_(grads, coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def give_pad_token(model_config, pad_token_id: int = 0) -> None:
+    """The engine's forward step reads ``model_config.tokenizer.pad_token_id`` unconditionally
+    (transformer_impl.py:1405 / 1525); a tiny random checkpoint has no tokenizer
+    (HFModelConfig(load_tokenizer=False))."""
+    from types import SimpleNamespace
+
+    if model_config.tokenizer is None:
+        model_config.tokenizer = SimpleNamespace(pad_token_id=pad_token_id)
+
+
+def setup_cpu(skip: str = "") -> None:
+    """The process-wide stand-ins, in order (``skip``: names to leave out, for ablation). The
+    per-config / per-engine ones are called by the script: give_pad_token, force_fp32,
+    seed_megatron_rng_tracker (after EngineRegistry.new), bshd_padding_mask_for_local_attention
+    (after engine.initialize())."""
+    for step in (apply_megatron_cpu_patch, apply_mbridge_compat, use_local_spec_in_mbridge,
+                 redirect_cuda_in_optimizer_and_ddp, cpu_grad_clipping, init_gloo_world,
+                 register_cpu_platform):
+        if step.__name__ not in skip:
+            step()
+
+
+def build_engine(path: str, *, vendor: str | None, micro_batch_size: int = 2, lr: float = 1e-3):
+    """verl's language-model Megatron engine for the HF checkpoint at ``path`` (vanilla mbridge,
+    fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own); initialized."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    if vendor:
+        os.environ["VERL_ENGINE_VENDOR"] = vendor
+    else:
+        os.environ.pop("VERL_ENGINE_VENDOR", None)
+    model_config = HFModelConfig(path=path, load_tokenizer=False)
+    give_pad_token(model_config)
+    engine_config = McoreEngineConfig(strategy="megatron", vanilla_mbridge=True, use_remove_padding=False,
+                                      use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+                                      use_distributed_optimizer=False, sequence_parallel=False)
+    force_fp32(engine_config)
+    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,
+                                engine_config=engine_config, checkpoint_config=CheckpointConfig(),
+                                optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10))
+    seed_megatron_rng_tracker(engine_config.seed)
+    if vendor:
+        engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = 16, 128, "block_sparse"
+    engine.initialize()
+    if not vendor:
+        bshd_padding_mask_for_local_attention(engine)
+    return engine, model_config
+
+
+def rollout_batch(vocab: int, *, prompts: int = 3, samples: int = 2, seed: int = 0):
+    """verl's rollout layout ({prompts [B, P] left-padded, responses [B, R] right-padded, input_ids,
+    attention_mask, response_mask, position_ids}) for ``prompts`` x ``samples`` sequences sharing
+    their prompt, and the sequences themselves."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(prompts):
+        prompt = torch.randint(1, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g)
+        pairs += [(prompt, torch.randint(1, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g))
+                  for _ in range(samples)]
+    width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
+    batch = {k: torch.zeros(len(pairs), w, dtype=torch.long) for k, w in
+             (("prompts", width_p), ("responses", width_r), ("attention_mask", width_p + width_r),
+              ("response_mask", width_r))}
+    for i, (p, r) in enumerate(pairs):
+        batch["prompts"][i, width_p - len(p):] = p
+        batch["responses"][i, : len(r)] = r
+        batch["attention_mask"][i, width_p - len(p): width_p + len(r)] = 1
+        batch["response_mask"][i, : len(r)] = 1
+    batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], 1)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return batch, [torch.cat(pair) for pair in pairs]
+
+
+def engine_batch(padded: dict, micro_batch_size: int = 2, **meta):
+    """``padded`` as the engine takes it: verl's own ``left_right_2_no_padding`` (jagged input ids
+    and positions, ``loss_mask`` = the response mask) with the batch's non-tensor settings."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = left_right_2_no_padding(tu.get_tensordict({k: v.clone() for k, v in padded.items()}))
+    tu.assign_non_tensor(td, temperature=1.0, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+                         max_token_len_per_gpu=4096, use_fused_kernels=False, **meta)
+    return td
