@@ -81,3 +81,51 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
     errors = gradient_errors(tree["grads"], stock["grads"])
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _critic_worker(rank: int, path: str) -> dict:
+    from functools import partial
+
+    from megatron_tree.testing import verl as harness
+
+    harness.setup_cpu()
+    from verl.workers.config.critic import McoreCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    out = {}
+    for vendor in (None, "megatron_tree"):
+        engine, model_config = harness.build_engine(path, vendor=vendor, model_type="value_model")
+        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size)
+        with engine.eval_mode():
+            values = engine.infer_batch(harness.engine_batch(padded))["model_output"]["values"]
+        g = torch.Generator().manual_seed(2)
+        mask = padded["response_mask"]
+        extra = {"values": torch.randn(mask.shape, generator=g) * mask, "returns": torch.randn(mask.shape, generator=g) * mask}
+        train = harness.engine_batch(dict(padded, **extra), global_batch_size=len(seqs))
+        config = McoreCriticConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
+                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+        with engine.train_mode():
+            result = engine.train_batch(train, loss_function=partial(value_loss, config=config))
+        out[vendor or "stock"] = {
+            "engine": type(engine).__name__, "values": [t.clone() for t in values.unbind()],
+            "loss": float(sum(result["loss"])),
+            "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+        }
+    return out
+
+
+def test_tree_critic_equals_verls_critic(tmp_path):
+    """The value engine: per-sample values, verl's value_loss and its gradients."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+    from megatron_tree.testing.reference import gradient_errors
+
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    out = run_spawned(_critic_worker, 1, path, megatron=False)[0]
+    stock, tree = out["stock"], out["megatron_tree"]
+    assert (stock["engine"], tree["engine"]) == ("MegatronEngineWithValueHead", "TreeMegatronEngineWithValueHead")
+    for want, got in zip(stock["values"], tree["values"]):
+        assert got.shape == want.shape and float((got - want).abs().max()) <= LOGP_TOL
+    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    errors = gradient_errors(tree["grads"], stock["grads"])
+    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])

@@ -17,8 +17,9 @@ things changed:
   micro-batch, the log-probs / entropy verl's own logits processor computes on that sample's rows
   (its labels rolled as verl rolls them): verl's losses and metrics run unchanged.
 
-Not yet: pipeline and context parallelism (refused), the value-model engine, trunk reuse inside
-verl (whole trees only), data-parallel ranks with different tree counts.
+The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
+changes; each sample's values are the value head on its own rows. Not yet: pipeline and context
+parallelism and several data-parallel ranks (refused), trunk reuse inside verl (whole trees only).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
-from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from ..bridges.mbridge import patch_bridge_for_tree_training
 from ..core.packing import build_packed_tree_batch
@@ -125,35 +126,14 @@ class _TreeEngine:
             raise ValueError("the verl tree engine runs one data-parallel rank so far")
         return tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size)
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+    def _tree_forward(self, batch_iter, model):
+        """The next verl micro-batch, its tree and the model's output on it [1, N, ...]."""
         batch = next(batch_iter).to(get_device_id())
         mb = tu.get_non_tensor_data(batch, key=_TREE, default=None)
         if mb is None:
             raise ValueError("a micro-batch without its tree reached the tree engine's forward step")
         input_ids, position_ids, kwargs = MicroBatchInputs([model], None)(_on(mb, batch["input_ids"].device))
-        logits = model(input_ids=input_ids, position_ids=position_ids, **kwargs)  # [1, N, V / tp]
-        output = self._per_sample_outputs(logits, mb["tree"], batch, logits_processor_func)
-        return output, partial(postprocess_micro_batch_func, data=batch)
-
-    def _per_sample_outputs(self, logits, tree, batch, logits_processor_func) -> dict:
-        """verl's logits processor on every sample's own rows of the tree, labels rolled by one
-        within the sample as verl rolls them; [1, T, ...] back to per-sample nested tensors."""
-        rows = [tree.sequence_token_index(i) for i in range(tree.num_sequences)]
-        lengths = [int(r.shape[0]) for r in rows]
-        tokens = tree.input_ids.to(logits.device)
-        label = torch.cat([torch.roll(tokens[r], -1) for r in rows])[None]
-        temperature = batch["temperature"]
-        if not isinstance(temperature, torch.Tensor):
-            temperature = torch.full((len(rows),), float(temperature))
-        temperature = torch.cat([temperature[i].float().expand(n) for i, n in enumerate(lengths)])[None]
-        flags = {k: tu.get_non_tensor_data(batch, key=k, default=False) for k in
-                 ("calculate_sum_pi_squared", "calculate_entropy", "distillation_use_topk", "distillation_only")}
-        out = self._lm_head_logits_processor(
-            logits[:, torch.cat(rows).to(logits.device)], label, temperature.to(logits.device),
-            logits_processor_func=logits_processor_func, batch=batch, data_format="thd", **flags)
-        return {k: torch.nested.as_nested_tensor(list(v[0].split(lengths)), layout=torch.jagged)
-                for k, v in out.items()}
-
+        return batch, mb["tree"], model(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
 def _on(mb: dict, device) -> dict:
     """The packed micro-batch's tensors on ``device`` (its rows and tree included)."""
@@ -166,7 +146,50 @@ def _on(mb: dict, device) -> dict:
     return moved
 
 
+def _sample_rows(tree) -> list[torch.Tensor]:
+    """Every sample's packed positions, in the tree's sequence order (the verl micro-batch's rows)."""
+    return [tree.sequence_token_index(i) for i in range(tree.num_sequences)]
+
+
+def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
 @EngineRegistry.register(model_type="language_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
 class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
     """verl's ``MegatronEngineWithLMHead`` with tree micro-batches and tree attention (the actor
     and the reference policy)."""
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch, tree, logits = self._tree_forward(batch_iter, model)  # logits [1, N, V / tp]
+        output = self._per_sample_outputs(logits, tree, batch, logits_processor_func)
+        return output, partial(postprocess_micro_batch_func, data=batch)
+
+    def _per_sample_outputs(self, logits, tree, batch, logits_processor_func) -> dict:
+        """verl's logits processor on every sample's own rows of the tree, labels rolled by one
+        within the sample as verl rolls them; [1, T, ...] back to per-sample nested tensors."""
+        rows = _sample_rows(tree)
+        lengths = [int(r.shape[0]) for r in rows]
+        tokens = tree.input_ids.to(logits.device)
+        label = torch.cat([torch.roll(tokens[r], -1) for r in rows])[None]
+        temperature = batch["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((len(rows),), float(temperature))
+        temperature = torch.cat([temperature[i].float().expand(n) for i, n in enumerate(lengths)])[None]
+        flags = {k: tu.get_non_tensor_data(batch, key=k, default=False) for k in
+                 ("calculate_sum_pi_squared", "calculate_entropy", "distillation_use_topk", "distillation_only")}
+        out = self._lm_head_logits_processor(
+            logits[:, torch.cat(rows).to(logits.device)], label, temperature.to(logits.device),
+            logits_processor_func=logits_processor_func, batch=batch, data_format="thd", **flags)
+        return {k: _nested(list(v[0].split(lengths))) for k, v in out.items()}
+
+
+@EngineRegistry.register(model_type="value_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
+class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
+    """verl's ``MegatronEngineWithValueHead`` with tree micro-batches and tree attention (the
+    critic): each sample's values are the value head's output on its own rows."""
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch, tree, values = self._tree_forward(batch_iter, model)  # [1, N, 1]
+        output = _nested([values[0, r.to(values.device), 0] for r in _sample_rows(tree)])
+        return output, partial(postprocess_micro_batch_func, data=batch)

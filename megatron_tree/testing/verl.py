@@ -275,9 +275,11 @@ def setup_cpu(skip: str = "") -> None:
             step()
 
 
-def build_engine(path: str, *, vendor: str | None, micro_batch_size: int = 2, lr: float = 1e-3):
-    """verl's language-model Megatron engine for the HF checkpoint at ``path`` (vanilla mbridge,
-    fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own); initialized."""
+def build_engine(path: str, *, vendor: str | None, model_type: str = "language_model", micro_batch_size: int = 2,
+                 lr: float = 1e-3):
+    """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
+    checkpoint at ``path`` (vanilla mbridge, fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor``
+    (None: verl's own); initialized."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
@@ -286,13 +288,13 @@ def build_engine(path: str, *, vendor: str | None, micro_batch_size: int = 2, lr
         os.environ["VERL_ENGINE_VENDOR"] = vendor
     else:
         os.environ.pop("VERL_ENGINE_VENDOR", None)
-    model_config = HFModelConfig(path=path, load_tokenizer=False)
+    model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
     engine_config = McoreEngineConfig(strategy="megatron", vanilla_mbridge=True, use_remove_padding=False,
                                       use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
                                       use_distributed_optimizer=False, sequence_parallel=False)
     force_fp32(engine_config)
-    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=model_config,
+    engine = EngineRegistry.new(model_type=model_type, backend="megatron", model_config=model_config,
                                 engine_config=engine_config, checkpoint_config=CheckpointConfig(),
                                 optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10))
     seed_megatron_rng_tracker(engine_config.seed)
