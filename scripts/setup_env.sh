@@ -57,8 +57,19 @@ if [ "$BRIDGE" = "megatron-bridge" ]; then
   pip_install --no-deps "megatron-bridge==0.6.2"
   pip_install -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
   rm -f "$constraints"
+elif [ "$BRIDGE" = "verl" ]; then
+  # verl 0.9.1 declares transformers >= 5.5.3, which mbridge 0.15.1 (verl's vanilla_mbridge path)
+  # cannot read; its Megatron engine runs with transformers 4.57. So: verl without its declared
+  # dependencies, then what its engine imports, with torch / megatron-core / transformers kept.
+  echo "[setup] installing verl 0.9.1 (--no-deps) and what its Megatron engine imports"
+  constraints="$(mktemp)"
+  "$PY" -m pip freeze | grep -iE '^(torch|megatron-core|transformers)==' >"$constraints" || true
+  pip_install --no-deps "verl==0.9.1"
+  pip_install -c "$constraints" ray "tensordict==0.10.0" omegaconf codetiming peft accelerate datasets pandas \
+    pyarrow pillow pydantic fastapi uvicorn psutil dill "huggingface-hub==0.36.2"
+  rm -f "$constraints"
 elif [ -n "$BRIDGE" ]; then
-  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge" >&2
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge or verl" >&2
   exit 2
 fi
 echo "$want" > "$stamp"

@@ -19,6 +19,7 @@ if [ -n "$py312" ]; then
   stacks+=("py3.12 + megatron-core 0.17.0|$py312|megatron-core==0.17.0|")
   stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2|")
   stacks+=("py3.12 + 0.19.2 + Megatron-Bridge|$py312|megatron-core==0.19.2|megatron-bridge")
+  stacks+=("py3.12 + 0.19.2 + verl|$py312|megatron-core==0.19.2|verl")
 else
   echo "[matrix] no Python 3.12 interpreter found: only the default stack runs"
 fi
@@ -30,8 +31,9 @@ for stack in "${stacks[@]}"; do
   if [ -z "$mcore" ]; then
     bash scripts/test.sh -q "$@" >"$log" 2>&1
   elif [ -n "$bridge" ]; then
+    if [ "$bridge" = verl ]; then tests=("${VERL_TESTS[@]}"); else tests=("${MEGATRON_BRIDGE_TESTS[@]}"); fi
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
-      bash scripts/test.sh -q "${MEGATRON_BRIDGE_TESTS[@]}" "$@" >"$log" 2>&1
+      bash scripts/test.sh -q "${tests[@]}" "$@" >"$log" 2>&1
   else
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" bash scripts/test.sh -q "$@" >"$log" 2>&1
   fi
