@@ -60,6 +60,7 @@ def _engines_worker(rank: int, path: str) -> dict:
             "entropy": [t.clone() for t in model_output["entropy"].unbind()],
             "loss": float(sum(result["loss"])),
             "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+            "stats": getattr(engine, "tree_stats", None),
         }
     out["hf"] = hf_logprobs(path, seqs)
     return out
@@ -85,6 +86,11 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
     errors = gradient_errors(tree["grads"], stock["grads"])
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+    # Two samples per prompt: each prompt is computed once. Real tokens, padding excluded.
+    stats = tree["stats"]
+    assert stats["tokens_unpacked"] == sum(len(s) for s in stock["log_probs"])
+    assert stats["tree_token_ratio"] < 0.8, stats
+    print("tree engine packing:", stats)
 
 
 def _critic_worker(rank: int, path: str) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import math
 from functools import partial
 
@@ -41,14 +42,16 @@ from ..bridges.mbridge import patch_bridge_for_tree_training
 from ..core.packing import build_packed_tree_batch
 from ..mcore.runner import MicroBatchInputs
 
+logger = logging.getLogger(__name__)
 VENDOR = "megatron_tree"
 _TREE = "megatron_tree_micro_batch"  # the non-tensor key a verl micro-batch carries its tree under
 
 
-def tree_micro_batches(data, *, max_tokens: int, block_size: int) -> tuple[list, list[list[int]]]:
+def tree_micro_batches(data, *, max_tokens: int, block_size: int) -> tuple[list, list[list[int]], object]:
     """verl's micro-batch preparation with trees: (one verl micro-batch per tree, holding its
     sequences in the tree's order, with the packed tree under a non-tensor key; each micro-batch's
-    batch indices, which verl's ``restore_dynamic_batch`` puts back in order)."""
+    batch indices, which verl's ``restore_dynamic_batch`` puts back in order; the
+    :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics)."""
     packed = build_packed_tree_batch({"input_ids": data["input_ids"]}, max_tokens_per_mb=max_tokens,
                                      block_size=block_size, pad_to_max=False, share_trunks=False)
     micro_batches, indices = [], []
@@ -58,7 +61,7 @@ def tree_micro_batches(data, *, max_tokens: int, block_size: int) -> tuple[list,
         tu.assign_non_tensor(sub, **{_TREE: mb})
         micro_batches.append(sub)
         indices.append(ids)
-    return micro_batches, indices
+    return micro_batches, indices, packed
 
 
 @contextlib.contextmanager
@@ -92,6 +95,7 @@ class _TreeEngine:
     """
 
     tree_backend = "auto"
+    tree_stats: dict | None = None  # the last batch's packing: sequences, trees, tokens unpacked / computed
     tree_block_size = 128
     tree_max_tokens: int | None = None
 
@@ -124,7 +128,12 @@ class _TreeEngine:
     def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, capacity=0, **unused):
         if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
             raise ValueError("the verl tree engine runs one data-parallel rank so far")
-        return tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size)
+        micro_batches, indices, packed = tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size)
+        self.tree_stats = {"sequences": packed.batch_size, "trees": len(packed), "tokens_unpacked": packed.num_real_tokens,
+                           "tokens_computed": packed.num_padded_tokens, "tree_token_ratio": packed.tree_token_ratio}
+        logger.info("megatron_tree: %s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                  for k, v in self.tree_stats.items()))
+        return micro_batches, indices
 
     def _tree_forward(self, batch_iter, model):
         """The next verl micro-batch, its tree and the model's output on it [1, N, ...]."""
