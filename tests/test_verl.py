@@ -156,3 +156,51 @@ def test_verl_grpo_example_runs_with_trees():
     summary = run_spawned(_example_worker, 1, megatron=False)[0]
     assert summary["engine"] == "TreeMegatronEngineWithLMHead"
     assert summary["tokens_computed"] < summary["tokens_unpacked"] and summary["loss"] == summary["loss"]  # not NaN
+
+
+def _data_parallel_worker(rank: int, path: str) -> dict:
+    from functools import partial
+
+    from megatron_tree.testing import verl as harness
+
+    harness.setup_cpu()
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    out = {}
+    for vendor in (None, "megatron_tree"):
+        # Capacity 64: rank 0's batch fits one tree, rank 1's needs two, so rank 0 runs an
+        # all-padding tree (an empty verl micro-batch) to keep the ranks' schedules aligned.
+        engine, model_config = harness.build_engine(path, vendor=vendor, tree_max_tokens=64)
+        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size, prompts=3 + rank, seed=rank)
+        data = harness.engine_batch(padded)
+        with engine.eval_mode():
+            log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
+        old = no_padding_2_padding(log_probs, data).detach().float()
+        advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(3 + rank)) * padded["response_mask"]
+        train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages), global_batch_size=len(seqs))
+        config = McoreActorConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
+                                  ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+        with engine.train_mode():
+            engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
+        out[vendor or "stock"] = {"log_probs": [t.clone() for t in log_probs.unbind()],
+                                  "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+                                  "stats": getattr(engine, "tree_stats", None)}
+    return out
+
+
+def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
+    from megatron_tree.testing.models import make_hf_checkpoint
+    from megatron_tree.testing.reference import gradient_errors
+
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    ranks = run_spawned(_data_parallel_worker, 2, path, megatron=False)
+    assert [r["megatron_tree"]["stats"]["trees"] for r in ranks] == [2, 2]  # rank 0: one tree + one all-padding
+    for r in ranks:
+        stock, tree = r["stock"], r["megatron_tree"]
+        for want, got in zip(stock["log_probs"], tree["log_probs"]):
+            assert float((got[:-1] - want[:-1]).abs().max()) <= LOGP_TOL
+        errors = gradient_errors(tree["grads"], stock["grads"])  # averaged over the two ranks by DDP
+        assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])

@@ -18,8 +18,10 @@ things changed:
   (its labels rolled as verl rolls them): verl's losses and metrics run unchanged.
 
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
-changes; each sample's values are the value head on its own rows. Not yet: pipeline and context
-parallelism and several data-parallel ranks (refused), trunk reuse inside verl (whole trees only).
+changes; each sample's values are the value head on its own rows. Data-parallel ranks run as many
+trees (all-padding ones appended, which add no output or loss). Not yet: pipeline and context
+parallelism (refused), trunk reuse inside verl (whole trees only), routing replay, the
+Megatron-Bridge path tested (verl's default; it needs a transformers-5 stack).
 """
 
 from __future__ import annotations
@@ -47,20 +49,23 @@ VENDOR = "megatron_tree"
 _TREE = "megatron_tree_micro_batch"  # the non-tensor key a verl micro-batch carries its tree under
 
 
-def tree_micro_batches(data, *, max_tokens: int, block_size: int) -> tuple[list, list[list[int]], object]:
+def tree_micro_batches(data, *, max_tokens: int, block_size: int, dp_group=None) -> tuple[list, list[list[int]], object]:
     """verl's micro-batch preparation with trees: (one verl micro-batch per tree, holding its
     sequences in the tree's order, with the packed tree under a non-tensor key; each micro-batch's
     batch indices, which verl's ``restore_dynamic_batch`` puts back in order; the
     :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics)."""
     packed = build_packed_tree_batch({"input_ids": data["input_ids"]}, max_tokens_per_mb=max_tokens,
-                                     block_size=block_size, pad_to_max=False, share_trunks=False)
+                                     block_size=block_size, pad_to_max=False, share_trunks=False, dp_group=dp_group)
     micro_batches, indices = [], []
     for mb in packed:
         ids = [int(i) for i in mb["tree"].sequence_ids]
-        sub = tu.index_select_tensor_dict(data, ids)
+        # An all-padding tree (to match other data-parallel ranks' tree count) carries sample 0 as
+        # its verl data (verl cannot hold an empty jagged micro-batch); it adds no output or loss.
+        sub = tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long))
         tu.assign_non_tensor(sub, **{_TREE: mb})
         micro_batches.append(sub)
-        indices.append(ids)
+        if ids:
+            indices.append(ids)
     return micro_batches, indices, packed
 
 
@@ -126,9 +131,10 @@ class _TreeEngine:
             return super().forward_backward_batch(data, loss_function, forward_only)
 
     def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, capacity=0, **unused):
-        if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
-            raise ValueError("the verl tree engine runs one data-parallel rank so far")
-        micro_batches, indices, packed = tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size)
+        # With dp_group every data-parallel rank gets as many trees (all-padding ones appended), as
+        # Megatron's schedule and verl's same_micro_num_in_dp need.
+        micro_batches, indices, packed = tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size,
+                                                            dp_group=dp_group)
         self.tree_stats = {"sequences": packed.batch_size, "trees": len(packed), "tokens_unpacked": packed.num_real_tokens,
                            "tokens_computed": packed.num_padded_tokens, "tree_token_ratio": packed.tree_token_ratio}
         logger.info("megatron_tree: %s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -155,6 +161,11 @@ def _on(mb: dict, device) -> dict:
     return moved
 
 
+def _no_loss(output: torch.Tensor):
+    """An all-padding tree's loss: zero, with a graph (the schedule runs its backward), no outputs."""
+    return output.sum() * 0.0, {"loss": 0.0, "metrics": {}}
+
+
 def _sample_rows(tree) -> list[torch.Tensor]:
     """Every sample's packed positions, in the tree's sequence order (the verl micro-batch's rows)."""
     return [tree.sequence_token_index(i) for i in range(tree.num_sequences)]
@@ -171,6 +182,8 @@ class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch, tree, logits = self._tree_forward(batch_iter, model)  # logits [1, N, V / tp]
+        if tree.num_sequences == 0:
+            return logits, _no_loss
         output = self._per_sample_outputs(logits, tree, batch, logits_processor_func)
         return output, partial(postprocess_micro_batch_func, data=batch)
 
@@ -200,5 +213,7 @@ class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch, tree, values = self._tree_forward(batch_iter, model)  # [1, N, 1]
+        if tree.num_sequences == 0:
+            return values, _no_loss
         output = _nested([values[0, r.to(values.device), 0] for r in _sample_rows(tree)])
         return output, partial(postprocess_micro_batch_func, data=batch)

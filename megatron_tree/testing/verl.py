@@ -276,7 +276,7 @@ def setup_cpu(skip: str = "") -> None:
 
 
 def build_engine(path: str, *, vendor: str | None, model_type: str = "language_model", micro_batch_size: int = 2,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, tree_max_tokens: int = 128):
     """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
     checkpoint at ``path`` (vanilla mbridge, fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor``
     (None: verl's own); initialized."""
@@ -299,7 +299,7 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
                                 optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10))
     seed_megatron_rng_tracker(engine_config.seed)
     if vendor:
-        engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = 16, 128, "block_sparse"
+        engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = 16, tree_max_tokens, "block_sparse"
     engine.initialize()
     if not vendor:
         bshd_padding_mask_for_local_attention(engine)
