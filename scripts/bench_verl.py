@@ -1,0 +1,136 @@
+"""verl's Megatron engine with and without tree training (``VERL_ENGINE_VENDOR=megatron_tree``):
+one ``train_batch`` (verl's ``ppo_loss``) per repeat, on a GRPO batch and on a low-sharing
+multi-hop batch, timed in the same run; the speed-up is printed next to the FLOP-model ideal.
+
+    .venv-python3.12-0.19.2-verl/bin/python scripts/bench_verl.py [--repeats 3] [--small]
+
+A small random Qwen3 (hidden 256, 4 layers), fp32, one process. On a CPU machine the test
+harness's CPU stand-ins are applied (verl's engine runs BSHD there: transformer-engine is absent).
+Medians over the repeats after one warm-up; this machine is noisy, read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from functools import partial
+
+import torch
+
+MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=32)
+
+
+def rollout(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> tuple[dict, list[torch.Tensor]]:
+    """verl's rollout layout for (prompt, responses) groups: prompts left-padded, responses right-padded."""
+    pairs = [(p, r) for p, responses in groups for r in responses]
+    width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
+    batch = {k: torch.zeros(len(pairs), w, dtype=torch.long) for k, w in
+             (("prompts", width_p), ("responses", width_r), ("attention_mask", width_p + width_r),
+              ("response_mask", width_r))}
+    for i, (p, r) in enumerate(pairs):
+        batch["prompts"][i, width_p - len(p):] = p
+        batch["responses"][i, : len(r)] = r
+        batch["attention_mask"][i, width_p - len(p): width_p + len(r)] = 1
+        batch["response_mask"][i, : len(r)] = 1
+    batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], 1)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return batch, [torch.cat(pair) for pair in pairs]
+
+
+def grpo_groups(vocab: int, prompts: int, samples: int, prompt_len: int, response: tuple[int, int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(1, vocab, (n,), generator=g)  # noqa: E731
+    length = lambda: int(torch.randint(response[0], response[1] + 1, (1,), generator=g))  # noqa: E731
+    return [(rand(prompt_len), [rand(length()) for _ in range(samples)]) for _ in range(prompts)]
+
+
+def multi_hop_groups(vocab: int, sequences: int, shared: int, own: int, seed: int = 1):
+    """Low sharing: pairs of sequences share a short system prompt (``shared`` tokens), the rest
+    (``own`` tokens of history) is their own; the prompt / response split is at the last quarter."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(1, vocab, (n,), generator=g)  # noqa: E731
+    groups = []
+    for _ in range(sequences // 2):
+        system = rand(shared)
+        for _ in range(2):
+            history = torch.cat([system, rand(own)])
+            cut = len(history) * 3 // 4
+            groups.append((history[:cut], [history[cut:]]))
+    return groups
+
+
+def step_seconds(engine, padded, seqs, repeats: int) -> float:
+    from megatron_tree.testing import verl as harness
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    mask = padded["response_mask"]
+    extra = {"old_log_probs": torch.zeros(mask.shape), "advantages": torch.randn(mask.shape) * mask}
+    config = McoreActorConfig(strategy="megatron", rollout_n=1, ppo_mini_batch_size=len(seqs),
+                              ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=4096)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        data = harness.engine_batch(dict(padded, **extra), global_batch_size=len(seqs))
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=4096)
+        t0 = time.perf_counter()
+        with engine.train_mode():
+            engine.train_batch(data, loss_function=partial(ppo_loss, config=config))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def ideal_speedup(model_config, seqs) -> float:
+    """Unpacked FLOPs / tree FLOPs of the FLOP model for these sequences (whole tries, no padding)."""
+    from megatron_tree.core.flops import GPTShape, train_flops
+    from megatron_tree.core.packing import build_packed_tree_batch
+
+    hf = model_config.hf_config
+    shape = GPTShape(hidden=hf.hidden_size, layers=hf.num_hidden_layers, heads=hf.num_attention_heads,
+                     query_groups=hf.num_key_value_heads, ffn_hidden=hf.intermediate_size, vocab=hf.vocab_size,
+                     head_dim=hf.head_dim)
+    trees = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=1 << 20, block_size=1,
+                                    pad_to_max=False, share_trunks=False).trees
+    chains = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=1 << 20, block_size=1,
+                                     pad_to_max=False, share_prefixes=False, share_trunks=False).trees
+    return train_flops(chains, shape) / train_flops(trees, shape)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="4 x 4 GRPO with 128-token prompts (a quick check)")
+    args = parser.parse_args()
+    from megatron_tree.testing import verl as harness
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    if not torch.cuda.is_available():
+        harness.setup_cpu()
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_verl_"), "qwen3")
+    make_hf_checkpoint("qwen3", path, **MODEL)
+    prompts, samples, prompt_len = (4, 4, 128) if args.small else (8, 8, 512)
+    rows = []
+    engines = {vendor: harness.build_engine(path, vendor=vendor, tree_max_tokens=4096)
+               for vendor in (None, "megatron_tree")}
+    vocab = engines[None][1].hf_config.vocab_size
+    batches = {f"GRPO {prompts}x{samples}, prompt {prompt_len}": grpo_groups(vocab, prompts, samples, prompt_len, (64, 256)),
+               "multi-hop, low sharing": multi_hop_groups(vocab, 2 * prompts, shared=96, own=192)}
+    for name, groups in batches.items():
+        padded, seqs = rollout(groups)
+        seconds = {vendor: step_seconds(engine, padded, seqs, args.repeats) for vendor, (engine, _) in engines.items()}
+        stats = engines["megatron_tree"][0].tree_stats
+        shared = 1 - stats["tokens_computed"] / stats["tokens_unpacked"]
+        rows.append((name, len(seqs), stats["tokens_unpacked"], shared, seconds[None], seconds["megatron_tree"],
+                     seconds[None] / seconds["megatron_tree"], ideal_speedup(engines[None][1], seqs)))
+    print(f"\n{'batch':<32} {'seqs':>5} {'tokens':>7} {'shared':>7} {'verl s':>8} {'tree s':>8} {'speed-up':>9} {'ideal':>6}")
+    for name, n, tokens, shared, base, tree, speedup, ideal in rows:
+        print(f"{name:<32} {n:>5} {tokens:>7} {shared:>7.1%} {base:>8.3f} {tree:>8.3f} {speedup:>8.2f}x {ideal:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
