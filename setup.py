@@ -28,5 +28,5 @@ setup(
     extras_require={"megatron": MEGATRON, "test": TEST, "all": MEGATRON + TEST},
     # verl imports every "verl.plugins" entry point at import: this one registers the tree engines
     # (VERL_ENGINE_VENDOR=megatron_tree selects them). Nothing is imported until verl asks.
-    entry_points={"verl.plugins": ["megatron_tree = megatron_tree.integrations.verl"]},
+    entry_points={"verl.plugins": ["megatron_tree = megatron_tree.integrations.verl_plugin"]},
 )

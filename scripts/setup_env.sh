@@ -47,29 +47,46 @@ if [ "$TORCH_REQ" != "skip" ]; then
 fi
 echo "[setup] installing megatron_tree[megatron,test] (editable) ${MCORE_REQ}"
 pip_install -e ".[megatron,test]" $MCORE_REQ
-if [ "$BRIDGE" = "megatron-bridge" ]; then
+install_megatron_bridge() {
   # Megatron-Bridge 0.6.2 declares a large GPU dependency set (flashinfer, nvidia-resiliency-ext,
   # wandb, ...); building, loading and exporting GPT models imports only these. Keep torch and
   # megatron-core as installed.
   echo "[setup] installing megatron-bridge 0.6.2 (--no-deps), transformers 5.8-5.12, omegaconf"
+  local constraints
   constraints="$(mktemp)"
   "$PY" -m pip freeze | grep -iE '^(torch|megatron-core)==' >"$constraints" || true
   pip_install --no-deps "megatron-bridge==0.6.2"
   pip_install -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
   rm -f "$constraints"
-elif [ "$BRIDGE" = "verl" ]; then
-  # verl 0.9.1 declares transformers >= 5.5.3, which mbridge 0.15.1 (verl's vanilla_mbridge path)
-  # cannot read; its Megatron engine runs with transformers 4.57. So: verl without its declared
-  # dependencies, then what its engine imports, with torch / megatron-core / transformers kept.
+}
+install_verl() {
+  # verl 0.9.1 without its declared dependencies, then what its Megatron engine imports, with
+  # torch / megatron-core / transformers kept as installed (extra requirements: "$@").
   echo "[setup] installing verl 0.9.1 (--no-deps) and what its Megatron engine imports"
+  local constraints
   constraints="$(mktemp)"
   "$PY" -m pip freeze | grep -iE '^(torch|megatron-core|transformers)==' >"$constraints" || true
   pip_install --no-deps "verl==0.9.1"
   pip_install -c "$constraints" ray "tensordict==0.10.0" omegaconf codetiming peft accelerate datasets pandas \
-    pyarrow pillow pydantic fastapi uvicorn psutil dill "huggingface-hub==0.36.2"
+    pyarrow pillow pydantic fastapi uvicorn psutil dill "$@"
   rm -f "$constraints"
+}
+if [ "$BRIDGE" = "megatron-bridge" ]; then
+  install_megatron_bridge
+elif [ "$BRIDGE" = "verl" ]; then
+  # verl 0.9.1 declares transformers >= 5.5.3, which mbridge 0.15.1 (verl's vanilla_mbridge path)
+  # cannot read; its Megatron engine runs with transformers 4.57.
+  install_verl "huggingface-hub==0.36.2"
+elif [ "$BRIDGE" = "verl-megatron-bridge" ]; then
+  # verl on its default model-building path (Megatron-Bridge, vanilla_mbridge=False): the
+  # Megatron-Bridge stack above (transformers 5.12.1, outside verl's declared < 5.11; its Megatron
+  # engine and tests/test_verl.py run with it), then verl, and megatron-energon, which
+  # megatron.bridge.training.config imports when verl builds the DDP config (not declared by
+  # megatron-bridge 0.6.2).
+  install_megatron_bridge
+  install_verl megatron-energon
 elif [ -n "$BRIDGE" ]; then
-  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge or verl" >&2
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl or verl-megatron-bridge" >&2
   exit 2
 fi
 echo "$want" > "$stamp"

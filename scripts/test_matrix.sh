@@ -20,6 +20,7 @@ if [ -n "$py312" ]; then
   stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2|")
   stacks+=("py3.12 + 0.19.2 + Megatron-Bridge|$py312|megatron-core==0.19.2|megatron-bridge")
   stacks+=("py3.12 + 0.19.2 + verl|$py312|megatron-core==0.19.2|verl")
+  stacks+=("py3.12 + 0.19.2 + verl + MB|$py312|megatron-core==0.19.2|verl-megatron-bridge")
 else
   echo "[matrix] no Python 3.12 interpreter found: only the default stack runs"
 fi
@@ -31,7 +32,7 @@ for stack in "${stacks[@]}"; do
   if [ -z "$mcore" ]; then
     bash scripts/test.sh -q "$@" >"$log" 2>&1
   elif [ -n "$bridge" ]; then
-    if [ "$bridge" = verl ]; then tests=("${VERL_TESTS[@]}"); else tests=("${MEGATRON_BRIDGE_TESTS[@]}"); fi
+    case "$bridge" in verl*) tests=("${VERL_TESTS[@]}") ;; *) tests=("${MEGATRON_BRIDGE_TESTS[@]}") ;; esac
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
       bash scripts/test.sh -q "${tests[@]}" "$@" >"$log" 2>&1
   else

@@ -13,8 +13,10 @@ import torch
 
 from megatron_tree.testing.dist import run_spawned
 
-# On the verl stack (MEGATRON_TREE_BRIDGE=verl) a missing verl is a failure, not a skip.
-ON_VERL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "verl"
+# On the verl stacks (MEGATRON_TREE_BRIDGE=verl or verl-megatron-bridge) a missing verl is a failure,
+# not a skip; on verl-megatron-bridge a missing Megatron-Bridge too.
+ON_VERL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") in ("verl", "verl-megatron-bridge")
+ON_VERL_MEGATRON_BRIDGE_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "verl-megatron-bridge"
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("verl") is None and not ON_VERL_STACK,
                        reason="verl is not installed (the verl stack: MEGATRON_TREE_BRIDGE=verl)"),
@@ -26,7 +28,22 @@ LOGP_TOL = 1e-5
 GRAD_RTOL = 1e-4
 
 
-def _engines_worker(rank: int, path: str) -> dict:
+def _grads(engine) -> dict:
+    """The DDP gradient buffers (after verl's step: clipped by the same factor in both engines).
+    Read inside ``engine.train_mode()``: leaving it zeroes them (verl's zero_grad_on_exit)."""
+    return {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()}
+
+
+def _check_gradients(tree: dict, stock: dict) -> None:
+    from megatron_tree.testing.reference import gradient_errors
+
+    assert set(tree) == set(stock)
+    assert all(float(g.abs().max()) > 0 for g in stock.values()), "a zero gradient: nothing compared"
+    errors = gradient_errors(tree, stock)
+    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
     from functools import partial
 
     from megatron_tree.testing import verl as harness
@@ -41,7 +58,7 @@ def _engines_worker(rank: int, path: str) -> dict:
     # Found through the "verl.plugins" entry point (installed with megatron_tree), nothing imported by hand.
     out = {"registered": sorted(map(str, EngineRegistry._engines["language_model"]["megatron"]))}
     for vendor in (None, "megatron_tree"):
-        engine, model_config = harness.build_engine(path, vendor=vendor)
+        engine, model_config = harness.build_engine(path, vendor=vendor, vanilla_mbridge=vanilla_mbridge)
         padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size)
         data = harness.engine_batch(padded, calculate_entropy=True)
         with engine.eval_mode():
@@ -54,13 +71,15 @@ def _engines_worker(rank: int, path: str) -> dict:
                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
         with engine.train_mode():
             result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
+            grads = _grads(engine)
         out[vendor or "stock"] = {
             "engine": type(engine).__name__, "model": type(engine.module[0].module).__name__,
             "log_probs": [t.clone() for t in model_output["log_probs"].unbind()],
             "entropy": [t.clone() for t in model_output["entropy"].unbind()],
             "loss": float(sum(result["loss"])),
-            "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+            "grads": grads,
             "stats": getattr(engine, "tree_stats", None),
+            "bridge": type(engine.bridge).__module__ + "." + type(engine.bridge).__name__,
         }
     out["hf"] = hf_logprobs(path, seqs)
     return out
@@ -68,7 +87,6 @@ def _engines_worker(rank: int, path: str) -> dict:
 
 def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     from megatron_tree.testing.models import make_hf_checkpoint
-    from megatron_tree.testing.reference import gradient_errors
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -84,13 +102,45 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
         assert float((tree["log_probs"][i][:-1] - reference).abs().max()) <= LOGP_TOL
         assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
-    errors = gradient_errors(tree["grads"], stock["grads"])
-    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+    _check_gradients(tree["grads"], stock["grads"])
     # Two samples per prompt: each prompt is computed once. Real tokens, padding excluded.
     stats = tree["stats"]
     assert stats["tokens_unpacked"] == sum(len(s) for s in stock["log_probs"])
     assert stats["tree_token_ratio"] < 0.8, stats
     print("tree engine packing:", stats)
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not (_has("megatron.bridge") and _has("verl")) and not ON_VERL_MEGATRON_BRIDGE_STACK,
+                    reason="Megatron-Bridge and verl are not both installed (verl's default model-building path; "
+                           "the stack: MEGATRON_TREE_BRIDGE=verl-megatron-bridge)")
+def test_tree_engine_through_megatron_bridge(tmp_path):
+    """verl's default model-building path (``vanilla_mbridge=False``: Megatron-Bridge's
+    ``AutoBridge.from_hf_pretrained`` + ``to_megatron_provider``): the tree engine builds a
+    TreeGPTModel through megatron_tree's Megatron-Bridge patch and equals verl's stock engine (and
+    HF) in log-probs, entropy, loss and gradients."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    out = run_spawned(_engines_worker, 1, path, False, megatron=False)[0]
+    stock, tree = out["stock"], out["megatron_tree"]
+    assert stock["bridge"] == tree["bridge"] == "megatron.bridge.models.conversion.auto_bridge.AutoBridge"
+    assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
+    assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
+    for i, reference in out["hf"].items():
+        assert float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
+        assert float((tree["log_probs"][i][:-1] - reference).abs().max()) <= LOGP_TOL
+        assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
+    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    _check_gradients(tree["grads"], stock["grads"])
+    assert tree["stats"]["tree_token_ratio"] < 0.8, tree["stats"]
 
 
 def _critic_worker(rank: int, path: str) -> dict:
@@ -116,10 +166,11 @@ def _critic_worker(rank: int, path: str) -> dict:
                                    ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
         with engine.train_mode():
             result = engine.train_batch(train, loss_function=partial(value_loss, config=config))
+            grads = _grads(engine)
         out[vendor or "stock"] = {
             "engine": type(engine).__name__, "values": [t.clone() for t in values.unbind()],
             "loss": float(sum(result["loss"])),
-            "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+            "grads": grads,
         }
     return out
 
@@ -127,7 +178,6 @@ def _critic_worker(rank: int, path: str) -> dict:
 def test_tree_critic_equals_verls_critic(tmp_path):
     """The value engine: per-sample values, verl's value_loss and its gradients."""
     from megatron_tree.testing.models import make_hf_checkpoint
-    from megatron_tree.testing.reference import gradient_errors
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -137,8 +187,7 @@ def test_tree_critic_equals_verls_critic(tmp_path):
     for want, got in zip(stock["values"], tree["values"]):
         assert got.shape == want.shape and float((got - want).abs().max()) <= LOGP_TOL
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
-    errors = gradient_errors(tree["grads"], stock["grads"])
-    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+    _check_gradients(tree["grads"], stock["grads"])
 
 
 def _example_worker(rank: int) -> dict:
@@ -184,15 +233,14 @@ def _data_parallel_worker(rank: int, path: str) -> dict:
                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
         with engine.train_mode():
             engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
-        out[vendor or "stock"] = {"log_probs": [t.clone() for t in log_probs.unbind()],
-                                  "grads": {n: p.main_grad.clone() for n, p in engine.module[0].named_parameters()},
+            grads = _grads(engine)
+        out[vendor or "stock"] = {"log_probs": [t.clone() for t in log_probs.unbind()], "grads": grads,
                                   "stats": getattr(engine, "tree_stats", None)}
     return out
 
 
 def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
     from megatron_tree.testing.models import make_hf_checkpoint
-    from megatron_tree.testing.reference import gradient_errors
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -202,5 +250,22 @@ def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
         stock, tree = r["stock"], r["megatron_tree"]
         for want, got in zip(stock["log_probs"], tree["log_probs"]):
             assert float((got[:-1] - want[:-1]).abs().max()) <= LOGP_TOL
-        errors = gradient_errors(tree["grads"], stock["grads"])  # averaged over the two ranks by DDP
-        assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+        _check_gradients(tree["grads"], stock["grads"])  # averaged over the two ranks by DDP
+
+
+def test_a_failed_plugin_import_refuses_instead_of_falling_back():
+    """verl swallows entry-point import errors and would then run its own engine under
+    VERL_ENGINE_VENDOR=megatron_tree; the plugin registers a refusal in the adapter's place."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['megatron_tree.integrations.verl'] = None\n"  # the adapter's import fails
+        "import verl\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "cls = EngineRegistry._engines['language_model']['megatron'][('cpu', 'megatron_tree')]\n"
+        "try:\n    cls()\nexcept ValueError as error:\n    print('REFUSED', error)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "REFUSED VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to import" in run.stdout, run.stderr[-2000:]
+    assert "could not be registered" in run.stderr

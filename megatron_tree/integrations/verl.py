@@ -19,9 +19,9 @@ things changed:
 
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
 changes; each sample's values are the value head on its own rows. Data-parallel ranks run as many
-trees (all-padding ones appended, which add no output or loss). Not yet: pipeline and context
-parallelism (refused), trunk reuse inside verl (whole trees only), routing replay, the
-Megatron-Bridge path tested (verl's default; it needs a transformers-5 stack).
+trees (all-padding ones appended, which add no output or loss). Both of verl's model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a
+transformers-5 stack). Not yet: pipeline and context parallelism (refused), trunk reuse inside verl
+(whole trees only), routing replay.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from verl.workers.engine import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-from ..bridges.mbridge import patch_bridge_for_tree_training
 from ..core.packing import build_packed_tree_batch
 from ..mcore.runner import MicroBatchInputs
 
@@ -73,7 +72,10 @@ def tree_micro_batches(data, *, max_tokens: int, block_size: int, dp_group=None)
 def _tree_bridges(backend: str):
     """Both of verl's bridge paths build tree models inside this block."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patch_bridge_for_tree_training(backend=backend))
+        if importlib.util.find_spec("mbridge") is not None:
+            from ..bridges.mbridge import patch_bridge_for_tree_training
+
+            stack.enter_context(patch_bridge_for_tree_training(backend=backend))
         if importlib.util.find_spec("megatron.bridge") is not None:
             from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
 

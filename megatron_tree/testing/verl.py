@@ -107,10 +107,21 @@ def force_fp32(engine_config) -> None:
     object.__setattr__(engine_config, "dtype", "fp32")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def apply_mbridge_compat() -> None:
     """Not CPU-specific: mbridge 0.15.1's get_model compares with ModelType.encoder_and_decoder,
     which megatron-core >= 0.17 removed (AttributeError). megatron_tree's version-gated patch puts
-    0.16.1's deprecated property back (a no-op where not needed)."""
+    0.16.1's deprecated property back (a no-op where not needed). Skipped without mbridge."""
+    if not _installed("mbridge"):
+        return
     from megatron_tree.patches import mbridge_compat
 
     mbridge_compat.apply()
@@ -128,8 +139,11 @@ def use_local_spec_in_mbridge() -> None:
     block spec (``get_gpt_decoder_block_spec(use_transformer_engine=True)`` -> TypeError:
     'NoneType' object is not callable). Build the local spec instead, and translate the local
     spec's separate norm names to the fused TE names before mbridge maps them to HF (load and
-    export). Dense GPT bridges only (Qwen2/Qwen3/Llama)."""
+    export). Dense GPT bridges only (Qwen2/Qwen3/Llama). Skipped without mbridge."""
     import inspect
+
+    if not _installed("mbridge"):
+        return
 
     from mbridge.core import bridge as bridge_module
     from mbridge.core import llm_bridge
@@ -199,9 +213,12 @@ class _TorchOnCpu:
 # buffers of clip_grads.py (:96-231, at optimizer.step()); and DDP's bucket-group grad sync, which
 # reads torch.cuda.current_stream() (param_and_grad_buffer.py:632, in finalize_model_grads); and
 # the apex-free l2 norm that clip_grads falls back to (megatron/core/utils.py:1332,
-# local_multi_tensor_l2_norm).
+# local_multi_tensor_l2_norm). On verl's Megatron-Bridge path also the DDP wrapper that
+# Megatron-Bridge's get_model calls (megatron/training/models/dist_utils.py:303, _ddp_wrap:
+# ``torch.cuda.Stream()`` -> "CUDA driver version is insufficient for CUDA runtime version").
 _CUDA_FACTORY_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
-                         "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils")
+                         "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils",
+                         "megatron.training.models.dist_utils")
 
 
 def redirect_cuda_in_optimizer_and_ddp() -> None:
@@ -253,6 +270,47 @@ def cpu_grad_clipping() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def import_megatron_bridge_without_te() -> None:
+    """verl's Megatron-Bridge path (``vanilla_mbridge=False``) imports ``from megatron.bridge import
+    AutoBridge`` (verl/models/mcore/bridge.py), which without transformer-engine raises
+    ``ModuleNotFoundError: No module named 'transformer_engine'`` (megatron/bridge/peft/lora_layers.py
+    imports it unguarded). megatron_tree's import patch (``megatron_tree.patches.megatron_bridge_te``,
+    a no-op with transformer-engine) lets it import. Skipped without Megatron-Bridge."""
+    if not _installed("megatron.bridge"):
+        return
+    from megatron_tree.patches import megatron_bridge_te
+
+    megatron_bridge_te.apply()
+
+
+@contextmanager
+def local_spec_in_megatron_bridge():
+    """For verl's STOCK engine on the Megatron-Bridge path, inside the block: the providers that
+    ``AutoBridge.to_megatron_provider`` returns use Megatron-Bridge's local layer spec instead of its
+    default transformer-engine spec, which without transformer-engine fails in ``provide()``
+    (gpt_layer_specs.py:233, ``TESpecProvider()`` -> TypeError: 'NoneType' object is not callable).
+    The TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider`` switches
+    off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of it."""
+    from megatron.bridge.models import gpt_provider
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
+    from megatron_tree.bridges.megatron_bridge import _TE_SPECS
+
+    original = AutoBridge.to_megatron_provider
+
+    def to_megatron_provider(self, *args, **kwargs):
+        provider = original(self, *args, **kwargs)
+        if provider.transformer_layer_spec in _TE_SPECS:
+            provider.transformer_layer_spec = gpt_provider.local_layer_spec
+        return provider
+
+    AutoBridge.to_megatron_provider = to_megatron_provider
+    try:
+        yield
+    finally:
+        AutoBridge.to_megatron_provider = original
+
+
 def give_pad_token(model_config, pad_token_id: int = 0) -> None:
     """The engine's forward step reads ``model_config.tokenizer.pad_token_id`` unconditionally
     (transformer_impl.py:1405 / 1525); a tiny random checkpoint has no tokenizer
@@ -269,17 +327,18 @@ def setup_cpu(skip: str = "") -> None:
     seed_megatron_rng_tracker (after EngineRegistry.new), bshd_padding_mask_for_local_attention
     (after engine.initialize())."""
     for step in (apply_megatron_cpu_patch, apply_mbridge_compat, use_local_spec_in_mbridge,
-                 redirect_cuda_in_optimizer_and_ddp, cpu_grad_clipping, init_gloo_world,
-                 register_cpu_platform):
+                 import_megatron_bridge_without_te, redirect_cuda_in_optimizer_and_ddp, cpu_grad_clipping,
+                 init_gloo_world, register_cpu_platform):
         if step.__name__ not in skip:
             step()
 
 
 def build_engine(path: str, *, vendor: str | None, model_type: str = "language_model", micro_batch_size: int = 2,
-                 lr: float = 1e-3, tree_max_tokens: int = 128):
+                 lr: float = 1e-3, tree_max_tokens: int = 128, vanilla_mbridge: bool = True):
     """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
-    checkpoint at ``path`` (vanilla mbridge, fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor``
-    (None: verl's own); initialized."""
+    checkpoint at ``path`` (fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own);
+    initialized. ``vanilla_mbridge``: verl's mbridge path (True) or its default Megatron-Bridge path
+    (False; verl's stock engine then builds inside :func:`local_spec_in_megatron_bridge`)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
@@ -290,7 +349,7 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
         os.environ.pop("VERL_ENGINE_VENDOR", None)
     model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
-    engine_config = McoreEngineConfig(strategy="megatron", vanilla_mbridge=True, use_remove_padding=False,
+    engine_config = McoreEngineConfig(strategy="megatron", vanilla_mbridge=vanilla_mbridge, use_remove_padding=False,
                                       use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
                                       use_distributed_optimizer=False, sequence_parallel=False)
     force_fp32(engine_config)
@@ -300,7 +359,9 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
     seed_megatron_rng_tracker(engine_config.seed)
     if vendor:
         engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = 16, tree_max_tokens, "block_sparse"
-    engine.initialize()
+    stock_on_megatron_bridge = not vendor and not vanilla_mbridge
+    with local_spec_in_megatron_bridge() if stock_on_megatron_bridge else nullcontext():
+        engine.initialize()
     if not vendor:
         bshd_padding_mask_for_local_attention(engine)
     return engine, model_config

@@ -1,0 +1,44 @@
+"""verl's ``verl.plugins`` entry point: registers megatron_tree's verl engines, loudly.
+
+verl imports every entry point of that group at ``import verl`` and swallows any exception (it logs
+at debug level); its engine lookup then falls back to its own engine when the vendor key is missing.
+So a failed import here would leave ``VERL_ENGINE_VENDOR=megatron_tree`` running verl's stock engine
+without a word. Instead, the failure is logged as an error and, in the adapter's place, an engine is
+registered under the same keys whose construction raises it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import traceback
+
+logger = logging.getLogger(__name__)
+
+
+def _register() -> None:
+    try:
+        importlib.import_module(f"{__package__}.verl")  # registers the engines
+    except Exception as error:  # noqa: BLE001 - re-raised when the engine is asked for
+        reason = f"{type(error).__name__}: {error}"
+        logger.error("megatron_tree's verl engines could not be registered (%s):\n%s", reason, traceback.format_exc())
+        _register_refusal(reason)
+
+
+def _register_refusal(reason: str) -> None:
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.base import BaseEngine
+
+    class MegatronTreeUnavailable(BaseEngine):
+        def __init__(self, *args, **kwargs):
+            raise ValueError(
+                f"VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to import ({reason}); "
+                "fix that (see the error logged at 'import verl') or unset VERL_ENGINE_VENDOR"
+            )
+
+    for model_type in ("language_model", "value_model"):
+        EngineRegistry.register(model_type=model_type, backend="megatron", device=["cuda", "cpu"],
+                                vendor="megatron_tree")(MegatronTreeUnavailable)
+
+
+_register()
