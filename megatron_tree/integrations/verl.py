@@ -20,8 +20,8 @@ things changed:
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
 changes; each sample's values are the value head on its own rows. Data-parallel ranks run as many
 trees (all-padding ones appended, which add no output or loss). Both of verl's model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a
-transformers-5 stack). Not yet: pipeline and context parallelism (refused), trunk reuse inside verl
-(whole trees only), routing replay.
+transformers-5 stack). Not yet: pipeline and context parallelism and routing replay (refused),
+trunk reuse inside verl (whole trees only), megatron_tree's data-parallel partition.
 """
 
 from __future__ import annotations
@@ -122,6 +122,11 @@ class _TreeEngine:
         return math.ceil(int(tokens) / self.tree_block_size) * self.tree_block_size
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False) or getattr(
+                self, "enable_routing_replay", False):
+            raise ValueError("routing replay (router_replay) is not supported by the verl tree engine yet: the "
+                             "recorded routes would not be replayed on the tree; unset VERL_ENGINE_VENDOR or "
+                             "turn router replay off")
         for name, size in (("pipeline", mpu.get_pipeline_model_parallel_world_size()),
                            ("context", mpu.get_context_parallel_world_size())):
             if size > 1:
