@@ -81,6 +81,13 @@ def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
             "stats": getattr(engine, "tree_stats", None),
             "bridge": type(engine.bridge).__module__ + "." + type(engine.bridge).__name__,
         }
+    replay = harness.engine_batch(padded, enable_routing_replay=True)
+    with engine.eval_mode():  # the tree engine (the loop's last): routing replay is refused, not ignored
+        try:
+            engine.infer_batch(replay)
+            out["replay"] = "ran"
+        except ValueError as error:
+            out["replay"] = str(error)
     out["hf"] = hf_logprobs(path, seqs)
     return out
 
@@ -92,6 +99,7 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     make_hf_checkpoint("qwen3", path)
     out = run_spawned(_engines_worker, 1, path, megatron=False)[0]
     assert "('cuda', 'megatron_tree')" in out["registered"]
+    assert out["replay"].startswith("routing replay (router_replay) is not supported by the verl tree engine")
     stock, tree = out["stock"], out["megatron_tree"]
     assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
     assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
