@@ -43,44 +43,63 @@ def _check_gradients(tree: dict, stock: dict) -> None:
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
-def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
+def _actor_run(path: str, vendor: str | None, padded: dict, seqs: list, **engine_kwargs) -> tuple[object, dict]:
+    """verl's ``infer_batch`` (log-probs, entropy) then ``train_batch`` (its ppo_loss) through the
+    engine of ``vendor`` (None: verl's own) on the rollout batch ``padded``."""
     from functools import partial
 
+    from megatron_tree.testing import verl as harness
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    engine, _ = harness.build_engine(path, vendor=vendor, **engine_kwargs)
+    data = harness.engine_batch(padded, calculate_entropy=True)
+    with engine.eval_mode():
+        model_output = engine.infer_batch(data)["model_output"]
+    old = no_padding_2_padding(model_output["log_probs"], data).detach().float()
+    advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * padded["response_mask"]
+    train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages),
+                                 global_batch_size=len(seqs), calculate_entropy=False)
+    config = McoreActorConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
+                              ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    with engine.train_mode():
+        result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
+        grads = _grads(engine)
+    return engine, {
+        "engine": type(engine).__name__, "model": type(engine.module[0].module).__name__,
+        "log_probs": [t.clone() for t in model_output["log_probs"].unbind()],
+        "entropy": [t.clone() for t in model_output["entropy"].unbind()],
+        "loss": float(sum(result["loss"])),
+        "grads": grads,
+        "stats": getattr(engine, "tree_stats", None),
+        "bridge": type(engine.bridge).__module__ + "." + type(engine.bridge).__name__,
+    }
+
+
+def _check_actor(tree: dict, stock: dict) -> None:
+    """The tree engine's log-probs, entropy, loss and gradients against verl's engine's."""
+    for i in range(len(stock["log_probs"])):
+        # The last entry predicts nothing (verl's loss mask excludes it); verl's BSHD path fills its
+        # label from the micro-batch's padding, the tree (like verl's THD path) from the sequence.
+        assert float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
+        assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
+    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    _check_gradients(tree["grads"], stock["grads"])
+
+
+def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
     from megatron_tree.testing import verl as harness
     from megatron_tree.testing.models import hf_logprobs
 
     harness.setup_cpu()
-    from verl.workers.config.actor import McoreActorConfig
     from verl.workers.engine import EngineRegistry
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import no_padding_2_padding
 
     # Found through the "verl.plugins" entry point (installed with megatron_tree), nothing imported by hand.
     out = {"registered": sorted(map(str, EngineRegistry._engines["language_model"]["megatron"]))}
+    padded, seqs = harness.rollout_batch(_vocab(path))
     for vendor in (None, "megatron_tree"):
-        engine, model_config = harness.build_engine(path, vendor=vendor, vanilla_mbridge=vanilla_mbridge)
-        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size)
-        data = harness.engine_batch(padded, calculate_entropy=True)
-        with engine.eval_mode():
-            model_output = engine.infer_batch(data)["model_output"]
-        old = no_padding_2_padding(model_output["log_probs"], data).detach().float()
-        advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * padded["response_mask"]
-        train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages),
-                                     global_batch_size=len(seqs), calculate_entropy=False)
-        config = McoreActorConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
-                                  ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
-        with engine.train_mode():
-            result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
-            grads = _grads(engine)
-        out[vendor or "stock"] = {
-            "engine": type(engine).__name__, "model": type(engine.module[0].module).__name__,
-            "log_probs": [t.clone() for t in model_output["log_probs"].unbind()],
-            "entropy": [t.clone() for t in model_output["entropy"].unbind()],
-            "loss": float(sum(result["loss"])),
-            "grads": grads,
-            "stats": getattr(engine, "tree_stats", None),
-            "bridge": type(engine.bridge).__module__ + "." + type(engine.bridge).__name__,
-        }
+        engine, out[vendor or "stock"] = _actor_run(path, vendor, padded, seqs, vanilla_mbridge=vanilla_mbridge)
     replay = harness.engine_batch(padded, enable_routing_replay=True)
     with engine.eval_mode():  # the tree engine (the loop's last): routing replay is refused, not ignored
         try:
@@ -90,6 +109,12 @@ def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
             out["replay"] = str(error)
     out["hf"] = hf_logprobs(path, seqs)
     return out
+
+
+def _vocab(path: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).vocab_size
 
 
 def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
@@ -103,14 +128,9 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     stock, tree = out["stock"], out["megatron_tree"]
     assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
     assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
+    _check_actor(tree, stock)
     for i, reference in out["hf"].items():
-        # The last entry predicts nothing (verl's loss mask excludes it); verl's BSHD path fills its
-        # label from the micro-batch's padding, the tree (like verl's THD path) from the sequence.
-        assert float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
         assert float((tree["log_probs"][i][:-1] - reference).abs().max()) <= LOGP_TOL
-        assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
-    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
-    _check_gradients(tree["grads"], stock["grads"])
     # Two samples per prompt: each prompt is computed once. Real tokens, padding excluded.
     stats = tree["stats"]
     assert stats["tokens_unpacked"] == sum(len(s) for s in stock["log_probs"])
@@ -142,16 +162,39 @@ def test_tree_engine_through_megatron_bridge(tmp_path):
     assert stock["bridge"] == tree["bridge"] == "megatron.bridge.models.conversion.auto_bridge.AutoBridge"
     assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
     assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
+    _check_actor(tree, stock)
     for i, reference in out["hf"].items():
-        assert float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
         assert float((tree["log_probs"][i][:-1] - reference).abs().max()) <= LOGP_TOL
-        assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
-    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
-    _check_gradients(tree["grads"], stock["grads"])
     assert tree["stats"]["tree_token_ratio"] < 0.8, tree["stats"]
 
 
-def _critic_worker(rank: int, path: str) -> dict:
+def _trunk_worker(rank: int, path: str) -> dict:
+    from megatron_tree.testing import verl as harness
+
+    harness.setup_cpu()
+    # 2 prompts of 20-27 tokens x 4 samples, micro-batches of 16 rows: no prompt group fits one, and
+    # no sequence either (each runs as a chain of parts); the prompts are trunks computed once.
+    padded, seqs = harness.rollout_batch(_vocab(path), prompts=2, samples=4, prompt_tokens=(20, 28))
+    return {vendor or "stock": _actor_run(path, vendor, padded, seqs, tree_max_tokens=16)[1]
+            for vendor in (None, "megatron_tree")}
+
+
+def test_tree_engine_with_trunk_reuse_equals_verls_engine(tmp_path):
+    """Prompt groups larger than the tree engine's micro-batch: trunk reuse inside verl (the prompt
+    computed once across micro-batches, its gradients from every branch) equals verl's engine."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    out = run_spawned(_trunk_worker, 1, path, megatron=False)[0]
+    tree = out["megatron_tree"]
+    assert tree["stats"]["trunk_groups"] == 2, tree["stats"]
+    _check_actor(tree, out["stock"])
+    assert tree["stats"]["tree_token_ratio"] < 0.7, tree["stats"]
+    print("trunk reuse in verl:", tree["stats"])
+
+
+def _critic_worker(rank: int, path: str, trunks: bool) -> dict:
     from functools import partial
 
     from megatron_tree.testing import verl as harness
@@ -162,8 +205,11 @@ def _critic_worker(rank: int, path: str) -> dict:
 
     out = {}
     for vendor in (None, "megatron_tree"):
-        engine, model_config = harness.build_engine(path, vendor=vendor, model_type="value_model")
-        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size)
+        # With trunks: prompts of 20-27 tokens x 4 samples in micro-batches of 16 rows (trunk reuse).
+        engine, model_config = harness.build_engine(path, vendor=vendor, model_type="value_model",
+                                                    tree_max_tokens=16 if trunks else 128)
+        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size, **(
+            dict(prompts=2, samples=4, prompt_tokens=(20, 28)) if trunks else {}))
         with engine.eval_mode():
             values = engine.infer_batch(harness.engine_batch(padded))["model_output"]["values"]
         g = torch.Generator().manual_seed(2)
@@ -179,19 +225,23 @@ def _critic_worker(rank: int, path: str) -> dict:
             "engine": type(engine).__name__, "values": [t.clone() for t in values.unbind()],
             "loss": float(sum(result["loss"])),
             "grads": grads,
+            "stats": getattr(engine, "tree_stats", None),
         }
     return out
 
 
-def test_tree_critic_equals_verls_critic(tmp_path):
-    """The value engine: per-sample values, verl's value_loss and its gradients."""
+@pytest.mark.parametrize("trunks", [False, True], ids=["trees", "trunk-reuse"])
+def test_tree_critic_equals_verls_critic(tmp_path, trunks):
+    """The value engine: per-sample values, verl's value_loss and its gradients (whole trees, and
+    prompt groups larger than a micro-batch with trunk reuse)."""
     from megatron_tree.testing.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
-    out = run_spawned(_critic_worker, 1, path, megatron=False)[0]
+    out = run_spawned(_critic_worker, 1, path, trunks, megatron=False)[0]
     stock, tree = out["stock"], out["megatron_tree"]
     assert (stock["engine"], tree["engine"]) == ("MegatronEngineWithValueHead", "TreeMegatronEngineWithValueHead")
+    assert tree["stats"]["trunk_groups"] == (2 if trunks else 0), tree["stats"]
     for want, got in zip(stock["values"], tree["values"]):
         assert got.shape == want.shape and float((got - want).abs().max()) <= LOGP_TOL
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
@@ -253,7 +303,7 @@ def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
     ranks = run_spawned(_data_parallel_worker, 2, path, megatron=False)
-    assert [r["megatron_tree"]["stats"]["trees"] for r in ranks] == [2, 2]  # rank 0: one tree + one all-padding
+    assert [r["megatron_tree"]["stats"]["micro_batches"] for r in ranks] == [2, 2]  # rank 0: one tree + one all-padding
     for r in ranks:
         stock, tree = r["stock"], r["megatron_tree"]
         for want, got in zip(stock["log_probs"], tree["log_probs"]):

@@ -31,6 +31,7 @@ import importlib.util
 import logging
 import math
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -41,28 +42,33 @@ from verl.workers.engine.megatron import transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from ..core.packing import build_packed_tree_batch
-from ..mcore.runner import MicroBatchInputs
+from ..mcore.runner import MicroBatchInputs, StepRunner, plain_forward_step
+from ..mcore.trunk_step import check_trunk_parts, run_trunks_scheduled
 
 logger = logging.getLogger(__name__)
 VENDOR = "megatron_tree"
-_TREE = "megatron_tree_micro_batch"  # the non-tensor key a verl micro-batch carries its tree under
 
 
-def tree_micro_batches(data, *, max_tokens: int, block_size: int, dp_group=None) -> tuple[list, list[list[int]], object]:
-    """verl's micro-batch preparation with trees: (one verl micro-batch per tree, holding its
-    sequences in the tree's order, with the packed tree under a non-tensor key; each micro-batch's
-    batch indices, which verl's ``restore_dynamic_batch`` puts back in order; the
-    :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics)."""
+def tree_micro_batches(data, *, max_tokens: int, block_size: int, share_trunks: bool = True, dp_group=None
+                       ) -> tuple[list, list[list[int]], object]:
+    """verl's micro-batch preparation with trees.
+
+    Returns: one verl micro-batch per packed micro-batch (the samples whose loss it takes, in the
+    tree's order); the batch indices of each
+    micro-batch that takes a loss, which verl's ``restore_dynamic_batch`` puts back in order; the
+    :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics. With ``share_trunks`` a
+    prompt group larger than ``max_tokens`` runs as trunk parts (computed once) and branches.
+    """
     packed = build_packed_tree_batch({"input_ids": data["input_ids"]}, max_tokens_per_mb=max_tokens,
-                                     block_size=block_size, pad_to_max=False, share_trunks=False, dp_group=dp_group)
+                                     block_size=block_size, pad_to_max=False, share_trunks=share_trunks,
+                                     dp_group=dp_group)
     micro_batches, indices = [], []
     for mb in packed:
         ids = [int(i) for i in mb["tree"].sequence_ids]
-        # An all-padding tree (to match other data-parallel ranks' tree count) carries sample 0 as
-        # its verl data (verl cannot hold an empty jagged micro-batch); it adds no output or loss.
-        sub = tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long))
-        tu.assign_non_tensor(sub, **{_TREE: mb})
-        micro_batches.append(sub)
+        # A micro-batch that takes no loss (an all-padding tree matching other data-parallel ranks'
+        # count, a trunk part no sample ends in) carries sample 0 as its verl data (verl cannot hold
+        # an empty jagged micro-batch); it adds no output or loss.
+        micro_batches.append(tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long)))
         if ids:
             indices.append(ids)
     return micro_batches, indices, packed
@@ -84,27 +90,128 @@ def _tree_bridges(backend: str):
 
 
 @contextlib.contextmanager
-def _swapped(owner, name: str, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
+def _swapped(owner, **values):
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+class _TokenRows(NamedTuple):
+    """The sequence tokens of a tree that one micro-batch's rows compute, with what verl's head
+    needs for them (built on the host before the step; t of the tree's T tokens).
+
+    Attributes: size T; tokens [t] (their places in the tree's token order, None: all T in
+    order); rows [t] (the micro-batch's row of each); labels [t] (the next token of the sample,
+    rolled as verl rolls: the last token's label is the sample's first); temperature [t].
+    """
+
+    size: int
+    tokens: torch.Tensor | None
+    rows: torch.Tensor
+    labels: torch.Tensor
+    temperature: torch.Tensor
+
+    @classmethod
+    def of(cls, tree, rows, temperature: torch.Tensor) -> "_TokenRows":
+        """``temperature``: per sample of the verl batch [B] (``tree.sequence_ids`` index it)."""
+        cu = tree.cu_seqlens
+        size = int(cu[-1])
+        successor = torch.arange(1, size + 1, device=cu.device)
+        successor[cu[1:] - 1] = cu[:-1]
+        labels = tree.input_ids[tree.token_index[successor]]
+        lengths = cu.diff()
+        temperature = temperature[tree.sequence_ids].float().repeat_interleave(lengths)
+        local = rows.local_index[tree.token_index]
+        if rows.is_whole:
+            return cls(size, None, local, labels, temperature)
+        here = torch.nonzero(local >= 0).flatten()
+        return cls(size, here, local[here], labels[here], temperature[here])
+
+    def to(self, device) -> "_TokenRows":
+        return _TokenRows(self.size, None if self.tokens is None else self.tokens.to(device),
+                          *(t.to(device) for t in (self.rows, self.labels, self.temperature)))
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[t, ...] at these tokens -> [T, ...], 0 at the tree's other tokens."""
+        if self.tokens is None:
+            return values
+        full = values.new_zeros((self.size, *values.shape[1:]))
+        return full.index_copy(0, self.tokens, values)
+
+
+class _VerlStep(StepRunner):
+    """The tree step's runner with verl's head and loss: a micro-batch's per-token outputs are what
+    verl's logits processor (or value head) gives at its rows' tokens, and its loss is verl's
+    ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it, so the
+    same loops run whole trees and trunk groups (:func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`).
+
+    Args:
+        head: the engine's ``_tree_head`` with the step's flags bound: (model output, _TokenRows)
+            -> per-token outputs.
+        micro_batches: verl's micro-batches (on the device); packed: their packed micro-batches
+            (on the device), one each.
+        token_rows: per packed micro-batch, (its rows' tokens of its own tree or None when no
+            sample ends in it, of its group's tree or None when it is no trunk part).
+        postprocess: verl's ``postprocess_micro_batch_func`` with the step's loss function.
+        model_output: per-sample outputs {name: nested [b, j]} -> what verl's forward step hands
+            its postprocess (the engine's ``_tree_model_output``).
+
+    The base's head, loss function and weights are verl's here (``gather`` / ``loss`` overridden).
+    """
+
+    def __init__(self, chunks, config, *, head, micro_batches, packed, token_rows, postprocess, model_output):
+        super().__init__(chunks, config, gather=None, loss_fn=None, tp_group=None,
+                         prepare=MicroBatchInputs(chunks, None), weights=None, counts=None, scale=1.0,
+                         collect=False, max_token_id=0, num_micro_batches=len(packed))
+        self.head, self.micro_batches, self.postprocess = head, micro_batches, postprocess
+        self.model_output = model_output
+        self.token_rows = {id(mb["rows"]): pair for mb, pair in zip(packed, token_rows)}
+        self.outputs: dict[int, dict] = {}  # verl's output of each micro-batch that took a loss
+
+    def gather(self, output: torch.Tensor, tree, rows) -> dict[str, torch.Tensor]:
+        own, group = self.token_rows.get(id(rows), (None, None))
+        token_rows = group if rows.records and tree is rows.tree else own
+        if token_rows is None:  # no sample's tokens (a fill-in, a trunk part no sample ends in)
+            return {"_": output.sum()[None] * 0.0}
+        return self.head(output, token_rows)
+
+    def loss(self, i: int, outputs: dict, mb: dict):
+        tree = mb["tree"]
+        if i >= self.num_micro_batches or tree.num_sequences == 0:
+            return sum(v.sum() for v in outputs.values()) * 0.0, {}
+        data = self.micro_batches[i]
+        # Megatron divides each loss by its schedule call's micro-batch count; verl multiplies by this.
+        tu.assign_non_tensor(data, num_micro_batch=self.num_scheduled)
+        lengths = tree.cu_seqlens.diff().tolist()
+        per_sample = {k: _nested(list(v.split(lengths))) for k, v in outputs.items()}
+        loss, output = self.postprocess(self.model_output(per_sample), data=data)
+        self.outputs[i] = output
+        return loss, output
+
+
+def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
 class _TreeEngine:
     """What the tree engines change in verl's Megatron engine (see the module docstring).
 
     Attributes (class level; override per instance): ``tree_backend`` (TreeCoreAttention backend),
-    ``tree_block_size`` (packing alignment), ``tree_max_tokens`` (a tree's capacity; None: the
-    batch's ``max_token_len_per_gpu``, rounded up to the block size).
+    ``tree_block_size`` (packing alignment), ``tree_max_tokens`` (a micro-batch's capacity; None:
+    the batch's ``max_token_len_per_gpu``, rounded up to the block size), ``tree_share_trunks``
+    (trunk reuse for prompt groups larger than a micro-batch).
     """
 
     tree_backend = "auto"
     tree_stats: dict | None = None  # the last batch's packing: sequences, trees, tokens unpacked / computed
     tree_block_size = 128
     tree_max_tokens: int | None = None
+    tree_share_trunks = True
 
     def _build_tf_config(self):
         with _tree_bridges(self.tree_backend):
@@ -121,7 +228,7 @@ class _TreeEngine:
                              "or tree_max_tokens on the engine")
         return math.ceil(int(tokens) / self.tree_block_size) * self.tree_block_size
 
-    def forward_backward_batch(self, data, loss_function, forward_only=False):
+    def _check_supported(self, data) -> None:
         if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False) or getattr(
                 self, "enable_routing_replay", False):
             raise ValueError("routing replay (router_replay) is not supported by the verl tree engine yet: the "
@@ -132,54 +239,66 @@ class _TreeEngine:
             if size > 1:
                 raise ValueError(f"{name}-parallel size {size}: the verl tree engine runs without {name} "
                                  "parallelism so far; use megatron_tree.tree_forward_backward directly")
-        prepare = partial(self._prepare_trees, capacity=self._capacity(data))
+        if getattr(self.tf_config, "calculate_per_token_loss", False):
+            raise ValueError("calculate_per_token_loss=True: the verl tree engine runs verl's micro-batch-mean "
+                             "loss protocol; turn it off (verl enables it only with context parallelism)")
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        self._check_supported(data)
+        trees: dict = {}  # the batch's packing, from verl's micro-batch preparation to its schedule call
+        prepare = partial(self._prepare_trees, capacity=self._capacity(data), trees=trees)
+        schedule = partial(self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only)
         tu.assign_non_tensor(data, use_dynamic_bsz=True)  # verl then restores the order from our indices
-        with _swapped(transformer_impl, "prepare_micro_batches", prepare):
+        with _swapped(transformer_impl, prepare_micro_batches=prepare, get_forward_backward_func=lambda: schedule):
             return super().forward_backward_batch(data, loss_function, forward_only)
 
-    def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, capacity=0, **unused):
-        # With dp_group every data-parallel rank gets as many trees (all-padding ones appended), as
-        # Megatron's schedule and verl's same_micro_num_in_dp need.
-        micro_batches, indices, packed = tree_micro_batches(data, max_tokens=capacity, block_size=self.tree_block_size,
-                                                            dp_group=dp_group)
-        self.tree_stats = {"sequences": packed.batch_size, "trees": len(packed), "tokens_unpacked": packed.num_real_tokens,
-                           "tokens_computed": packed.num_padded_tokens, "tree_token_ratio": packed.tree_token_ratio}
+    def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, *, capacity: int, trees: dict,
+                       **unused):
+        # With dp_group every data-parallel rank gets as many micro-batches (all-padding ones
+        # appended), as Megatron's schedule and verl's same_micro_num_in_dp need.
+        micro_batches, indices, packed = tree_micro_batches(
+            data, max_tokens=capacity, block_size=self.tree_block_size, share_trunks=self.tree_share_trunks,
+            dp_group=dp_group)
+        self.tree_stats = {"sequences": packed.batch_size, "micro_batches": len(packed),
+                           "trunk_groups": len({mb["rows"].group for mb in packed} - {None}),
+                           "tokens_unpacked": packed.num_real_tokens, "tokens_computed": packed.num_padded_tokens,
+                           "tree_token_ratio": packed.tree_token_ratio}
         logger.info("megatron_tree: %s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in self.tree_stats.items()))
+        temperature = data["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full((len(data),), float(temperature))
+        trees["packed"], trees["token_rows"] = packed, [  # the head's host facts, once per micro-batch
+            (_TokenRows.of(mb["tree"], mb["rows"], temperature) if mb["tree"].num_sequences else None,
+             _TokenRows.of(mb["rows"].tree, mb["rows"], temperature) if mb["rows"].records else None)
+            for mb in packed]
         return micro_batches, indices
 
-    def _tree_forward(self, batch_iter, model):
-        """The next verl micro-batch, its tree and the model's output on it [1, N, ...]."""
-        batch = next(batch_iter).to(get_device_id())
-        mb = tu.get_non_tensor_data(batch, key=_TREE, default=None)
-        if mb is None:
-            raise ValueError("a micro-batch without its tree reached the tree engine's forward step")
-        input_ids, position_ids, kwargs = MicroBatchInputs([model], None)(_on(mb, batch["input_ids"].device))
-        return batch, mb["tree"], model(input_ids=input_ids, position_ids=position_ids, **kwargs)
-
-def _on(mb: dict, device) -> dict:
-    """The packed micro-batch's tensors on ``device`` (its rows and tree included)."""
-    if mb["input_ids"].device == device:
-        return mb
-    moved = dict(mb)
-    for key in ("input_ids", "position_ids"):
-        moved[key] = mb[key].to(device)
-    moved["rows"] = mb["rows"].to(device, mb["tree"].to(device))
-    return moved
-
-
-def _no_loss(output: torch.Tensor):
-    """An all-padding tree's loss: zero, with a graph (the schedule runs its backward), no outputs."""
-    return output.sum() * 0.0, {"loss": 0.0, "metrics": {}}
-
-
-def _sample_rows(tree) -> list[torch.Tensor]:
-    """Every sample's packed positions, in the tree's sequence order (the verl micro-batch's rows)."""
-    return [tree.sequence_token_index(i) for i in range(tree.num_sequences)]
-
-
-def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    def _tree_schedule(self, forward_step_func, data_iterator, model, num_microbatches, *, trees: dict,
+                       loss_function, forward_only, **unused) -> list[dict]:
+        """In place of Megatron's ``forward_backward_func`` (verl's forward step is not used): the
+        tree step's loops over the batch's micro-batches, returning verl's outputs of those that
+        take a loss, in micro-batch order (as verl's indices list them)."""
+        device = next(model[0].parameters()).device
+        micro_batches = [batch.to(device) for batch in data_iterator]
+        packed = trees["packed"].to(device)
+        token_rows = [tuple(None if t is None else t.to(device) for t in pair) for pair in trees["token_rows"]]
+        flags = {k: tu.get_non_tensor_data(micro_batches[0], key=k, default=False) for k in
+                 ("calculate_sum_pi_squared", "calculate_entropy", "distillation_use_topk", "distillation_only")}
+        trunks = check_trunk_parts(packed)
+        if trunks and flags["distillation_use_topk"]:
+            raise ValueError("top-k distillation reads the teacher's per-token data in the micro-batch's order, "
+                             "which trunk parts do not keep: set tree_share_trunks=False on the engine")
+        head = partial(self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0])
+        postprocess = partial(self.postprocess_micro_batch_func, forward_only=forward_only,
+                              loss_function=loss_function)
+        step = _VerlStep(model, self.tf_config, head=head, micro_batches=micro_batches, packed=list(packed),
+                         token_rows=token_rows, postprocess=postprocess, model_output=self._tree_model_output)
+        if trunks:
+            run_trunks_scheduled(step, list(packed), forward_only=forward_only)
+        else:
+            step.schedule(list(enumerate(packed)), plain_forward_step(step), forward_only=forward_only)
+        return [step.outputs[i] for i in sorted(step.outputs)]
 
 
 @EngineRegistry.register(model_type="language_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
@@ -187,40 +306,28 @@ class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
     """verl's ``MegatronEngineWithLMHead`` with tree micro-batches and tree attention (the actor
     and the reference policy)."""
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch, tree, logits = self._tree_forward(batch_iter, model)  # logits [1, N, V / tp]
-        if tree.num_sequences == 0:
-            return logits, _no_loss
-        output = self._per_sample_outputs(logits, tree, batch, logits_processor_func)
-        return output, partial(postprocess_micro_batch_func, data=batch)
-
-    def _per_sample_outputs(self, logits, tree, batch, logits_processor_func) -> dict:
-        """verl's logits processor on every sample's own rows of the tree, labels rolled by one
-        within the sample as verl rolls them; [1, T, ...] back to per-sample nested tensors."""
-        rows = _sample_rows(tree)
-        lengths = [int(r.shape[0]) for r in rows]
-        tokens = tree.input_ids.to(logits.device)
-        label = torch.cat([torch.roll(tokens[r], -1) for r in rows])[None]
-        temperature = batch["temperature"]
-        if not isinstance(temperature, torch.Tensor):
-            temperature = torch.full((len(rows),), float(temperature))
-        temperature = torch.cat([temperature[i].float().expand(n) for i, n in enumerate(lengths)])[None]
-        flags = {k: tu.get_non_tensor_data(batch, key=k, default=False) for k in
-                 ("calculate_sum_pi_squared", "calculate_entropy", "distillation_use_topk", "distillation_only")}
+    def _tree_head(self, logits, token_rows: _TokenRows, *, loss_function, flags, batch) -> dict:
+        """verl's logits processor at ``token_rows``' tokens: logits [1, n, V / tp] -> per-token
+        outputs [T] (log_probs, entropy, ... as verl computes them)."""
         out = self._lm_head_logits_processor(
-            logits[:, torch.cat(rows).to(logits.device)], label, temperature.to(logits.device),
-            logits_processor_func=logits_processor_func, batch=batch, data_format="thd", **flags)
-        return {k: _nested(list(v[0].split(lengths))) for k, v in out.items()}
+            logits[:, token_rows.rows], token_rows.labels[None], token_rows.temperature[None].clone(),
+            logits_processor_func=loss_function, batch=batch, data_format="thd", **flags)
+        return {k: token_rows.scatter(v[0]) for k, v in out.items()}
+
+    @staticmethod
+    def _tree_model_output(per_sample: dict) -> dict:
+        return per_sample  # as verl's forward step: {log_probs, entropy, ...: nested [b, j]}
 
 
 @EngineRegistry.register(model_type="value_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
 class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
     """verl's ``MegatronEngineWithValueHead`` with tree micro-batches and tree attention (the
-    critic): each sample's values are the value head's output on its own rows."""
+    critic): each sample's values are the value head's output at its own tokens' rows."""
 
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch, tree, values = self._tree_forward(batch_iter, model)  # [1, N, 1]
-        if tree.num_sequences == 0:
-            return values, _no_loss
-        output = _nested([values[0, r.to(values.device), 0] for r in _sample_rows(tree)])
-        return output, partial(postprocess_micro_batch_func, data=batch)
+    def _tree_head(self, values, token_rows: _TokenRows, **unused) -> dict:
+        """values [1, n, 1] -> per-token values [T]."""
+        return {"values": token_rows.scatter(values[0, token_rows.rows, 0])}
+
+    @staticmethod
+    def _tree_model_output(per_sample: dict) -> torch.Tensor:
+        return per_sample["values"]  # as verl's value forward step: the values, nested [b, j]

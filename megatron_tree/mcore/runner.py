@@ -114,6 +114,7 @@ class StepRunner:
         self.collected: dict[int, dict] | None = {} if collect else None
         self.max_token_id, self.num_micro_batches = max_token_id, num_micro_batches
         self.extra_tokens = 0  # loss tokens of earlier schedule calls, reported with the next loss
+        self.num_scheduled = 0
 
     def forward(self, model_chunk, mb: dict, store=None, prepared=None) -> torch.Tensor:
         """One micro-batch through one model chunk: its inputs (``prepared``, or prepared here),
@@ -193,6 +194,7 @@ class StepRunner:
             mb.update({key: v[:0] for key, v in first.items() if key not in mb})
             items = items + [(self.num_micro_batches + k, mb)]
         chunks = self.chunks
+        self.num_scheduled = len(items)  # the call's micro-batch count (Megatron divides 2-tuple losses by it)
         iterator = [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterator, model=chunks, num_microbatches=len(items),

@@ -266,12 +266,12 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, rou
         full = step.gather(output, rows.tree, rows)
         before = kept.read(rows, rows.index)
         outputs = {k: v[rows.group_tokens] + (0 if before is None else before[k]) for k, v in full.items()}
-        loss, num_tokens, log = step.loss(i, outputs, mb)
+        loss, *rest = step.loss(i, outputs, mb)  # Megatron's (loss, num_tokens, logs) or (loss, logs)
         leaves = kept.leaves[(rows.group, rows.index)]
         for k, v in full.items():
             if v.requires_grad:
                 loss = loss + _SendLeafGrad.apply(v, leaves[k])
-        return loss, num_tokens, log
+        return (loss, *rest)
 
     counts = _equal_counts([len(first_items), len(others), len(last_first)], ep_group)
     template = packed[0]

@@ -367,14 +367,15 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
     return engine, model_config
 
 
-def rollout_batch(vocab: int, *, prompts: int = 3, samples: int = 2, seed: int = 0):
+def rollout_batch(vocab: int, *, prompts: int = 3, samples: int = 2, seed: int = 0,
+                  prompt_tokens: tuple[int, int] = (5, 12)):
     """verl's rollout layout ({prompts [B, P] left-padded, responses [B, R] right-padded, input_ids,
     attention_mask, response_mask, position_ids}) for ``prompts`` x ``samples`` sequences sharing
-    their prompt, and the sequences themselves."""
+    their prompt (of ``prompt_tokens`` [low, high) tokens), and the sequences themselves."""
     g = torch.Generator().manual_seed(seed)
     pairs = []
     for _ in range(prompts):
-        prompt = torch.randint(1, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g)
+        prompt = torch.randint(1, vocab, (int(torch.randint(*prompt_tokens, (1,), generator=g)),), generator=g)
         pairs += [(prompt, torch.randint(1, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g))
                   for _ in range(samples)]
     width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
