@@ -114,22 +114,29 @@ def main() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="bench_verl_"), "qwen3")
     make_hf_checkpoint("qwen3", path, **MODEL)
     prompts, samples, prompt_len = (4, 4, 128) if args.small else (8, 8, 512)
+    # The trunk engine's micro-batches are smaller than a prompt group: its prompt runs once as a trunk.
+    trunk_tokens = 256 if args.small else 1024
+    engines = {"verl": harness.build_engine(path, vendor=None),
+               "tree": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=4096),
+               "trunk": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=trunk_tokens)}
+    vocab = engines["verl"][1].hf_config.vocab_size
+    grpo = grpo_groups(vocab, prompts, samples, prompt_len, (64, 256))
+    batches = [(f"GRPO {prompts}x{samples}, prompt {prompt_len}", grpo, "tree"),
+               (f"same, trunk reuse ({trunk_tokens}-token mb)", grpo, "trunk"),
+               # pairs sharing 192 of their 288 tokens: a third of the tokens shared
+               ("multi-hop, low sharing", multi_hop_groups(vocab, 2 * prompts, shared=192, own=96), "tree")]
     rows = []
-    engines = {vendor: harness.build_engine(path, vendor=vendor, tree_max_tokens=4096)
-               for vendor in (None, "megatron_tree")}
-    vocab = engines[None][1].hf_config.vocab_size
-    batches = {f"GRPO {prompts}x{samples}, prompt {prompt_len}": grpo_groups(vocab, prompts, samples, prompt_len, (64, 256)),
-               "multi-hop, low sharing": multi_hop_groups(vocab, 2 * prompts, shared=96, own=192)}
-    for name, groups in batches.items():
+    for name, groups, tree_engine in batches:
         padded, seqs = rollout(groups)
-        seconds = {vendor: step_seconds(engine, padded, seqs, args.repeats) for vendor, (engine, _) in engines.items()}
-        stats = engines["megatron_tree"][0].tree_stats
+        seconds = {key: step_seconds(engines[key][0], padded, seqs, args.repeats) for key in ("verl", tree_engine)}
+        stats = engines[tree_engine][0].tree_stats
         shared = 1 - stats["tokens_computed"] / stats["tokens_unpacked"]
-        rows.append((name, len(seqs), stats["tokens_unpacked"], shared, seconds[None], seconds["megatron_tree"],
-                     seconds[None] / seconds["megatron_tree"], ideal_speedup(engines[None][1], seqs)))
-    print(f"\n{'batch':<32} {'seqs':>5} {'tokens':>7} {'shared':>7} {'verl s':>8} {'tree s':>8} {'speed-up':>9} {'ideal':>6}")
+        rows.append((name, len(seqs), stats["tokens_unpacked"], shared, seconds["verl"], seconds[tree_engine],
+                     seconds["verl"] / seconds[tree_engine], ideal_speedup(engines["verl"][1], seqs)))
+        print(f"[bench] {name}: {stats}", flush=True)
+    print(f"\n{'batch':<40} {'seqs':>5} {'tokens':>7} {'shared':>7} {'verl s':>8} {'tree s':>8} {'speed-up':>9} {'ideal':>6}")
     for name, n, tokens, shared, base, tree, speedup, ideal in rows:
-        print(f"{name:<32} {n:>5} {tokens:>7} {shared:>7.1%} {base:>8.3f} {tree:>8.3f} {speedup:>8.2f}x {ideal:>5.2f}x")
+        print(f"{name:<40} {n:>5} {tokens:>7} {shared:>7.1%} {base:>8.3f} {tree:>8.3f} {speedup:>8.2f}x {ideal:>5.2f}x")
 
 
 if __name__ == "__main__":

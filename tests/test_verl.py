@@ -327,3 +327,74 @@ def test_a_failed_plugin_import_refuses_instead_of_falling_back():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "REFUSED VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to import" in run.stdout, run.stderr[-2000:]
     assert "could not be registered" in run.stderr
+
+
+def _trie_nodes(sequences) -> int:
+    """Brute force: the distinct prefixes of ``sequences`` (a trie's nodes, i.e. its tokens)."""
+    return len({tuple(s[:k]) for s in sequences for k in range(1, len(s) + 1)})
+
+
+def _verls_balance(trainer, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+    """verl's default ``RayPPOTrainer._balance_batch`` (its own workload and partition functions;
+    its trainer module needs verl's rollout stack, not installed here)."""
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    lengths = batch.batch["attention_mask"].sum(-1)
+    parts = get_seqlen_balanced_partitions(calculate_workload(lengths), k_partitions=trainer._get_dp_size(None, "actor"),
+                                           equal_size=True)
+    batch.reorder(torch.tensor([i for part in parts for i in part]))
+
+
+def test_trainer_balancing_keeps_prompt_groups_on_one_rank(caplog):
+    """verl's single-controller balancing under ``tree_balance_batch``: every prompt group on one
+    data-parallel rank, fewer tree tokens on the costliest rank than verl's sequence-length
+    balancing, which splits groups; verl's own where groups cannot fill equal chunks (a warning)."""
+    import types
+
+    import numpy as np
+    from verl import DataProto
+
+    from megatron_tree.integrations.verl import tree_balance_batch
+
+    g = torch.Generator().manual_seed(0)
+    prompts, samples, width = 8, 4, 64
+    input_ids, mask, uids = torch.zeros(prompts * samples, width, dtype=torch.long), torch.zeros(prompts * samples, width), []
+    for p in range(prompts):
+        prompt = torch.randint(1, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g)
+        for s in range(samples):
+            seq = torch.cat([prompt, torch.randint(1, 1000, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g)])
+            input_ids[p * samples + s, : len(seq)], mask[p * samples + s, : len(seq)] = seq, 1
+            uids.append(f"prompt-{p}")
+    order = torch.randperm(prompts * samples, generator=g)  # verl's batch is not grouped in order
+
+    def batch_of(n=prompts * samples, uid=None):
+        uid = np.array(uids, dtype=object)[order.numpy()][:n] if uid is None else np.array(uid, dtype=object)
+        return DataProto.from_dict({"input_ids": input_ids[order][:n].clone(), "attention_mask": mask[order][:n].clone()},
+                                   non_tensors={"uid": uid})
+
+    tree_balance = tree_balance_batch(_verls_balance)
+    for dp_size in (2, 4):
+        trainer = types.SimpleNamespace(actor_rollout_wg=None, _get_dp_size=lambda wg, role: dp_size)
+        result = {}
+        for name, balance in (("verl", _verls_balance), ("tree", tree_balance)):
+            batch, metrics = batch_of(), {}
+            balance(trainer, batch, metrics)
+            chunks = [range(r * len(batch) // dp_size, (r + 1) * len(batch) // dp_size) for r in range(dp_size)]
+            ids, m = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+            result[name] = {"groups": [{batch.non_tensor_batch["uid"][i] for i in c} for c in chunks],
+                            "tokens": [_trie_nodes([ids[i][m[i]].tolist() for i in c]) for c in chunks],
+                            "metrics": metrics}
+        tree, verl = result["tree"], result["verl"]
+        assert sum(len(groups) for groups in tree["groups"]) == prompts  # each group on one rank
+        assert sum(len(groups) for groups in verl["groups"]) > prompts  # verl splits groups
+        assert max(tree["tokens"]) < max(verl["tokens"]) and sum(tree["tokens"]) < sum(verl["tokens"])
+        assert tree["metrics"]["global_seqlen/tree_tokens_max_rank"] == max(tree["tokens"])
+        print(f"dp={dp_size}: tree tokens per rank {tree['tokens']} (verl's balancing: {verl['tokens']})")
+    # 3 samples in one group, 5 in another: no equal chunks with groups whole -> verl's, and a warning.
+    trainer = types.SimpleNamespace(actor_rollout_wg=None, _get_dp_size=lambda wg, role: 2)
+    uneven, expected = batch_of(8, ["a"] * 3 + ["b"] * 5), batch_of(8, ["a"] * 3 + ["b"] * 5)
+    with caplog.at_level("WARNING"):
+        tree_balance(trainer, uneven, {})
+    _verls_balance(trainer, expected, {})
+    assert torch.equal(uneven.batch["input_ids"], expected.batch["input_ids"])
+    assert "cannot fill 2 equal data-parallel chunks" in caplog.text

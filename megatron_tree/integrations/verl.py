@@ -9,24 +9,34 @@ things changed:
 * the model is built inside :func:`~megatron_tree.bridges.mbridge.patch_bridge_for_tree_training`
   (verl's mbridge path) or the Megatron-Bridge patch (its default path), so it is a
   ``TreeGPTModel`` with tree attention;
-* micro-batches are trees: every micro-batch holds whole prompt groups packed into a prefix trie by
-  :func:`~megatron_tree.core.packing.build_packed_tree_batch` (verl's token-budget micro-batching
-  splits groups), and verl's sample order is restored from the trees' sequence ids exactly as
-  verl restores its dynamic batches;
-* the forward step runs the tree once per micro-batch and hands verl, per sample of the
-  micro-batch, the log-probs / entropy verl's own logits processor computes on that sample's rows
-  (its labels rolled as verl rolls them): verl's losses and metrics run unchanged.
+* micro-batches are trees: :func:`~megatron_tree.core.packing.build_packed_tree_batch` packs the
+  rank's batch into prefix tries of at most the batch's token budget (verl's own token-budget
+  micro-batching splits prompt groups), and a prompt group larger than that runs with trunk reuse
+  (its trunk computed once, as trunk parts, its branches attending to the trunk's keys and values);
+  verl's sample order is restored from the trees' sequence ids exactly as verl restores its
+  dynamic batches;
+* the schedule: megatron_tree's own loops (:class:`~megatron_tree.mcore.runner.StepRunner`, and
+  :func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled` for trunk groups) run in place of
+  Megatron's ``forward_backward_func``; each micro-batch's head is verl's own logits processor at
+  its rows' tokens (labels rolled within each sample as verl rolls them), and its loss verl's
+  ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it, so verl's
+  losses, metrics and output layout are unchanged.
 
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
-changes; each sample's values are the value head on its own rows. Data-parallel ranks run as many
-trees (all-padding ones appended, which add no output or loss). Both of verl's model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a
-transformers-5 stack). Not yet: pipeline and context parallelism and routing replay (refused),
-trunk reuse inside verl (whole trees only), megatron_tree's data-parallel partition.
+changes; each sample's values are the value head at its own tokens' rows. Data-parallel ranks run
+as many micro-batches (all-padding ones appended, which add no output or loss). On verl's single
+controller, :func:`patch_trainer_balancing` (one call in the launcher) keeps each prompt group on
+one data-parallel rank where verl would balance sequence lengths and split groups. Both of verl's
+model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a transformers-5 stack).
+Refused with the reason: pipeline and context parallelism, routing replay (verl's router replay
+patches the router with per-micro-batch routes in verl's token order, which a tree does not keep),
+``calculate_per_token_loss``, top-k distillation with trunk reuse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import math
@@ -36,7 +46,7 @@ from typing import NamedTuple
 import torch
 from megatron.core import parallel_state as mpu
 from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id
+from verl.utils.seqlen_balancing import log_seqlen_unbalance
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
@@ -331,3 +341,95 @@ class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
     @staticmethod
     def _tree_model_output(per_sample: dict) -> torch.Tensor:
         return per_sample["values"]  # as verl's value forward step: the values, nested [b, j]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-parallel balancing on verl's single controller: prompt groups whole
+# ---------------------------------------------------------------------------------------------
+
+
+def unique_tokens(sequences: list[torch.Tensor]) -> int:
+    """Tokens of the prefix trie of ``sequences`` (1-D each): every shared prefix counted once."""
+    if not sequences:
+        return 0
+    ordered = sorted((tuple(s.tolist()) for s in sequences))
+    shared = 0
+    for a, b in zip(ordered, ordered[1:]):
+        n = min(len(a), len(b))
+        shared += next((k for k in range(n) if a[k] != b[k]), n)
+    return sum(len(s) for s in ordered) - shared
+
+
+def balance_prompt_groups(sequences: list[torch.Tensor], uids, dp_size: int) -> list[list[int]] | None:
+    """Sample indices per data-parallel rank with every prompt group (samples of one ``uid``) on one
+    rank and the ranks' tree tokens (:func:`unique_tokens`) balanced: groups longest first, each to
+    the least-loaded rank with room, the same number of groups on every rank. None when that cannot
+    give every rank as many samples (verl's dispatch splits the batch into equal chunks): the
+    group count is not a multiple of ``dp_size`` or the groups differ in size."""
+    groups: dict = {}
+    for i, uid in enumerate(uids):
+        groups.setdefault(uid, []).append(i)
+    sizes = {len(members) for members in groups.values()}
+    if len(groups) % dp_size or len(sizes) != 1:
+        return None
+    per_rank = len(groups) // dp_size
+    cost = {uid: unique_tokens([sequences[i] for i in members]) for uid, members in groups.items()}
+    loads, parts = [0] * dp_size, [[] for _ in range(dp_size)]
+    for uid in sorted(groups, key=lambda u: (-cost[u], groups[u][0])):
+        rank = min((r for r in range(dp_size) if len(parts[r]) < per_rank * len(groups[uid])),
+                   key=lambda r: loads[r])
+        parts[rank] += groups[uid]
+        loads[rank] += cost[uid]
+    return parts
+
+
+def tree_balance_batch(original):
+    """``RayPPOTrainer._balance_batch`` for tree training: verl balances sequence lengths and so
+    scatters a prompt's samples over the data-parallel ranks, where they share nothing; this keeps
+    each prompt group (``uid``) on one rank and balances the ranks' tree tokens
+    (:func:`balance_prompt_groups`, per mini-batch with ``keep_minibatch``). Falls back to verl's
+    balancing, with a warning, when the groups cannot fill equal chunks."""
+
+    @functools.wraps(original)
+    def balance(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        def verls(reason: str):
+            logger.warning("megatron_tree: %s; verl's sequence-length balancing is used (prompt groups may be "
+                           "split over data-parallel ranks, where they share nothing)", reason)
+            return original(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+
+        uids = batch.non_tensor_batch.get("uid")
+        if uids is None:
+            return verls("the batch has no 'uid' (prompt group) entries")
+        dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
+        mask = batch.batch["attention_mask"].bool()
+        size = mask.shape[0]
+        sequences = [batch.batch["input_ids"][i][mask[i]] for i in range(size)]
+        step = self.config.actor_rollout_ref.actor.get("ppo_mini_batch_size") if keep_minibatch else size
+        parts = [[] for _ in range(dp_size)]
+        for start in range(0, size, step):
+            chunk = balance_prompt_groups(sequences[start:start + step], uids[start:start + step], dp_size)
+            if chunk is None:
+                return verls(f"the prompt groups (uid) cannot fill {dp_size} equal data-parallel chunks")
+            for rank, members in enumerate(chunk):
+                parts[rank] += [start + i for i in members]
+        batch.reorder(torch.tensor([i for part in parts for i in part]))
+        lengths = mask.sum(-1).tolist()
+        metrics.update(log_seqlen_unbalance(seqlen_list=lengths, partitions=parts, prefix=logging_prefix))
+        tokens = [unique_tokens([sequences[i] for i in part]) for part in parts]
+        metrics[f"{logging_prefix}/tree_tokens_max_rank"] = max(tokens)
+        metrics[f"{logging_prefix}/tree_tokens_min_rank"] = min(tokens)
+
+    balance.megatron_tree = True
+    return balance
+
+
+def patch_trainer_balancing() -> None:
+    """Replace ``RayPPOTrainer._balance_batch`` by :func:`tree_balance_batch` (once). Call it in the
+    process that runs verl's trainer, before training (one line in the launcher). The verl plugin
+    does not: it runs inside ``import verl``, and importing verl's trainer from there would be
+    circular (and pulls in its rollout stack on every worker)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    if not getattr(RayPPOTrainer._balance_batch, "megatron_tree", False):
+        RayPPOTrainer._balance_batch = tree_balance_batch(RayPPOTrainer._balance_batch)
+        logger.info("megatron_tree: RayPPOTrainer._balance_batch keeps prompt groups on one data-parallel rank")
