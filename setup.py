@@ -25,7 +25,9 @@ setup(
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
-    extras_require={"megatron": MEGATRON, "test": TEST, "all": MEGATRON + TEST},
+    # "examples": the examples' plots and megatron_tree.visualize's mask picture.
+    extras_require={"megatron": MEGATRON, "test": TEST, "examples": ["matplotlib"],
+                    "all": MEGATRON + TEST + ["matplotlib"]},
     # verl imports every "verl.plugins" entry point at import: this one registers the tree engines
     # (VERL_ENGINE_VENDOR=megatron_tree selects them). Nothing is imported until verl asks.
     entry_points={"verl.plugins": ["megatron_tree = megatron_tree.integrations.verl_plugin"]},

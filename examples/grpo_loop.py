@@ -33,7 +33,7 @@ probabilities flips a sampled token, and diverge from there (reported as ``rollo
 At the end: a table (reward at start and end, greedy reward of both final policies, train-phase
 speed-up of the tree run against the FLOP-model ideal, worst parameter drift, wall time) and a PNG
 with the reward curves of both runs and each step's time of both runs, stacked by phase
-(matplotlib when installed, else a built-in PNG writer).
+(matplotlib; ``--plot ''`` skips it).
 """
 
 from __future__ import annotations
@@ -43,11 +43,9 @@ import functools
 import json
 import math
 import statistics
-import struct
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -502,156 +500,57 @@ def print_table(s: dict, plot: str | None) -> None:
 
 # --------------------------------------------------------------------------------------- plot
 
-_GLYPHS = {  # a 3x5 pixel font, rows top to bottom
-    "0": "###|#.#|#.#|#.#|###", "1": ".#.|##.|.#.|.#.|###", "2": "###|..#|###|#..|###",
-    "3": "###|..#|###|..#|###", "4": "#.#|#.#|###|..#|..#", "5": "###|#..|###|..#|###",
-    "6": "###|#..|###|#.#|###", "7": "###|..#|..#|..#|..#", "8": "###|#.#|###|#.#|###",
-    "9": "###|#.#|###|..#|###", "A": ".#.|#.#|###|#.#|#.#", "B": "##.|#.#|##.|#.#|##.",
-    "C": "###|#..|#..|#..|###", "D": "##.|#.#|#.#|#.#|##.", "E": "###|#..|##.|#..|###",
-    "F": "###|#..|##.|#..|#..", "G": "###|#..|#.#|#.#|###", "H": "#.#|#.#|###|#.#|#.#",
-    "I": "###|.#.|.#.|.#.|###", "J": "..#|..#|..#|#.#|###", "K": "#.#|#.#|##.|#.#|#.#",
-    "L": "#..|#..|#..|#..|###", "M": "#.#|###|###|#.#|#.#", "N": "##.|#.#|#.#|#.#|#.#",
-    "O": "###|#.#|#.#|#.#|###", "P": "###|#.#|###|#..|#..", "Q": "###|#.#|#.#|###|..#",
-    "R": "##.|#.#|##.|#.#|#.#", "S": "###|#..|###|..#|###", "T": "###|.#.|.#.|.#.|.#.",
-    "U": "#.#|#.#|#.#|#.#|###", "V": "#.#|#.#|#.#|#.#|.#.", "W": "#.#|#.#|###|###|#.#",
-    "X": "#.#|#.#|.#.|#.#|#.#", "Y": "#.#|#.#|.#.|.#.|.#.", "Z": "###|..#|.#.|#..|###",
-    ".": "...|...|...|...|.#.", "-": "...|...|###|...|...", ":": "...|.#.|...|.#.|...",
-    "/": "..#|..#|.#.|#..|#..", "(": ".#.|#..|#..|#..|.#.", ")": ".#.|..#|..#|..#|.#.",
-    "+": "...|.#.|###|.#.|...", "=": "...|###|...|###|...", " ": "...|...|...|...|...",
-}
-_COLOURS = {"tree": (31, 119, 180), "unshared": (255, 127, 14), "rollout": (148, 103, 189), "pack": (140, 86, 75),
-            "logprobs": (44, 160, 44), "train": (31, 119, 180), "sync": (214, 39, 40), "grid": (225, 225, 225),
-            "axis": (60, 60, 60)}
-
-
-class _Canvas:
-    """An RGB image [H, W, 3] with lines, boxes and 3x5 text; written as PNG by the standard library."""
-
-    def __init__(self, width: int, height: int):
-        self.img = torch.full((height, width, 3), 255, dtype=torch.uint8)
-
-    def box(self, x0, y0, x1, y1, colour):
-        h, w, _ = self.img.shape
-        x0, x1 = sorted((max(0, min(w, round(x0))), max(0, min(w, round(x1)))))
-        y0, y1 = sorted((max(0, min(h, round(y0))), max(0, min(h, round(y1)))))
-        self.img[y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)] = torch.tensor(colour, dtype=torch.uint8)
-
-    def line(self, x0, y0, x1, y1, colour, width=2, dash=0):
-        n = max(2, int(max(abs(x1 - x0), abs(y1 - y0))) + 1)
-        for k in range(n):
-            if dash and (k // dash) % 2:
-                continue
-            t = k / (n - 1)
-            x, y = x0 + t * (x1 - x0), y0 + t * (y1 - y0)
-            self.box(x - width / 2, y - width / 2, x + width / 2, y + width / 2, colour)
-
-    def text(self, x, y, s, colour=(0, 0, 0), scale=2):
-        for i, ch in enumerate(s.upper()):
-            rows = _GLYPHS.get(ch, _GLYPHS[" "]).split("|")
-            for r, row in enumerate(rows):
-                for c, on in enumerate(row):
-                    if on == "#":
-                        px, py = x + (i * 4 + c) * scale, y + r * scale
-                        self.box(px, py, px + scale, py + scale, colour)
-
-    def save(self, path: Path) -> None:
-        h, w, _ = self.img.shape
-        raw = torch.cat([torch.zeros(h, 1, dtype=torch.uint8), self.img.reshape(h, -1)], 1).numpy().tobytes()
-
-        def chunk(kind, payload):
-            return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-        head = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-        path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(raw, 6))
-                         + chunk(b"IEND", b""))
-
-
-def _nice_max(v: float) -> float:
-    if v <= 0:
-        return 1.0
-    mag = 10 ** math.floor(math.log10(v))
-    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= v)
-
-
-def _panel(cv: "_Canvas", left: int, top: int, pw: int, ph: int, title: str, labels: list[str], label_dx: int) -> None:
-    """A plot panel: its title, one grid line per y label (bottom to top, evenly spaced) and its axes."""
-    cv.text(left, 18, title)
-    for k, label in enumerate(labels):
-        y = top + ph - k * ph / (len(labels) - 1)
-        cv.line(left, y, left + pw, y, _COLOURS["grid"], width=1)
-        cv.text(left - label_dx, y - 5, label)
-    cv.line(left, top, left, top + ph, _COLOURS["axis"], 1)
-    cv.line(left, top + ph, left + pw, top + ph, _COLOURS["axis"], 1)
-
-
-def save_plot(loop: Loop, path: Path) -> Path:
-    """Left: mean reward per step, both runs. Right: each step's seconds of both runs (tree left,
-    unshared right of each pair), stacked by phase."""
-    hist = {name: loop.runs[name].history for name in RUNS}
-    steps = len(hist["tree"])
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend; ImportError naming the install if it is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
-    if plt is not None:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name, style in (("tree", "-"), ("unshared", "--")):
-            a.plot(range(1, steps + 1), [r["reward"] for r in hist[name]], style, label=name)
-        a.set(xlabel="step", ylabel="mean reward", title="reward", ylim=(0, 1))
-        a.legend()
-        for j, name in enumerate(RUNS):
-            bottom = [0.0] * steps
-            xs = [i + 1 + (j - 0.5) * 0.4 for i in range(steps)]
-            for phase in PHASES:
-                vals = [r["seconds"][phase] for r in hist[name]]
-                b.bar(xs, vals, 0.4, bottom=bottom, color=[c / 255 for c in _COLOURS[phase]],
-                      label=phase if j == 0 else None, hatch=None if j == 0 else "//")
-                bottom = [x + v for x, v in zip(bottom, vals)]
-        b.set(xlabel="step (pairs: tree, unshared //)", ylabel="seconds", title="time per step by phase")
-        b.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+    except ImportError as e:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or pip install "
+                          "megatron_tree[examples]); --plot '' skips the plot") from e
+    return plt
 
-    cv = _Canvas(1200, 480)
-    left, top, pw, ph = 70, 50, 480, 360
-    # reward panel
-    _panel(cv, left, top, pw, ph, "MEAN REWARD PER STEP: TREE (BLUE) / UNSHARED (ORANGE DASHED)",
-           [f"{k / 4:.2f}" for k in range(5)], label_dx=40)
-    cv.text(left, top + ph + 10, "1")
-    cv.text(left + pw - 20, top + ph + 10, str(steps))
-    cv.text(left + pw // 2 - 16, top + ph + 10, "STEP")
-    for name, dash in (("tree", 0), ("unshared", 6)):
-        pts = [(left + (i / max(steps - 1, 1)) * pw, top + ph - r["reward"] * ph) for i, r in enumerate(hist[name])]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            cv.line(x0, y0, x1, y1, _COLOURS[name], width=3 if name == "tree" else 2, dash=dash)
-    # time panel
-    left2 = left + pw + 110
-    totals = [sum(r["seconds"].values()) for name in RUNS for r in hist[name]]
-    ymax = _nice_max(max(totals))
-    _panel(cv, left2, top, pw, ph, "SECONDS PER STEP BY PHASE: TREE (LEFT) / UNSHARED (RIGHT)",
-           [f"{ymax * k / 4:.3g}" for k in range(5)], label_dx=44)
-    slot = pw / steps
-    for i in range(steps):
-        for j, name in enumerate(RUNS):
-            x0 = left2 + i * slot + slot * (0.1 + 0.42 * j)
-            y = top + ph
-            for phase in PHASES:
-                h = hist[name][i]["seconds"][phase] / ymax * ph
-                cv.box(x0, y - h, x0 + slot * 0.38, y, _COLOURS[phase])
-                y -= h
-    cv.text(left2 + pw // 2 - 16, top + ph + 10, "STEP")
-    x = left2
-    for phase in PHASES:
-        cv.box(x, top + ph + 30, x + 12, top + ph + 42, _COLOURS[phase])
-        cv.text(x + 16, top + ph + 31, phase)
-        x += 20 + 8 * (len(phase) + 1)
-    cv.save(path)
+
+def save_plot(loop: Loop, path: Path) -> Path:
+    """A PNG of two panels over steps 1..S (S = len(history)) of the ``tree`` and ``unshared`` runs.
+
+    Left: mean reward per step, one line per run, y in [0, 1]. Right: each step's seconds per
+    phase (PHASES), one stacked bar per run and step (tree left, unshared right and hatched).
+    """
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    hist = {name: loop.runs[name].history for name in RUNS}
+    steps = range(1, len(hist["tree"]) + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, style in zip(RUNS, ("-", "--")):
+        a.plot(steps, [r["reward"] for r in hist[name]], style, marker=".", label=name)
+    a.set(xlabel="step", ylabel="mean reward", title="mean reward per step", ylim=(0, 1))
+    a.grid(alpha=0.3)
+    a.legend()
+    width = 0.4
+    for j, name in enumerate(RUNS):
+        xs = [s + (j - 0.5) * width for s in steps]
+        bottom = [0.0] * len(xs)
+        for k, phase in enumerate(PHASES):
+            vals = [r["seconds"][phase] for r in hist[name]]
+            b.bar(xs, vals, width * 0.95, bottom=bottom, color=f"C{k}", hatch="//" if j else None,
+                  edgecolor="white" if j else None, label=phase if j == 0 else None)
+            bottom = [x + v for x, v in zip(bottom, vals)]
+    b.set(xlabel="step (bar pairs: tree, unshared //)", ylabel="seconds",
+          title="seconds per step by phase: tree (left) / unshared (right, hatched)")
+    top = max(sum(r["seconds"][p] for p in PHASES) for name in RUNS for r in hist[name])
+    b.set_ylim(0, 1.2 * top)  # headroom for the legend
+    b.grid(axis="y", alpha=0.3)
+    b.legend(fontsize="small", ncol=len(PHASES), loc="upper center")
+    for ax in (a, b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path
 
 
@@ -675,7 +574,8 @@ def parse_args(argv=None):
     p.add_argument("--own-rollouts", action="store_true",
                    help="each run samples from its own policy (same sampler seed) instead of sharing the tree run's")
     p.add_argument("--json", default=None, help="write per-step metrics of both runs here")
-    p.add_argument("--plot", default="outputs/grpo_loop.png")
+    p.add_argument("--plot", default="outputs/grpo_loop.png",
+                   help="PNG of rewards and step times (needs matplotlib); '' skips it")
     p.add_argument("--small", action="store_true", help="4 prompts x 8 samples, system prompt 16, counts 1..3")
     p.add_argument("--fp64", action="store_true",
                    help="train and sample in float64: the drift between the runs then shrinks with the machine "
@@ -703,6 +603,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.plot:
+        _pyplot()  # fail before training, not after, when matplotlib is missing
     from megatron_tree.testing.dist import single_process_world
 
     single_process_world(seed=1234)  # a one-process gloo world, Megatron at TP=1, the CPU patch

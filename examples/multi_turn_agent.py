@@ -15,7 +15,7 @@ import torch
 
 from megatron_tree import build_packed_tree_batch
 from megatron_tree.testing.synthetic import multi_turn_batch
-from megatron_tree.core.visualize import save_tree_mask_png
+from megatron_tree.visualize import save_tree_mask_png
 
 
 def main(out_dir: str = "outputs") -> dict:

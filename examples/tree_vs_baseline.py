@@ -212,8 +212,10 @@ def build_model(args, ckpt: str):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.bridge == "megatron-bridge":
-        # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs.
         from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+        from megatron_tree.patches import megatron_bridge_te
+
+        megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
         from megatron.bridge import AutoBridge
 
         with patch_megatron_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
@@ -313,7 +315,7 @@ def main(argv=None) -> dict:
     from megatron.core import parallel_state
 
     from megatron_tree import build_packed_tree_batch, ppo_clipped_loss, train_flops, tree_forward_backward
-    from megatron_tree.core.visualize import save_tree_mask_png
+    from megatron_tree.visualize import save_tree_mask_png
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     with tempfile.TemporaryDirectory() as ckpt:
@@ -405,5 +407,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_tree.quiet import known_upstream_warnings
+
+    # Known upstream noise (transformer-engine/apex absent, deprecations, ...) becomes one line at the
+    # end; unknown warnings still show. MEGATRON_TREE_VERBOSE=1 shows everything.
+    with known_upstream_warnings(prefix="[demo]", report=os.environ.get("RANK", "0") == "0"):
+        main()
     sys.exit(0)

@@ -65,6 +65,7 @@ _LAZY = {
     "TreeMLASelfAttention": ".mcore.mla",
     "token_multiplicity": ".mcore.moe",
     "patch_bridge_for_tree_training": ".bridges.mbridge",
+    "patch_megatron_bridge_for_tree_training": ".bridges.megatron_bridge",
     "is_tree_training_bridge": ".bridges.mbridge",
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install megatron_tree with the Megatron
-# stack and the test tools. Safe to run repeatedly: a stamp file skips the install when nothing it
-# depends on has changed. The stack follows the interpreter (see scripts/_env.sh):
+# stack, the test tools and matplotlib. Safe to run repeatedly: a stamp file skips the install
+# when nothing it depends on has changed. The stack follows the interpreter (see scripts/_env.sh):
 #   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
 # Both with mbridge 0.15.1 and transformers < 5.
 #
@@ -45,8 +45,8 @@ if [ "$TORCH_REQ" != "skip" ]; then
   echo "[setup] installing $TORCH_REQ"
   pip_install "$TORCH_REQ"
 fi
-echo "[setup] installing megatron_tree[megatron,test] (editable) ${MCORE_REQ}"
-pip_install -e ".[megatron,test]" $MCORE_REQ
+echo "[setup] installing megatron_tree[megatron,test,examples] (editable) ${MCORE_REQ}"
+pip_install -e ".[megatron,test,examples]" $MCORE_REQ
 install_megatron_bridge() {
   # Megatron-Bridge 0.6.2 declares a large GPU dependency set (flashinfer, nvidia-resiliency-ext,
   # wandb, ...); building, loading and exporting GPT models imports only these. Keep torch and

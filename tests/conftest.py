@@ -23,8 +23,19 @@ if PROFILE not in ("ci", "wide"):
 settings.load_profile(PROFILE)
 
 
+# The "slow" mark (pytest.ini): whole-example runs and spawned worlds of >= 4 processes. CI runs
+# everything; `pytest -m "not slow"` is the quick local loop. test_grpo_loop.py (runs
+# examples/grpo_loop.py end to end) is marked here, by file, until its own pytestmark carries it.
+SLOW_FILES = ("test_grpo_loop.py",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
 def pytest_collection_modifyitems(items):
-    """Under "wide", scale the max_examples a test names too (it overrides the profile's)."""
+    """Mark the tests of ``SLOW_FILES`` slow; under "wide", scale the max_examples a test names too
+    (it overrides the profile's)."""
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
     if PROFILE != "wide":
         return
     functions = (getattr(item.obj, "__func__", item.obj) for item in items if hasattr(item, "obj"))

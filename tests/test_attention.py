@@ -12,9 +12,7 @@ from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 
 from megatron_tree.testing.models import attention_reference, branching_sequences, pack
-
-# fp64 on CPU: the backends differ from the reference only by summation order, ~1e-15.
-TOL = 1e-12
+from megatron_tree.testing.tolerances import FP64_TOL
 
 
 def _tree(block_size: int = 16):
@@ -46,9 +44,9 @@ def test_backends_match_reference_forward_backward(backend, form, block_size):
     out = tree_attention(q, k, v, mask, backend=backend, block_size=block_size)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert out.shape == (n, 1, 32)
-    assert (out - ref).abs().max() < TOL
+    assert (out - ref).abs().max() < FP64_TOL
     for got, want in zip(grads, ref_grads):
-        assert (got - want).abs().max() < TOL
+        assert (got - want).abs().max() < FP64_TOL
 
 
 @pytest.mark.parametrize("block_size", [16, 7])
@@ -59,7 +57,7 @@ def test_flex_forward_matches_reference_on_cpu(block_size):
     ref = attention_reference(q, k, v, masked)
     for mask in (tree.subtree_end, masked):
         out = tree_attention(q, k, v, mask, backend="flex", block_size=block_size)
-        assert (out - ref).abs().max() < TOL
+        assert (out - ref).abs().max() < FP64_TOL
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "block_sparse", "flex"])
@@ -78,12 +76,12 @@ def test_value_head_dim_may_differ_from_query_head_dim(backend, sink):
     ref = torch.einsum("hqk,khd->qhd", probs, v[:, 0].repeat_interleave(2, dim=1)).reshape(-1, 1, 64)
     out = tree_attention(q, k, v, tree_attention_mask(tree), backend=backend, block_size=16, softmax_offset=offset)
     assert out.shape == (tree.padded_length, 1, 64)
-    assert (out - ref).abs().max() < TOL
+    assert (out - ref).abs().max() < FP64_TOL
     if backend != "flex":
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
         for got, want in zip(grads, ref_grads):
-            assert (got - want).abs().max() < TOL
+            assert (got - want).abs().max() < FP64_TOL
 
 
 def test_flex_backward_on_cpu_raises_clearly():
@@ -101,7 +99,7 @@ def test_softmax_scale_is_honoured():
     ref = tree_attention(q, k, v, tree.subtree_end, backend="sdpa")
     for backend in ("sdpa", "block_sparse"):
         out = tree_attention(2 * q, k, v, masked, backend=backend, softmax_scale=0.5 / math.sqrt(8))
-        assert (out - ref).abs().max() < TOL
+        assert (out - ref).abs().max() < FP64_TOL
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "block_sparse"])

@@ -15,6 +15,7 @@ from megatron_tree.testing.models import (
     packed_logprobs,
     record_parity,
 )
+from megatron_tree.testing.tolerances import LOGP_TOL
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
 # the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
@@ -23,10 +24,8 @@ pytestmark = [
     pytest.mark.usefixtures("world"),
 ]
 
-# fp32 on CPU: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence) sum in
-# different orders, ~3e-6 on these models; a wrong rotary angle or a leaked key moves log-probs by
-# >= 1e-3 (see test_attention_model.test_depth_rope_is_needed_for_branches).
-LOGP_TOL = 1e-5
+# A wrong rotary angle or a leaked key moves log-probs by >= 1e-3 (see
+# test_attention_model.test_depth_rope_is_needed_for_branches).
 
 
 def _load(path: str, **patch_kwargs):

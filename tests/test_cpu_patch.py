@@ -93,6 +93,8 @@ def test_gpt_forward_backward_single_process():
         single_process_world()
         from megatron.core.tensor_parallel import random as mp_random
 
+        from megatron_tree.testing.models import recompute_fields
+
         torch.manual_seed(0)
         model = _tiny_gpt()
         logits, grad_sq = _forward_backward(model)
@@ -101,9 +103,7 @@ def test_gpt_forward_backward_single_process():
 
         mp_random.model_parallel_cuda_manual_seed(1234)
         torch.manual_seed(0)
-        recompute = _tiny_gpt(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
+        recompute = _tiny_gpt(**recompute_fields("full"))
         recompute.load_state_dict(model.state_dict())
         model.zero_grad()
         logits_ref, _ = _forward_backward(model)

@@ -29,23 +29,17 @@ def test_unshared_flops_of_a_causal_chain():
     assert train_flops([tree], shape) == expected
 
 
-def test_linear_params_match_a_built_megatron_model():
-    from megatron_tree.testing.dist import single_process_world
+def test_linear_params_match_a_built_megatron_model(world):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_tree.testing.models import build_gpt_model
-    from megatron_tree.patches import megatron_cpu
 
-    single_process_world()
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=24,
         ffn_hidden_size=96, gated_linear_unit=True, add_bias_linear=False, normalization="RMSNorm",
         use_cpu_initialization=True, masked_softmax_fusion=False,
     )
-    try:
-        model = build_gpt_model(config, tree=True, vocab_size=50)
-    finally:
-        megatron_cpu.undo()
+    model = build_gpt_model(config, tree=True, vocab_size=50)
     matmul_weights = sum(
         p.numel() for n, p in model.named_parameters()
         if n.endswith("weight") and p.dim() == 2 and "embedding" not in n
@@ -94,21 +88,15 @@ def test_moe_from_config_reads_layer_pattern():
         4, 2, 6, 0, 2)
 
 
-def test_moe_active_parameters_match_a_built_megatron_model():
+def test_moe_active_parameters_match_a_built_megatron_model(world):
     """A local-spec MoE GPT (layers 0 and 2 of 3 MoE, 4 experts, top-2, a gated shared expert): the
     active weights are every non-expert matmul weight (router and shared expert included) plus 2/4
     of the expert weights."""
-    from megatron_tree.patches import megatron_cpu
-    from megatron_tree.testing.dist import single_process_world
     from megatron_tree.testing.models import build_gpt_model, small_moe_config
 
-    single_process_world()
-    try:
-        config = small_moe_config(num_layers=3, moe_layer_freq=[1, 0, 1], moe_shared_expert_intermediate_size=48,
-                                  moe_shared_expert_gate=True)
-        model = build_gpt_model(config, tree=True, vocab_size=50)
-    finally:
-        megatron_cpu.undo()
+    config = small_moe_config(num_layers=3, moe_layer_freq=[1, 0, 1],
+                              moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True)
+    model = build_gpt_model(config, tree=True, vocab_size=50)
     weights = {n: p.numel() for n, p in model.named_parameters()
                if p.dim() == 2 and "embedding" not in n and "layernorm" not in n}
     experts = sum(v for n, v in weights.items() if "local_experts" in n)

@@ -19,13 +19,21 @@ from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.testing.models import (
     ARCHS,
+    RECOMPUTE_MODES,
     VOCAB,
     attention_reference,
     branching_sequences,
     max_err,
     pack,
     packed_logprobs,
+    recompute_fields,
     small_gpt_config,
+)
+from megatron_tree.testing.tolerances import (
+    BF16_FACTOR,
+    GPU_FP32_KERNEL_TOL,
+    GPU_FP32_LOGP_TOL,
+    GRAD_RTOL,
 )
 
 pytestmark = [
@@ -35,25 +43,6 @@ pytestmark = [
 
 DEV = torch.device("cuda", 0)
 BACKENDS = ("flex", "block_sparse", "sdpa")
-# bf16: the tree forward rounds like the same bf16 model on each sequence alone, only in another
-# summation order (packed shapes, masked tiles), so its error against HF fp32 is of the same size;
-# 2x leaves room for the different rounding while a systematic error (leaked key, wrong rotary
-# angle) adds to it. Small bugs are the fp32 tests' job (1e-4 bar).
-BF16_FACTOR = 2.0
-# fp32 without TF32: Megatron (fused QKV, packed rows) and HF (separate projections, one sequence)
-# differ only in summation order, ~1e-6 on log-probs of these models; a bug is >= 1e-3.
-FP32_TOL = 1e-4
-# fp32 kernel outputs and gradients vs fp64: rounding of sums over at most N = 256 keys, ~1e-6
-# (measured with block_sparse on CPU: <= 3e-6); a masking or scaling bug is O(1e-1).
-KERNEL_FP32_TOL = 1e-4
-# Gradients sum over many tokens and sequences; relative to each parameter's gradient norm the
-# fp32 reordering error is ~1e-6.
-GRAD_RTOL = 1e-4
-RECOMPUTE = {
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,8 +125,8 @@ def test_fp32_flex_tree_logprobs_vs_hf(arch, checkpoints, references, record_pro
     with torch.no_grad():
         tree = max_err(_cpu(_tree_logprobs(model, pack(branching_sequences()))), references[arch])
     record_property("value", f"{tree:.3e}")
-    record_property("bar", f"<= {FP32_TOL:g}")
-    assert tree <= FP32_TOL, tree
+    record_property("bar", f"<= {GPU_FP32_LOGP_TOL:g}")
+    assert tree <= GPU_FP32_LOGP_TOL, tree
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +175,7 @@ def test_flex_kernel_vs_fp64(dtype, tensor, flex_kernel, record_property):
         bar = BF16_FACTOR * float((flex_kernel["naive_bf16"][i] - ref).abs().max())
         bar_text = f"<= {BF16_FACTOR:g}x naive bf16 {bar / BF16_FACTOR:.3e}"
     else:
-        bar, bar_text = KERNEL_FP32_TOL, f"<= {KERNEL_FP32_TOL:g}"
+        bar, bar_text = GPU_FP32_KERNEL_TOL, f"<= {GPU_FP32_KERNEL_TOL:g}"
     record_property("value", f"{err:.3e} (N={flex_kernel['n']})")
     record_property("bar", bar_text)
     assert err <= bar, (err, bar)
@@ -196,7 +185,7 @@ def _weighted_loss(logprobs: dict, weights: dict) -> torch.Tensor:
     return -sum((logprobs[i] * weights[i]).sum() for i in logprobs)
 
 
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
     """One tree-packed step (flex, fp32) vs the sum of per-sequence steps of Megatron's own GPTModel
     (local spec, causal mask), same per-token loss weights: gradients of every parameter."""
@@ -210,7 +199,7 @@ def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
     reference = reference.to(DEV).train()
     _weighted_loss(_unpacked_logprobs(reference, seqs, chain=False), weights).backward()
 
-    config = small_gpt_config(init_method_std=0.15, **RECOMPUTE[recompute])
+    config = small_gpt_config(init_method_std=0.15, **recompute_fields(recompute))
     tree_model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="flex").to(DEV).train()
     tree_model.load_state_dict(reference.state_dict())
     _weighted_loss(_tree_logprobs(tree_model, pack(seqs)), weights).backward()
@@ -252,5 +241,5 @@ def test_flex_window_sink_vs_block_sparse(case, record_property):
     flex, exact = run("flex"), run("block_sparse")
     err = max(float((a - b).abs().max()) for a, b in zip(flex, exact))
     record_property("value", f"{err:.3e} (N={n})")
-    record_property("bar", f"<= {KERNEL_FP32_TOL:g}")
-    assert err <= KERNEL_FP32_TOL, err
+    record_property("bar", f"<= {GPU_FP32_KERNEL_TOL:g}")
+    assert err <= GPU_FP32_KERNEL_TOL, err

@@ -82,4 +82,6 @@ def test_grpo_loop_tree_matches_unshared(tmp_path, dtype):
     summary = data["summary"]
     assert summary["max_param_rel_diff"] == max(s["tree"]["param_rel_diff"] for s in steps)
     assert summary["ideal_speedup"] > 1.5  # a shared 17-token prefix under every 2-4 token answer
-    assert (tmp_path / "grpo.png").read_bytes().startswith(b"\x89PNG")
+    png = (tmp_path / "grpo.png").read_bytes()  # matplotlib: 13 x 4.8 inches at 100 dpi
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1300, 480)

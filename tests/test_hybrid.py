@@ -21,27 +21,29 @@ from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.models import (
     HYBRID_ARCHS,
+    RECOMPUTE_MODES,
     max_err,
     megatron_bridge_tree_model,
     pack,
     record_parity,
+    recompute_fields,
     recurrent_sequences,
     step_logprobs,
     tree_logprobs,
+)
+from megatron_tree.testing.reference import gradient_errors, parameter_grads
+from megatron_tree.testing.tolerances import (
+    FP64_MODEL_TOL,
+    GRAD_RTOL,
+    HF_HYBRID_LOGP_TOL,
+    LOSS_RTOL,
 )
 
 pytestmark = [
     *MEGATRON_BRIDGE_STACK,
 ]
 
-# fp32 on CPU against HF fp32: HF's own log-probs move by up to 7.6e-6 between fp32 and fp64 here
-# (its gated delta rule, rotary table and softmax stay fp32 even in a float64 model), and Megatron
-# sums in other orders; measured 4.8e-6 .. 1.24e-5 over the three families. A wrong segment state
-# or convolution window moves log-probs by >= 1e-3.
-HF_LOGP_TOL = 2e-5
-# float64: the tree and each sequence alone through the same model differ by rounding only (5e-14).
-EXACT_TOL = 1e-10
-GRAD_RTOL = 1e-4
+# A wrong segment state or convolution window moves log-probs by >= 1e-3.
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_hybrid_tree_logprobs_match_hf(world, arch, hybrid_checkpoints, hybrid_r
     assert kinds == ["TreeGatedDeltaNet"] * 3 + ["SelfAttention"]
     assert all(isinstance(layer.self_attention, TreeGatedDeltaNet) for layer in model.decoder.layers[:3])
     err = max_err(tree_logprobs(model, recurrent_sequences()), hybrid_references[arch])
-    assert err <= HF_LOGP_TOL
+    assert err <= HF_HYBRID_LOGP_TOL
     record_parity(arch, "megatron-bridge", err)
 
 
@@ -84,7 +86,7 @@ def test_hybrid_tree_is_exact_in_float64(world, arch, hybrid_checkpoints):
     seqs = recurrent_sequences()
     tree = tree_logprobs(model, seqs)
     alone = tree_logprobs(model, seqs, alone=True)
-    assert max_err(tree, alone) <= EXACT_TOL
+    assert max_err(tree, alone) <= FP64_MODEL_TOL
 
 
 class _OneSequence(torch.nn.Module):
@@ -102,10 +104,6 @@ class _OneSequence(torch.nn.Module):
         mb = pack([input_ids[0]])[0]
         out = self.model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
         return out[:, :n]
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n.removeprefix("model."): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _step_vs_unpacked(path: str, fields: dict, **step_kwargs) -> tuple[float, float, dict, dict]:
@@ -126,28 +124,21 @@ def _step_vs_unpacked(path: str, fields: dict, **step_kwargs) -> tuple[float, fl
     model = _model(path, **fields)
     result = tree_forward_backward(model, batch, loss_fn, gather=LogProbs(), tp_group=ps.get_tensor_model_parallel_group(),
                                    **step_kwargs)
-    return float(result.loss), want, _grads(model), _grads(reference)
-
-
-RECOMPUTE = {
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "gdn_norm_out"]},
-}
+    grads = [parameter_grads(m, prefix="model.") for m in (model, reference)]
+    return float(result.loss), want, *grads
 
 
 def _assert_step_close(got_loss, want_loss, got, want):
-    from megatron_tree.testing.reference import gradient_errors
-
-    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
     errors = gradient_errors(got, want)
     assert any("in_proj" in n for n in errors) and any("conv1d" in n for n in errors)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_hybrid_step_gradients_equal_unpacked(world, recompute, hybrid_checkpoints):
-    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_5_text"], RECOMPUTE[recompute],
+    fields = recompute_fields(recompute, "gdn_norm_out")
+    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_5_text"], fields,
                                           max_tokens_per_mb=128, block_size=16))
 
 
@@ -175,7 +166,7 @@ def _tp2_worker(rank: int, paths: dict) -> dict:
 def test_hybrid_tensor_parallel_2_matches_hf(hybrid_checkpoints, hybrid_references):
     for rank in run_spawned(_tp2_worker, 2, hybrid_checkpoints):
         for arch, logprobs in rank.items():
-            assert max_err(logprobs, hybrid_references[arch]) <= HF_LOGP_TOL, arch
+            assert max_err(logprobs, hybrid_references[arch]) <= HF_HYBRID_LOGP_TOL, arch
 
 
 def _cp2_worker(rank: int, path: str) -> dict:
@@ -186,7 +177,7 @@ def test_hybrid_context_parallel_2_matches_hf(hybrid_checkpoints, hybrid_referen
     """CP=2: each rank all-gathers the gated delta-net inputs of the tree, runs the recurrence over
     all of it and keeps its rows; attention layers split as for dense models."""
     for rank in run_spawned(_cp2_worker, 2, hybrid_checkpoints["qwen3_5_text"], cp=2, tp=1):
-        assert max_err(rank, hybrid_references["qwen3_5_text"]) <= HF_LOGP_TOL
+        assert max_err(rank, hybrid_references["qwen3_5_text"]) <= HF_HYBRID_LOGP_TOL
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
@@ -234,6 +225,9 @@ def test_mamba_hybrid_is_refused_by_name(world, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+    from megatron_tree.patches import megatron_bridge_te
+
+    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
     from megatron.bridge import AutoBridge
 
     config = AutoConfig.for_model(

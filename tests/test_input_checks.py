@@ -18,6 +18,7 @@ from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.models import (
     VOCAB, branching_sequences, build_gpt_model, small_gpt_config, trunk_sequences,
 )
+from megatron_tree.testing.reference import parameter_grads
 from megatron_tree.testing.synthetic import rl_batch
 
 PACKING = dict(max_tokens_per_mb=64, block_size=16)
@@ -35,8 +36,7 @@ def _ppo(outputs, mb):
 def _step(model, batch, loss_fn=_ppo, **kwargs):
     model.zero_grad()
     result = tree_forward_backward(model, batch, loss_fn, **{**PACKING, **kwargs})
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return result, grads
+    return result, parameter_grads(model)
 
 
 def _no_forward(model) -> list:

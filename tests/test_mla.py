@@ -11,27 +11,22 @@ import torch
 
 from megatron_tree.testing.dist import reinitialize_model_parallel, run_spawned
 from megatron_tree.testing.models import (
+    RECOMPUTE_MODES,
     VOCAB,
     branching_sequences,
     max_err,
     pack,
     packed_logprobs,
+    recompute_fields,
     trunk_sequences,
 )
+from megatron_tree.testing.reference import gradient_errors, parameter_grads
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines")
 
-# fp32 on CPU: packed and unpacked runs differ in summation order only (~2e-6 measured here); a
-# rotary angle taken from the packed offset moves the later branches by > 1e-2.
-LOGP_TOL = 1e-5
-# Relative to each parameter's gradient norm; fp32 reordering gives ~1e-6.
-GRAD_RTOL = 1e-4
-RECOMPUTE = {
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mla_up_proj"]},
-}
+# A rotary angle taken from the packed offset moves the later branches by > 1e-2.
 
 
 def _config(rope_type: str = "yarn", **overrides):
@@ -107,7 +102,7 @@ def _step_vs_unpacked(config, seqs, **step_kwargs):
     from megatron_tree import tree_forward_backward
     from megatron_tree.core.heads import LogProbs
     from megatron_tree.core.losses import ppo_clipped_loss
-    from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
+    from megatron_tree.testing.reference import unpacked_reference_step
     from megatron_tree.testing.synthetic import rl_batch
 
     batch = rl_batch(seqs, response_start=5)
@@ -116,15 +111,17 @@ def _step_vs_unpacked(config, seqs, **step_kwargs):
     want = float(unpacked_reference_step(reference, batch, loss_fn))
     result = tree_forward_backward(tree, batch, loss_fn, gather=LogProbs(),
                                    tp_group=ps.get_tensor_model_parallel_group(), **step_kwargs)
-    grads = lambda m: {n: p.grad for n, p in m.named_parameters()}  # noqa: E731
-    return float(result.loss), want, gradient_errors(grads(tree), grads(reference))
+    errors = gradient_errors(parameter_grads(tree, require_all=True),
+                             parameter_grads(reference, require_all=True))
+    return float(result.loss), want, errors
 
 
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_mla_step_gradients_equal_unpacked(world, recompute):
-    got, want, errors = _step_vs_unpacked(_config(**RECOMPUTE[recompute]), branching_sequences(),
+    config = _config(**recompute_fields(recompute, "mla_up_proj"))
+    got, want, errors = _step_vs_unpacked(config, branching_sequences(),
                                           max_tokens_per_mb=128, block_size=16)
-    assert got == pytest.approx(want, rel=1e-5)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
     assert any("linear_kv_down_proj" in n for n in errors) and any("linear_q_up_proj" in n for n in errors)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
@@ -140,7 +137,7 @@ def test_mla_trunk_reuse_gradients_equal_unpacked(world):
                                      pad_to_max=False, share_trunks=True)
     assert any(mb["rows"].stored is not None and mb["rows"].reach > mb["rows"].num_rows for mb in packed)
     got, want, errors = _step_vs_unpacked(_config(), seqs, max_tokens_per_mb=64, block_size=16, share_trunks=True)
-    assert got == pytest.approx(want, rel=1e-5)
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
@@ -162,6 +159,7 @@ def _parallel_worker(rank: int) -> dict:
             for name, seqs, packing in cases}
 
 
+@pytest.mark.slow
 def test_mla_context_parallel_2_x_tensor_parallel_2_matches_stock():
     """CP=2 x TP=2: each rank rotates its rows by their depths before the keys are all-gathered."""
     for rank in run_spawned(_parallel_worker, 4, tp=2, cp=2):

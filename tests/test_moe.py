@@ -29,22 +29,21 @@ from megatron_tree.testing.models import (
     global_expert_name,
     long_context_sequences,
     moe_layer_spec,
+    recompute_fields,
     small_moe_config,
 )
-from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
+from megatron_tree.testing.reference import (
+    gradient_errors,
+    parameter_grads,
+    unpacked_reference_step,
+)
 from megatron_tree.testing.synthetic import rl_batch
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
 )
 
-# fp32 on CPU: the tree and the unpacked runs differ in summation order only (packed matmul shapes,
-# experts fed tokens in another order), ~2e-6 on log-probs and ~1e-6 relative on gradients here;
-# a wrong mask or position, a token routed to the wrong expert or a lost expert gradient moves
-# log-probs by >= 1e-3 and gradients by >= 1e-2.
-LOGP_TOL = 1e-5
-GRAD_RTOL = 1e-4
-LOSS_RTOL = 1e-5
 DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -54,10 +53,6 @@ def _batch() -> dict:
 
 def _loss_fn(outputs, mb):
     return ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _reference_logprobs(model, batch: dict) -> torch.Tensor:
@@ -188,7 +183,8 @@ def ep1(world, tmp_path_factory):
     batch = _batch()
     reference = build_gpt_model(small_moe_config(), tree=False, vocab_size=VOCAB)
     want_loss = unpacked_reference_step(reference, batch, _loss_fn)
-    out = {"loss": float(want_loss), "grads": _grads(reference), "logprobs": _reference_logprobs(reference, batch),
+    out = {"loss": float(want_loss), "grads": parameter_grads(reference),
+           "logprobs": _reference_logprobs(reference, batch),
            "state": str(tmp_path_factory.mktemp("moe") / "state.pt")}
     torch.save(reference.state_dict(), out["state"])
     for dispatcher in DISPATCHERS:
@@ -196,7 +192,8 @@ def ep1(world, tmp_path_factory):
                                backend="block_sparse", block_size=16)
         tree.load_state_dict(reference.state_dict())
         result = _tree_step(tree, batch)
-        out[dispatcher] = {"loss": float(result.loss), "grads": _grads(tree), "trees": result.num_micro_batches,
+        out[dispatcher] = {"loss": float(result.loss), "grads": parameter_grads(tree),
+                           "trees": result.num_micro_batches,
                            "logprobs": result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]}
     return out
 
@@ -274,7 +271,7 @@ def _ep_worker(rank: int, state_path: str) -> dict:
         out[dispatcher] = {
             "loss": float(loss), "trees": result.num_micro_batches,
             "logprobs": result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"],
-            "grads": {names[n]: (g, tp_rank) for n, g in _grads(model).items()},
+            "grads": {names[n]: (g, tp_rank) for n, g in parameter_grads(model).items()},
         }
     return out
 
@@ -324,8 +321,7 @@ def test_expert_token_counter(world):
     from megatron_tree.core.packing import build_packed_tree_batch
     from megatron_tree.mcore.moe_stats import ExpertTokenCounter
 
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    config = small_moe_config(**recompute)
+    config = small_moe_config(**recompute_fields("full"))
     model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
     packed = build_packed_tree_batch(_batch(), max_tokens_per_mb=64, block_size=16)
     with ExpertTokenCounter(model) as forward_only:
@@ -373,7 +369,7 @@ def _trunk_moe_step(model, batch, capacity: int, **kwargs):
     clear_aux_losses_tracker()
     model.zero_grad(set_to_none=True)
     result = _tree_step(model, batch, max_tokens_per_mb=capacity, block_size=16, **kwargs)
-    return result, _grads(model), _logged_router_losses()
+    return result, parameter_grads(model), _logged_router_losses()
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -381,10 +377,9 @@ def test_trunk_reuse_router_losses_equal_the_whole_group(world, recompute):
     """The 150-token history group at capacity 64: a chain of three trunk parts and two branch
     micro-batches, routing statistics summed over them in a first no-grad pass. Loss, log-probs,
     every gradient and the logged load-balancing and z losses equal the group held in one tree."""
-    recompute_kw = {} if recompute == "none" else dict(recompute_granularity="full", recompute_method="uniform",
-                                                      recompute_num_layers=1)
-    model = build_gpt_model(small_moe_config(**ROUTER_LOSSES, **recompute_kw), tree=True, vocab_size=VOCAB,
-                            backend="block_sparse", block_size=16)
+    config = small_moe_config(**ROUTER_LOSSES, **recompute_fields(recompute))
+    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse",
+                            block_size=16)
     batch = _long_batch("history")
     whole, want, want_losses = _trunk_moe_step(model, batch, 256, share_trunks=False)
     assert len(whole.packed) == 1
@@ -426,7 +421,7 @@ def _trunk_ep_worker(rank: int, state_path: str, dispatcher: str) -> dict:
     _finalize_grads(model)
     loss = result.loss.clone()
     dist.all_reduce(loss, group=ps.get_data_parallel_group())
-    return {"loss": float(loss), "grads": {names[n]: g for n, g in _grads(model).items()},
+    return {"loss": float(loss), "grads": {names[n]: g for n, g in parameter_grads(model).items()},
             "trunk_parts": sum(mb["rows"].records for mb in result.packed)}
 
 
@@ -462,9 +457,9 @@ def test_an_all_padding_tree_adds_no_router_loss(world):
     filler.update({k: v[:0] for k, v in packed[0].items() if k not in filler})
     padded = PackedTreeBatch(list(packed) + [filler], packed.batch_size, packed.num_real_tokens, packed.max_token_id)
     model.zero_grad(set_to_none=True)
-    want, want_grads = _tree_step(model, packed), _grads(model)
+    want, want_grads = _tree_step(model, packed), parameter_grads(model)
     model.zero_grad(set_to_none=True)
-    got, got_grads = _tree_step(model, padded), _grads(model)
+    got, got_grads = _tree_step(model, padded), parameter_grads(model)
     assert float(got.loss) == pytest.approx(float(want.loss), rel=LOSS_RTOL)
     errors = gradient_errors(got_grads, want_grads)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])

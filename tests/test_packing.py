@@ -14,6 +14,7 @@ from hypothesis import example, given, settings, strategies as st
 from megatron_tree.core.flops import GPTShape, attention_pairs, cost_weights, train_flops
 from megatron_tree.core.mask import build_attention_mask_from_trie
 from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.strategies import random_tries
 from megatron_tree.testing.synthetic import grpo_batch, multi_turn_batch, pad_sequences
 
 
@@ -84,21 +85,6 @@ def check_packed(batch: dict, packed, capacity: int) -> None:
     assert sorted(seen_ids) == list(range(len(seqs))), "every sequence packed exactly once"
     assert packed.num_tree_tokens == total_unique
     assert packed.num_real_tokens == sum(map(len, seqs))
-
-
-@st.composite
-def random_tries(draw):
-    """Sequences grown from earlier ones: shared prefixes, branches, prefixes, duplicates."""
-    vocab = draw(st.integers(2, 6))
-    sequences: list[list[int]] = []
-    for _ in range(draw(st.integers(1, 12))):
-        base: list[int] = []
-        if sequences and draw(st.booleans()):
-            parent = draw(st.sampled_from(sequences))
-            base = parent[: draw(st.integers(0, len(parent)))]
-        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=0 if base else 1, max_size=9))
-        sequences.append(base + tail)
-    return sequences
 
 
 @settings(max_examples=150, deadline=None)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_tree import partition_for_data_parallel
 from megatron_tree.core.flops import GPTShape, cost_weights, train_flops
 from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.strategies import random_tries
 from megatron_tree.testing.synthetic import agent_batch, grpo_batch, pad_sequences
 
 SHAPE = GPTShape(hidden=4096, layers=36, heads=32, query_groups=8, ffn_hidden=12288, vocab=151936, head_dim=128)
@@ -112,14 +113,8 @@ def test_one_or_two_groups_per_rank_never_worse_than_keeping_groups_whole():
 
 @st.composite
 def random_batches(draw):
-    vocab = draw(st.integers(2, 4))
-    sequences: list[list[int]] = []
-    for _ in range(draw(st.integers(1, 14))):
-        base: list[int] = []
-        if sequences and draw(st.booleans()):
-            parent = draw(st.sampled_from(sequences))
-            base = parent[: draw(st.integers(0, len(parent)))]
-        sequences.append(base + draw(st.lists(st.integers(0, vocab - 1), min_size=0 if base else 1, max_size=8)))
+    """(sequences, a data-parallel size of 1..their number)."""
+    sequences = draw(random_tries(max_vocab=4, max_sequences=14, max_tail=8))
     return sequences, draw(st.integers(1, len(sequences)))
 
 

@@ -24,8 +24,7 @@ from megatron_tree.core.recurrent import (
 )
 from megatron_tree.testing.models import recurrent_sequences
 from megatron_tree.testing.synthetic import grpo_batch, pad_sequences, random_trie_sequences
-
-TOL = 1e-12  # float64
+from megatron_tree.testing.tolerances import FP64_TOL
 
 
 def _tree(seqs, capacity=1024, block=16):
@@ -54,10 +53,10 @@ def _check_tree(tree, chunk):
     for i in range(tree.num_sequences):
         idx = tree.sequence_token_index(i)
         want, _ = gated_delta_rule_reference(*(t[idx] for t in inputs))
-        assert (out[idx] - want).abs().max() <= TOL
+        assert (out[idx] - want).abs().max() <= FP64_TOL
         seq = x[idx].permute(1, 2, 0)  # [b, D, L]
         want_conv = torch.nn.functional.conv1d(seq, weight[:, None, :], bias, padding=3, groups=6)[..., : len(idx)]
-        assert (conv[idx] - want_conv.permute(2, 0, 1)).abs().max() <= TOL
+        assert (conv[idx] - want_conv.permute(2, 0, 1)).abs().max() <= FP64_TOL
     return plan
 
 
@@ -79,8 +78,9 @@ def test_chunked_rule_carries_initial_state():
     for chunk in (1, 5, 16, 64):
         got, got_state = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], state[None], chunk)
         zero, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], None, chunk, final_state=False)
-        assert (zero[0] - gated_delta_rule_reference(q, k, v, g, beta)[0]).abs().max() <= TOL
-        assert (got[0] - want).abs().max() <= TOL and (got_state[0] - want_state).abs().max() <= TOL
+        assert (zero[0] - gated_delta_rule_reference(q, k, v, g, beta)[0]).abs().max() <= FP64_TOL
+        assert (got[0] - want).abs().max() <= FP64_TOL
+        assert (got_state[0] - want_state).abs().max() <= FP64_TOL
 
 
 def test_backward_matches_finite_differences():

@@ -15,24 +15,25 @@ from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.models import long_context_sequences
-from megatron_tree.testing.models import build_gpt_model, small_gpt_config
-from megatron_tree.testing.reference import gradient_errors, stage_parameter_name, unpacked_reference_step
+from megatron_tree.testing.models import (
+    RECOMPUTE_MODES,
+    build_gpt_model,
+    recompute_fields,
+    small_gpt_config,
+)
+from megatron_tree.testing.reference import (
+    gradient_errors,
+    parameter_grads,
+    stage_parameter_name,
+    unpacked_reference_step,
+)
 from megatron_tree.testing.synthetic import rl_batch
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOSS_RTOL
 
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import VOCAB, branching_sequences
 
-# fp32 on CPU: packed and unpacked runs differ only in summation order; relative to each
-# parameter's gradient norm that is ~1e-6 here, while a wrong mask, position or normalization
-# moves gradients by >= 1e-2.
-GRAD_RTOL = 1e-4
-LOSS_RTOL = 1e-5
 NUM_LAYERS = 4
-RECOMPUTE = {
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
-}
 
 
 def _config(recompute: str = "none", **overrides):
@@ -46,7 +47,7 @@ def _config(recompute: str = "none", **overrides):
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
-        **RECOMPUTE[recompute],
+        **recompute_fields(recompute),
         **overrides,
     )
 
@@ -94,10 +95,6 @@ def _tree_step(model, batch: dict, critic: bool, **kwargs):
     )
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _assert_grads_close(got: dict, want: dict) -> None:
     errors = gradient_errors(got, want)
     assert errors and max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
@@ -110,14 +107,14 @@ def _compare_tree_to_reference(critic: bool, recompute: str) -> tuple[float, flo
     tree = _build("tree", critic, recompute, state=reference.state_dict())
     result = _tree_step(tree, batch, critic)
     assert result.num_micro_batches > 1
-    return float(result.loss), float(want_loss), _grads(tree), _grads(reference)
+    return float(result.loss), float(want_loss), parameter_grads(tree), parameter_grads(reference)
 
 
 # ----------------------------------------------------------------------------- TP = 1, in process
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_step_equals_unpacked_step(world, critic, recompute):
     got_loss, want_loss, got, want = _compare_tree_to_reference(critic, recompute)
     assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
@@ -194,7 +191,7 @@ def _dp_worker(rank: int, state_path: str) -> dict:
     model = _build("tree", False, state=torch.load(state_path))
     dp_group = ps.get_data_parallel_group()
     result = _tree_step(model, local, False, dp_group=dp_group)
-    grads = _grads(model)
+    grads = parameter_grads(model)
     for g in grads.values():  # what Megatron DDP does: average over data-parallel ranks
         dist.all_reduce(g, op=dist.ReduceOp.AVG, group=dp_group)
     loss = result.loss.clone()
@@ -211,7 +208,7 @@ def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
     assert ranks[1]["dummies"] > 0  # rank 1 ran dummy trees to stay in step
     for r in ranks:
         assert r["loss"] == pytest.approx(float(want_loss), rel=LOSS_RTOL)
-        _assert_grads_close(r["grads"], _grads(reference))
+        _assert_grads_close(r["grads"], parameter_grads(reference))
 
 
 # Each pipeline test runs two batches: the branching trie cut into trees (Megatron's schedule
@@ -238,7 +235,8 @@ def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> list
         model.load_state_dict(mine)
         model.zero_grad(set_to_none=True)
         result = _tree_step(model, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
-        grads = {stage_parameter_name(n, stage * per_stage): g for n, g in _grads(model).items()}
+        grads = {stage_parameter_name(n, stage * per_stage): g
+                 for n, g in parameter_grads(model).items()}
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
             dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
         out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
@@ -252,7 +250,8 @@ def _pipeline_references(critic: bool, path) -> list[tuple[float, dict]]:
     wants = []
     for name, _ in PIPELINE_CASES:
         reference.zero_grad(set_to_none=True)
-        wants.append((float(_reference_step(reference, _pipeline_batch(name), critic)), _grads(reference)))
+        loss = float(_reference_step(reference, _pipeline_batch(name), critic))
+        wants.append((loss, parameter_grads(reference)))
     return wants
 
 
@@ -275,6 +274,7 @@ def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute)
     _check_pipeline(first, last, wants)
 
 
+@pytest.mark.slow
 def test_context_parallel_2_x_pipeline_parallel_2_equals_unpacked(world, tmp_path):
     """CP=2 x PP=2 (4 ranks): each stage's micro-batches are CP shares of their trees (Megatron's
     p2p shapes are the tree length over CP), with and without trunk reuse."""
@@ -307,7 +307,8 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
         # 3 trees (branching): not a multiple of PP, so the step adds a fill-in tree for the
         # interleaved schedule; the trunk batch's calls get theirs too.
         result = _tree_step(chunks, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
-        grads = {names[(c, n)]: g for c, chunk in enumerate(chunks) for n, g in _grads(chunk).items()}
+        grads = {names[(c, n)]: g
+                 for c, chunk in enumerate(chunks) for n, g in parameter_grads(chunk).items()}
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
             dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
         out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
@@ -315,6 +316,7 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_virtual_pipeline_2x2_x_context_parallel_2_equals_unpacked(world, tmp_path):
     """PP=2 x VPP=2 x CP=2 (4 ranks): the interleaved schedule's fill-in tree (3 trees, PP 2) is a
     CP share like the others, and so are the trunk calls' fill-ins."""
@@ -406,11 +408,11 @@ def test_pack_once_step_many_equals_padded_steps(world):
     for _ in range(2):
         model.zero_grad()
         got = _tree_step(model, packed, False)
-        got_grads = _grads(model)
+        got_grads = parameter_grads(model)
         model.zero_grad()
         want = _tree_step(model, padded, False)
         assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
-        _assert_grads_close(got_grads, _grads(model))
+        _assert_grads_close(got_grads, parameter_grads(model))
 
 
 def test_megatron_divides_in_per_token_mode(world):
@@ -439,7 +441,7 @@ def test_megatron_divides_in_per_token_mode(world):
         model.config.finalize_model_grads_func = None
         model.config.calculate_per_token_loss = False
     assert seen == [int(batch["loss_mask"].sum())]
-    _assert_grads_close(_grads(model), _grads(reference))
+    _assert_grads_close(parameter_grads(model), parameter_grads(reference))
     assert float(result.loss) == pytest.approx(float(unpacked_reference_step(
         reference, batch, _loss_fn(False), backward=False)), rel=LOSS_RTOL)
 

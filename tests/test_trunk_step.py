@@ -20,27 +20,26 @@ from megatron_tree.mcore.step import _recompute_trunks, tree_forward_backward
 from megatron_tree.mcore.trunk_step import check_trunk_parts
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import (
+    RECOMPUTE_MODES,
     VOCAB,
     build_gpt_model,
     long_context_sequences,
+    recompute_fields,
     small_gpt_config,
     trunk_sequences,
 )
-from megatron_tree.testing.reference import finalize_sequence_parallel_grads, gradient_errors, unpacked_reference_step
+from megatron_tree.testing.reference import (
+    finalize_sequence_parallel_grads,
+    gradient_errors,
+    parameter_grads,
+    unpacked_reference_step,
+)
 from megatron_tree.testing.synthetic import rl_batch
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
-# fp32 on CPU: trunk reuse and the unpacked run differ only in summation order (~1e-6 relative to
-# each gradient's norm here); a branch missing the trunk's keys, a lost trunk gradient or a wrong
-# depth moves gradients by >= 1e-2.
-GRAD_RTOL = 1e-4
-LOSS_RTOL = 1e-5
-OUTPUT_ATOL = 1e-5  # per-token log-probs / values, fp32 vs the float64 log-softmax reference
+# A branch missing the trunk's keys, a lost trunk gradient or a wrong depth moves gradients by
+# >= 1e-2 relative.
 CAPACITY = 64
-RECOMPUTE = {
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
-}
 
 
 def _build(tree: bool, critic: bool, recompute: str = "none", state: dict | None = None, **overrides):
@@ -48,7 +47,8 @@ def _build(tree: bool, critic: bool, recompute: str = "none", state: dict | None
 
     config = small_gpt_config(
         num_layers=3, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), **RECOMPUTE[recompute], **overrides,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        **recompute_fields(recompute), **overrides,
     )
     model = build_gpt_model(config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16)
     if state is not None:
@@ -101,10 +101,6 @@ def _step(model, batch, critic: bool, **kwargs):
                                  **kwargs)
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _compare(critic: bool, recompute: str, sequence_parallel: bool = False, chains: bool = False, **step_kwargs):
     batch = rl_batch(long_context_sequences() if chains else trunk_sequences(), response_start=5)
     reference = _build(False, critic)
@@ -115,7 +111,8 @@ def _compare(critic: bool, recompute: str, sequence_parallel: bool = False, chai
     result = _step(model, packed, critic, collect_outputs=True, **step_kwargs)
     if sequence_parallel:
         finalize_sequence_parallel_grads(model)
-    return float(result.loss), float(want_loss), _grads(model), _grads(reference), result, want_outputs
+    grads = parameter_grads(model), parameter_grads(reference)
+    return float(result.loss), float(want_loss), *grads, result, want_outputs
 
 
 def _assert_close(got_loss, want_loss, got, want):
@@ -129,11 +126,11 @@ def _assert_outputs_close(result, want_outputs: dict) -> None:
     for name, values in merged.items():
         for i, want in want_outputs.items():
             got = values[i, : want[name].shape[0]].double()
-            assert torch.allclose(got, want[name].double(), atol=OUTPUT_ATOL, rtol=0), (name, i)
+            assert torch.allclose(got, want[name].double(), atol=LOGP_TOL, rtol=0), (name, i)
 
 
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
-@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_trunk_reuse_equals_unpacked(world, critic, recompute):
     got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute)
     _assert_close(got_loss, want_loss, got, want)
@@ -195,7 +192,8 @@ def test_forward_only_outputs_and_pack_once(world):
         batch["old_logprobs"][i, : out["logprobs"].shape[0]] = out["logprobs"].float()
     reference.zero_grad()
     want = unpacked_reference_step(reference, batch, _loss_fn(False))
-    _assert_close(float(result.loss), float(want), _grads(model), _grads(reference))
+    _assert_close(float(result.loss), float(want), parameter_grads(model),
+                  parameter_grads(reference))
 
 
 def test_refusals(world):
@@ -300,4 +298,4 @@ def test_gradient_sync_waits_for_the_trunk_backward(world):
     trunks = sum(mb["rows"].group is not None and mb["rows"].is_trunk for mb in packed)
     assert state["backwards"] == [True] * (plain + branches + trunks - 1) + [False]
     assert packed[-1]["rows"].group is not None and state["tokens"] == [int(batch["loss_mask"].sum())]
-    _assert_close(0.0, 0.0, _grads(model), _grads(reference))
+    _assert_close(0.0, 0.0, parameter_grads(model), parameter_grads(reference))

@@ -30,14 +30,11 @@ from megatron_tree.core.mask import (
 )
 from megatron_tree.testing.models import VOCAB, branching_sequences, pack
 
-# Attention level, fp64 on CPU: the backends differ from brute force only by summation order (~1e-15).
-ATTN_TOL = 1e-12
-# Model level, fp32 on CPU: the tree model and the stock model differ in summation order only
-# (attention over different key sets padded differently, ~1e-6 on log-probs, ~1e-6 relative on
-# gradients); a key one level outside the window, a missing sink or a sink of the wrong sign moves
-# log-probs by >= 1e-3 and gradients by >= 1e-3 relative.
-LOGPROB_ATOL = 1e-5
-GRAD_RTOL = 1e-4
+from megatron_tree.testing.reference import gradient_errors, parameter_grads
+from megatron_tree.testing.tolerances import FP64_TOL, GRAD_RTOL, LOGP_TOL
+
+# Attention level in fp64, model level in fp32 (tolerances.py); a key one level outside the window,
+# a missing sink or a sink of the wrong sign moves log-probs by >= 1e-3, gradients by >= 1e-3 rel.
 WINDOW = (7, 0)  # Megatron's convention: a query sees itself and 7 ancestors, 8 keys on a chain
 
 
@@ -168,9 +165,9 @@ def test_backends_match_brute_force_forward_backward(backend, window, sink, form
     got = tree_attention(q, k, v, mask, backend=backend, block_size=16,
                          window_size=None if window is None else (window, 0), softmax_offset=offset)
     grads = torch.autograd.grad(got.square().sum(), inputs)
-    assert (got - want).abs().max() <= ATTN_TOL
+    assert (got - want).abs().max() <= FP64_TOL
     for g, w in zip(grads, want_grads):
-        assert (g - w).abs().max() <= ATTN_TOL
+        assert (g - w).abs().max() <= FP64_TOL
 
 
 @pytest.mark.parametrize("window,sink", [(7, "none"), (0, "zeros"), (7, "learned"), (None, "learned")])
@@ -182,7 +179,7 @@ def test_flex_forward_matches_brute_force_on_cpu(window, sink):
     for block_size in (16, 8):
         got = tree_attention(q, k, v, tree_attention_mask(tree), backend="flex", block_size=block_size,
                              window_size=None if window is None else (window, 0), softmax_offset=offset)
-        assert (got - want).abs().max() <= ATTN_TOL
+        assert (got - want).abs().max() <= FP64_TOL
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "block_sparse", "flex"])
@@ -198,7 +195,7 @@ def test_context_parallel_rows_match_brute_force(backend, cp, unit):
         rows = split.local_positions
         got = tree_attention(q[rows], k, v, tree_attention_mask(tree, split), backend=backend,
                              block_size=16, window_size=WINDOW, softmax_offset=offset)
-        assert (got - want[rows]).abs().max() <= ATTN_TOL
+        assert (got - want[rows]).abs().max() <= FP64_TOL
 
 
 def test_windows_share_one_plan_each():
@@ -279,11 +276,10 @@ def test_tree_model_matches_stock_model_per_sequence(world, softmax_type, backen
     loss.backward()
 
     err = max(float((got[i] - want[i]).abs().max()) for i in want)
-    stock_grads = dict(stock.named_parameters())
-    rel = {name: float((p.grad - stock_grads[name].grad).norm() / stock_grads[name].grad.norm())
-           for name, p in tree_model.named_parameters()}
+    rel = gradient_errors(parameter_grads(tree_model, require_all=True),
+                          parameter_grads(stock, require_all=True))
     print(f"PARITY {softmax_type} {backend} window={WINDOW} logprob_err={err:.2e} grad_rel={max(rel.values()):.2e}")
-    assert err <= LOGPROB_ATOL
+    assert err <= LOGP_TOL
     assert max(rel.values()) <= GRAD_RTOL, rel
     if softmax_type == "learnable":
         assert all(n in rel for n in ("decoder.layers.0.self_attention.core_attention.softmax_offset",))
@@ -299,7 +295,7 @@ def test_flex_model_forward_matches_stock_model(world):
         for j in range(tree.num_sequences):
             idx, i = tree.sequence_token_index(j), int(tree.sequence_ids[j])
             want = _logprobs(stock(seqs[i][None], torch.arange(len(seqs[i]))[None], attention_mask=None)[0], seqs[i])
-            assert (_logprobs(logits[idx], tree.input_ids[idx]) - want).abs().max() <= LOGPROB_ATOL
+            assert (_logprobs(logits[idx], tree.input_ids[idx]) - want).abs().max() <= LOGP_TOL
 
 
 def test_softmax_offset_parameter_and_errors(world):

@@ -53,6 +53,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
+from ._hook import InitHook
 from ..patches import mbridge_compat, mbridge_deepseek
 from .routing import sigmoid_router_fields
 from ..mcore.spec import tree_attention_spec
@@ -336,34 +337,16 @@ def patch_bridge_for_tree_training(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    # One hook on Bridge.__init__, installed by the outermost enabled block; the innermost block's
-    # settings (or its enable=False) decide what a bridge created at that point gets.
-    install = enable and not _HOOK
-    if install:
-        original_init = bridge_module.Bridge.__init__
-
-        @functools.wraps(original_init)
-        def init(self, *args, **kwargs):
-            settings = _ACTIVE[-1] if _ACTIVE else None
-            if settings is not None and mbridge_deepseek.applies_to(self):
-                mbridge_deepseek.bind(self)  # before __init__ builds the config mbridge gets wrong
-            original_init(self, *args, **kwargs)
-            if settings is not None:
-                _bind(self, **settings)
-
-        bridge_module.Bridge.__init__ = init
-        _HOOK.append(original_init)
-    _ACTIVE.append({"backend": backend, "block_size": block_size} if enable else None)
-    try:
+    with _HOOK.block(bridge_module.Bridge, {"backend": backend, "block_size": block_size} if enable else None):
         yield
-    finally:
-        _ACTIVE.pop()
-        if install:
-            bridge_module.Bridge.__init__ = _HOOK.pop()
 
 
-_ACTIVE: list[dict | None] = []  # settings of the open blocks, innermost last
-_HOOK: list = []  # the original Bridge.__init__ while the hook is installed
+def _before_init(bridge: Any) -> None:
+    if mbridge_deepseek.applies_to(bridge):
+        mbridge_deepseek.bind(bridge)  # before __init__ builds the config mbridge gets wrong
+
+
+_HOOK = InitHook(bind=_bind, before=_before_init)
 
 
 def is_tree_training_bridge(bridge: Any) -> bool:

@@ -25,9 +25,10 @@ provider (:func:`make_tree_provider`):
   Megatron-Bridge overwrite ``core_attention``; it is set to ``auto``).
 
 No weight-map change is needed: Megatron-Bridge's mapping registry already knows the local spec's
-separate norm weights. Importing this module applies ``megatron_tree.patches.megatron_bridge_te``
-where transformer-engine is missing (Megatron-Bridge cannot be imported otherwise). On a CPU-only
-machine also apply ``megatron_tree.patches.megatron_cpu``.
+separate norm weights. Megatron-Bridge is imported on first use (the patch block or
+:func:`make_tree_provider`), with ``megatron_tree.patches.megatron_bridge_te`` applied where
+transformer-engine is missing (Megatron-Bridge cannot be imported otherwise); nothing is patched at
+import. On a CPU-only machine also apply ``megatron_tree.patches.megatron_cpu``.
 """
 
 from __future__ import annotations
@@ -38,34 +39,39 @@ import importlib.util
 import inspect
 from typing import Any, Iterator
 
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..core.attention import BACKENDS
+from ..mcore.model import TreeGPTModel
+from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec
 from ..patches import megatron_bridge_experts, megatron_bridge_te
-
-megatron_bridge_te.apply()
-
-from megatron.bridge.models import gpt_provider  # noqa: E402
-from megatron.bridge.models.conversion.auto_bridge import AutoBridge  # noqa: E402
-from megatron.bridge.models.conversion.param_mapping import AutoMapping  # noqa: E402
-from megatron.core.transformer.enums import AttnBackend  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-
-from ..core.attention import BACKENDS  # noqa: E402
-from ..mcore.model import TreeGPTModel  # noqa: E402
-from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec  # noqa: E402
-from .routing import sigmoid_router_fields  # noqa: E402
+from ._hook import InitHook
+from .routing import sigmoid_router_fields
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
-# Our modules' tensor-parallel layout, for the bridges' automatic weight mappings (by class name):
-# the tree gated delta-net is split like Megatron's (its A_log / dt_bias / conv1d by heads), a local
-# norm is replicated, tree core attention's learnable softmax offset (gpt-oss's sinks) is split by
-# heads as in DotProductAttention, and the local experts' second projection is row-parallel.
-for _name, _kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"), ("TreeCoreAttention", "column"),
-                     ("ExpertRowParallelLinear", "row")):
-    AutoMapping.register_module_type(_name, _kind)
-_TE_SPECS = {
-    gpt_provider.default_layer_spec,
-    gpt_provider.transformer_engine_layer_spec,
-    gpt_provider.transformer_engine_full_layer_spec,
-}
+
+
+@functools.cache
+def _megatron_bridge() -> tuple[Any, type]:
+    """Megatron-Bridge's ``gpt_provider`` module and ``AutoBridge``, imported on first use (with
+    ``megatron_tree.patches.megatron_bridge_te`` applied where transformer-engine is missing), and
+    our modules' tensor-parallel layout registered for its automatic weight mappings (by class
+    name): the tree gated delta-net is split like Megatron's (its A_log / dt_bias / conv1d by
+    heads), a local norm is replicated, tree core attention's learnable softmax offset (gpt-oss's
+    sinks) is split by heads as in DotProductAttention, the local experts' second projection is
+    row-parallel."""
+    megatron_bridge_te.apply()
+    from megatron.bridge.models import gpt_provider
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    for name, kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"),
+                       ("TreeCoreAttention", "column"), ("ExpertRowParallelLinear", "row")):
+        AutoMapping.register_module_type(name, kind)
+    return gpt_provider, AutoBridge
+
+
 # Provider flags that need transformer-engine or apex (finalize() or the torch norms raise).
 _TE_ONLY_FLAGS = ("apply_rope_fusion", "persist_layer_norm", "masked_softmax_fusion",
                   "gradient_accumulation_fusion", "sequence_parallel", "moe_permute_fusion",
@@ -111,6 +117,7 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     """
     if getattr(provider, _BOUND_ATTR, None) is not None:
         return provider
+    gpt_provider, _ = _megatron_bridge()
     if not isinstance(provider, gpt_provider.GPTModelProvider):
         raise ValueError(
             f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT models "
@@ -127,7 +134,9 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     use_te = _transformer_engine_available()
     base_spec = provider.transformer_layer_spec
     if not use_te:
-        if base_spec in _TE_SPECS:
+        te_specs = {gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec,
+                    gpt_provider.transformer_engine_full_layer_spec}
+        if base_spec in te_specs:
             base_spec = gpt_provider.local_layer_spec
         elif base_spec is _hybrid_te_spec():
             base_spec = local_hybrid_block_spec
@@ -192,28 +201,24 @@ def patch_megatron_bridge_for_tree_training(
             bridge = AutoBridge.from_hf_pretrained(hf_path, dtype=torch.float32)
         models = bridge.to_megatron_model(load_weights=True, wrap_with_ddp=False)  # inside or after
 
+    On a machine without transformer-engine, Megatron-Bridge imports only with
+    ``megatron_tree.patches.megatron_bridge_te`` applied: this block applies it on entry (import
+    ``AutoBridge`` inside it, or call ``megatron_bridge_te.apply()`` before importing it).
+
     Args:
-        enable: False makes the block a no-op.
+        enable: False makes the block a no-op; a disabled block nested in an enabled one creates
+            plain bridges. In nested enabled blocks the innermost block's settings apply.
         backend: TreeCoreAttention backend for the models these bridges build.
         block_size: tile size of the flex / block-sparse backends.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if not enable:
+    _, auto_bridge = _megatron_bridge()
+    with _HOOK.block(auto_bridge, {"backend": backend, "block_size": block_size} if enable else None):
         yield
-        return
-    original_init = AutoBridge.__init__
 
-    @functools.wraps(original_init)
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        _bind(self, backend, block_size)
 
-    AutoBridge.__init__ = init
-    try:
-        yield
-    finally:
-        AutoBridge.__init__ = original_init
+_HOOK = InitHook(bind=lambda bridge, backend, block_size: _bind(bridge, backend, block_size))
 
 
 def is_tree_training_bridge(bridge: Any) -> bool:

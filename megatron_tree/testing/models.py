@@ -292,8 +292,10 @@ def megatron_bridge_tree_model(path: str, *, tp: int = 1, cp: int = 1, backend: 
     """The tree model Megatron-Bridge builds from the HF checkpoint at ``path`` under
     ``patch_megatron_bridge_for_tree_training`` (fp32, no DDP; ``provider_fields`` set on the
     provider before it is finalized, e.g. recompute or router settings). Needs parallel_state."""
-    # Our module first: it applies the transformer-engine import patch Megatron-Bridge needs here.
     from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+    from ..patches import megatron_bridge_te
+
+    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
     from megatron.bridge import AutoBridge
 
     with patch_megatron_bridge_for_tree_training(backend=backend):
@@ -398,6 +400,25 @@ def attention_reference(q, k, v, masked):
     scores = torch.einsum("qbhd,kbhd->bhqk", q, kk) / math.sqrt(dim)
     probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
     return torch.einsum("bhqk,kbhd->qbhd", probs, vv).reshape(n, b, heads * dim)
+
+
+# The activation-recompute modes the step tests run each model under (see recompute_fields).
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def recompute_fields(mode: str, *modules: str) -> dict:
+    """``TransformerConfig`` fields of a recompute mode of ``RECOMPUTE_MODES``, a fresh dict each
+    call (Megatron may append to ``recompute_modules``): ``"none"``, ``"full"`` (every layer, one
+    at a time) or ``"selective"`` (``core_attn`` plus ``modules``, e.g. ``"mla_up_proj"``)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
+    return {
+        "none": {},
+        "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1},
+        "selective": {"recompute_granularity": "selective",
+                      "recompute_modules": ["core_attn", *modules]},
+    }[mode]
 
 
 def small_gpt_config(**overrides):

@@ -106,6 +106,29 @@ def stage_parameter_name(name: str, first_layer: int) -> str:
     return ".".join(parts)
 
 
+def parameter_grads(model, *, prefix: str = "", main_grad: bool = False,
+                    require_all: bool = False) -> dict[str, torch.Tensor]:
+    """Detached copies of ``model``'s parameter gradients by name, for :func:`gradient_errors`.
+
+    Args:
+        model: any ``torch.nn.Module``.
+        prefix: removed from the front of each name (e.g. ``"model."`` of a wrapper).
+        main_grad: read Megatron DDP's ``main_grad`` buffers instead of ``.grad`` (verl zeroes them
+            on leaving ``engine.train_mode()``: read them inside it).
+        require_all: every parameter must have a gradient (else ``ValueError``); by default the
+            parameters without one (``None``) are left out.
+    """
+    attr = "main_grad" if main_grad else "grad"
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = getattr(param, attr, None)
+        if grad is None and require_all:
+            raise ValueError(f"parameter {name} has no {attr}")
+        if grad is not None:
+            grads[name.removeprefix(prefix)] = grad.detach().clone()
+    return grads
+
+
 def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
     """Relative error ``|got - want| / |want|`` per parameter (names must match)."""
     if got.keys() != want.keys():

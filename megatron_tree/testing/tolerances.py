@@ -1,0 +1,70 @@
+"""The tolerances of the test suite, each justified once here; tests import them.
+
+Every comparison in the suite is of two computations that are equal in exact arithmetic: a tree
+(packed, shared prefixes) against each sequence alone, one parallel layout against another, a kernel
+against a brute force. What separates them is rounding in another summation order (other matmul
+shapes, padded or masked key sets, partial sums merged across ranks), so each bar is a small
+multiple of the measured rounding, and far below what a real bug moves (a wrong mask, rotary angle,
+route or normalization moves log-probs by >= 1e-3 and gradients by >= 1e-3 relative, mostly much
+more). Change a bar only with a measurement, and write it down here.
+"""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------------------------------- float64
+# Kernels in float64 (tree attention backends, the recurrent scans, log-softmax and entropy)
+# against a float64 brute force: only summation order differs, ~1e-15 on these O(1) values; 1e-12
+# leaves three digits of margin, and any error in the math is orders of magnitude larger.
+FP64_TOL = 1e-12
+# A whole float64 model (the gated delta-net hybrids): the tree against each sequence alone through
+# the same model differs by rounding only (5e-14 measured); above FP64_TOL because a model chains
+# many more roundings than one kernel.
+FP64_MODEL_TOL = 1e-10
+
+# ------------------------------------------------------------------------- fp32 on CPU, models
+# Per-token outputs (log-probs, entropies, values) of small fp32 models on the CPU: tree vs unpacked
+# Megatron, vs HF on one sequence (fused QKV and packed rows vs separate projections), vs verl's
+# micro-batches, across TP / CP / EP layouts. The summation order differs, which moves them by
+# <= 3e-6 on these 2-4 layer models (measured: ~1e-6 dense, ~2e-6 MoE, MLA and verl, <= 3e-6
+# bridges and frontier families); 1e-5 keeps a margin while a wrong rotary angle or a leaked key
+# (>= 1e-3) fails.
+LOGP_TOL = 1e-5
+# The gated delta-net hybrids against HF fp32: HF's own log-probs move by up to 7.6e-6 between its
+# fp32 and fp64 runs (its gated delta rule, rotary table and softmax stay fp32 even in a float64
+# model), and Megatron sums in other orders; measured 4.8e-6 .. 1.24e-5 over the three families.
+HF_HYBRID_LOGP_TOL = 2e-5
+# Token-mean losses (and logged router losses), relative: one scalar summed over every token in
+# another order, ~1e-7 relative; a token counted once instead of k times moves it by >= 1e-3.
+LOSS_RTOL = 1e-5
+# Parameter gradients, ``|got - want| / |want|`` per parameter: gradients sum over many tokens and
+# sequences, so the fp32 reordering error relative to each gradient's norm is ~1e-6 (dense, MoE,
+# SP/CP/PP splits alike); a lost trunk or expert gradient, a doubled TP reduction or a wrong
+# normalization moves a gradient by >= 1e-2 relative (a key just outside a window: >= 1e-3).
+GRAD_RTOL = 1e-4
+
+# ------------------------------------------------------------------------ fp32 on CPU, kernels
+# Fused fp32 log-softmax / entropy vs the float64 reference: fp32 rounds x - max (|x - max| < 8 for
+# the randn logits, ulp 9.5e-7 at 8, so <= 4.8e-7) and log(sum) (ulp ~5e-7 at 4-8); over 60 cases
+# naive torch.log_softmax errs by up to 7.5e-7 on log-probs and 1.05e-6 on entropy, the fused
+# kernel by 7.5e-7 and 5.3e-7. 1e-6 is the issue's bar.
+FP32_LOGSOFTMAX_TOL = 1e-6
+# The same across tensor-parallel vocab shards: TP only changes how the per-shard partial sums are
+# merged, a few ulp of |logprob| < 8 (ulp 4.8e-7).
+FP32_TP_LOGSOFTMAX_TOL = 2e-6
+# fp32 attention of unit-scale inputs with 16-dim heads, a context-parallel rank's rows against fp32
+# brute force over the whole tree (144 keys): rounding only, <= 3.6e-7 measured over every backend
+# and split.
+FP32_ATTN_TOL = 1e-5
+
+# ------------------------------------------------------------------------------------ CUDA
+# fp32 without TF32 on the GPU, bridged models vs HF fp32 on the CPU: summation order only, ~1e-6 on
+# log-probs of these models; a bug is >= 1e-3.
+GPU_FP32_LOGP_TOL = 1e-4
+# fp32 flex kernel outputs and gradients vs fp64: rounding of sums over at most N = 256 keys, ~1e-6
+# (block_sparse on CPU: <= 3e-6); a masking or scaling bug is O(1e-1).
+GPU_FP32_KERNEL_TOL = 1e-4
+# bf16: the tree rounds like the same bf16 computation on each sequence alone (the bf16 brute force,
+# the unpacked bf16 model), only in another summation order, so its error against the fp32 / fp64
+# reference is of the same size; 2x that error leaves room for the different rounding while a
+# systematic error (leaked key, wrong rotary angle) adds to it. Small bugs are the fp32 bars' job.
+BF16_FACTOR = 2.0
