@@ -23,6 +23,8 @@ import sys
 import warnings
 from typing import Iterator
 
+from .patches._scoped import swapped
+
 VERBOSE_ENV = "MEGATRON_TREE_VERBOSE"
 
 # (category label, regex searched in the message text). Keep these specific: a broad pattern would
@@ -78,17 +80,12 @@ class KnownNoise:
                 f"set {VERBOSE_ENV}=1 to show them")
 
 
-class _LogFilter(logging.Filter):
-    def __init__(self, noise: KnownNoise):
-        super().__init__()
-        self.noise = noise
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            text = record.getMessage()
-        except Exception:  # a malformed record is not ours to judge: show it
-            return True
-        return not self.noise.hide(text)
+def _shown(record: logging.LogRecord, noise: KnownNoise) -> bool:
+    try:
+        text = record.getMessage()
+    except Exception:  # a malformed record is not ours to judge: show it
+        return True
+    return not noise.hide(text)
 
 
 class _LineFilter(io.TextIOBase):
@@ -137,27 +134,20 @@ def known_upstream_warnings(prefix: str = "[demo]", report: bool = True, stream=
     # A filter on the root logger does not see records that propagate up from child loggers, and
     # upstream libraries add loggers and handlers at import time; so filter where every record passes
     # once: Logger.handle on the logger that made it (restored on exit).
-    log_filter = _LogFilter(noise)
     original_handle = logging.Logger.handle
 
     def handle(self, record):
-        if log_filter.filter(record):
+        if _shown(record, noise):
             original_handle(self, record)
 
-    logging.Logger.handle = handle
-    old_stdout = sys.stdout
-    if filter_stdout:
-        sys.stdout = _LineFilter(old_stdout, noise)
-    warnings.showwarning = showwarning
     try:
-        yield noise
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(swapped(warnings, showwarning=showwarning))
+            stack.enter_context(swapped(logging.Logger, handle=handle))
+            if filter_stdout:
+                stack.enter_context(swapped(sys, stdout=_LineFilter(sys.stdout, noise)))
+                stack.callback(lambda: sys.stdout.flush())  # the filter's last line, before stdout is restored
+            yield noise
     finally:
-        warnings.showwarning = original_showwarning
-        if filter_stdout:
-            try:
-                sys.stdout.flush()
-            finally:
-                sys.stdout = old_stdout
-        logging.Logger.handle = original_handle
         if report and noise.total:
             print(noise.summary(prefix), file=stream or sys.stderr, flush=True)

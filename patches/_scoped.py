@@ -17,3 +17,16 @@ def scoped(apply: Callable[[], bool], undo: Callable[[], None], is_applied: Call
     finally:
         if applied_here and active:
             undo()
+
+
+@contextlib.contextmanager
+def swapped(owner: object, **values) -> Iterator[None]:
+    """``owner``'s attributes set to ``values`` for the block, the originals restored after."""
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)

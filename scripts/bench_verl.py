@@ -25,20 +25,10 @@ MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_at
 
 
 def rollout(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> tuple[dict, list[torch.Tensor]]:
-    """verl's rollout layout for (prompt, responses) groups: prompts left-padded, responses right-padded."""
-    pairs = [(p, r) for p, responses in groups for r in responses]
-    width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
-    batch = {k: torch.zeros(len(pairs), w, dtype=torch.long) for k, w in
-             (("prompts", width_p), ("responses", width_r), ("attention_mask", width_p + width_r),
-              ("response_mask", width_r))}
-    for i, (p, r) in enumerate(pairs):
-        batch["prompts"][i, width_p - len(p):] = p
-        batch["responses"][i, : len(r)] = r
-        batch["attention_mask"][i, width_p - len(p): width_p + len(r)] = 1
-        batch["response_mask"][i, : len(r)] = 1
-    batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], 1)
-    batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
-    return batch, [torch.cat(pair) for pair in pairs]
+    """verl's rollout layout for (prompt, responses) groups (the test harness's)."""
+    from megatron_tree.testing.verl import rollout_layout
+
+    return rollout_layout([(p, r) for p, responses in groups for r in responses])
 
 
 def grpo_groups(vocab: int, prompts: int, samples: int, prompt_len: int, response: tuple[int, int], seed: int = 0):

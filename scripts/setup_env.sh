@@ -47,29 +47,30 @@ if [ "$TORCH_REQ" != "skip" ]; then
 fi
 echo "[setup] installing megatron_tree[megatron,test,examples] (editable) ${MCORE_REQ}"
 pip_install -e ".[megatron,test,examples]" $MCORE_REQ
+install_without_deps() {
+  # $1 with --no-deps, then the requirements after it with the installed versions of the packages
+  # named by the regex $2 kept (pip must not resolve torch / megatron-core / transformers again).
+  local package="$1" keep="$2" constraints
+  shift 2
+  constraints="$(mktemp)"
+  "$PY" -m pip freeze | grep -iE "^($keep)==" >"$constraints" || true
+  pip_install --no-deps "$package"
+  pip_install -c "$constraints" "$@"
+  rm -f "$constraints"
+}
 install_megatron_bridge() {
   # Megatron-Bridge 0.6.2 declares a large GPU dependency set (flashinfer, nvidia-resiliency-ext,
   # wandb, ...); building, loading and exporting GPT models imports only these. Keep torch and
   # megatron-core as installed.
   echo "[setup] installing megatron-bridge 0.6.2 (--no-deps), transformers 5.8-5.12, omegaconf"
-  local constraints
-  constraints="$(mktemp)"
-  "$PY" -m pip freeze | grep -iE '^(torch|megatron-core)==' >"$constraints" || true
-  pip_install --no-deps "megatron-bridge==0.6.2"
-  pip_install -c "$constraints" "transformers>=5.8,<=5.12.1" omegaconf
-  rm -f "$constraints"
+  install_without_deps "megatron-bridge==0.6.2" "torch|megatron-core" "transformers>=5.8,<=5.12.1" omegaconf
 }
 install_verl() {
   # verl 0.9.1 without its declared dependencies, then what its Megatron engine imports, with
   # torch / megatron-core / transformers kept as installed (extra requirements: "$@").
   echo "[setup] installing verl 0.9.1 (--no-deps) and what its Megatron engine imports"
-  local constraints
-  constraints="$(mktemp)"
-  "$PY" -m pip freeze | grep -iE '^(torch|megatron-core|transformers)==' >"$constraints" || true
-  pip_install --no-deps "verl==0.9.1"
-  pip_install -c "$constraints" ray "tensordict==0.10.0" omegaconf codetiming peft accelerate datasets pandas \
-    pyarrow pillow pydantic fastapi uvicorn psutil dill "$@"
-  rm -f "$constraints"
+  install_without_deps "verl==0.9.1" "torch|megatron-core|transformers" ray "tensordict==0.10.0" omegaconf \
+    codetiming peft accelerate datasets pandas pyarrow pillow pydantic fastapi uvicorn psutil dill "$@"
 }
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   install_megatron_bridge

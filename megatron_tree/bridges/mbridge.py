@@ -55,6 +55,7 @@ from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ._hook import InitHook
 from ..patches import mbridge_compat, mbridge_deepseek
+from ..patches._scoped import swapped
 from .routing import sigmoid_router_fields
 from ..mcore.spec import tree_attention_spec
 
@@ -65,16 +66,6 @@ _BOUND_ATTR = "_megatron_tree_tree_training"
 
 def _transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-@contextlib.contextmanager
-def _swap_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 # Multi-latent attention: the local spec's separate latent norms, and the TE names (norms fused into
@@ -285,7 +276,7 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
         def tree_provider(*pargs, **pkwargs):
             with contextlib.ExitStack() as stack:
                 for module in _provider_modules(bridge):
-                    stack.enter_context(_swap_attr(module, "GPTModel", TreeGPTModel))
+                    stack.enter_context(swapped(module, GPTModel=TreeGPTModel))
                 model = provider(*pargs, **pkwargs)
             if not isinstance(model, TreeGPTModel):
                 raise ValueError(

@@ -46,6 +46,7 @@ from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec
 from ..patches import megatron_bridge_experts, megatron_bridge_te
+from ..patches._scoped import swapped
 from ._hook import InitHook
 from .routing import sigmoid_router_fields
 
@@ -159,12 +160,8 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
                 "supported with tree training (a branch point has one next token per child); set "
                 "provider.mtp_num_layers = None before provide() (RL trains the main head only)"
             )
-        original_cls = gpt_provider.MCoreGPTModel
-        gpt_provider.MCoreGPTModel = TreeGPTModel
-        try:
+        with swapped(gpt_provider, MCoreGPTModel=TreeGPTModel):
             model = original_provide(*args, **kwargs)
-        finally:
-            gpt_provider.MCoreGPTModel = original_cls
         _check_tree_model(model)
         return model
 

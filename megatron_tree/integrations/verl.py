@@ -54,6 +54,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from ..core.packing import build_packed_tree_batch
 from ..mcore.runner import MicroBatchInputs, StepRunner, plain_forward_step
 from ..mcore.trunk_step import check_trunk_parts, run_trunks_scheduled
+from ..patches._scoped import swapped
 
 logger = logging.getLogger(__name__)
 VENDOR = "megatron_tree"
@@ -99,28 +100,18 @@ def _tree_bridges(backend: str):
         yield
 
 
-@contextlib.contextmanager
-def _swapped(owner, **values):
-    saved = {name: getattr(owner, name) for name in values}
-    for name, value in values.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(owner, name, value)
-
-
 class _TokenRows(NamedTuple):
     """The sequence tokens of a tree that one micro-batch's rows compute, with what verl's head
     needs for them (built on the host before the step; t of the tree's T tokens).
 
-    Attributes: size T; tokens [t] (their places in the tree's token order, None: all T in
-    order); rows [t] (the micro-batch's row of each); labels [t] (the next token of the sample,
-    rolled as verl rolls: the last token's label is the sample's first); temperature [t].
+    Attributes: size T; lengths (the tree's samples' token counts, host ints); tokens [t] (their
+    places in the tree's token order, None: all T in order); rows [t] (the micro-batch's row of
+    each); labels [t] (the next token of the sample, rolled as verl rolls: the last token's label is
+    the sample's first); temperature [t].
     """
 
     size: int
+    lengths: tuple[int, ...]
     tokens: torch.Tensor | None
     rows: torch.Tensor
     labels: torch.Tensor
@@ -137,13 +128,14 @@ class _TokenRows(NamedTuple):
         lengths = cu.diff()
         temperature = temperature[tree.sequence_ids].float().repeat_interleave(lengths)
         local = rows.local_index[tree.token_index]
+        host_lengths = tuple(lengths.tolist())
         if rows.is_whole:
-            return cls(size, None, local, labels, temperature)
+            return cls(size, host_lengths, None, local, labels, temperature)
         here = torch.nonzero(local >= 0).flatten()
-        return cls(size, here, local[here], labels[here], temperature[here])
+        return cls(size, host_lengths, here, local[here], labels[here], temperature[here])
 
     def to(self, device) -> "_TokenRows":
-        return _TokenRows(self.size, None if self.tokens is None else self.tokens.to(device),
+        return _TokenRows(self.size, self.lengths, None if self.tokens is None else self.tokens.to(device),
                           *(t.to(device) for t in (self.rows, self.labels, self.temperature)))
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
@@ -197,7 +189,7 @@ class _VerlStep(StepRunner):
         data = self.micro_batches[i]
         # Megatron divides each loss by its schedule call's micro-batch count; verl multiplies by this.
         tu.assign_non_tensor(data, num_micro_batch=self.num_scheduled)
-        lengths = tree.cu_seqlens.diff().tolist()
+        lengths = self.token_rows[id(mb["rows"])][0].lengths  # host ints from packing: no device read
         per_sample = {k: _nested(list(v.split(lengths))) for k, v in outputs.items()}
         loss, output = self.postprocess(self.model_output(per_sample), data=data)
         self.outputs[i] = output
@@ -259,7 +251,7 @@ class _TreeEngine:
         prepare = partial(self._prepare_trees, capacity=self._capacity(data), trees=trees)
         schedule = partial(self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only)
         tu.assign_non_tensor(data, use_dynamic_bsz=True)  # verl then restores the order from our indices
-        with _swapped(transformer_impl, prepare_micro_batches=prepare, get_forward_backward_func=lambda: schedule):
+        with swapped(transformer_impl, prepare_micro_batches=prepare, get_forward_backward_func=lambda: schedule):
             return super().forward_backward_batch(data, loss_function, forward_only)
 
     def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, *, capacity: int, trees: dict,

@@ -378,6 +378,13 @@ def rollout_batch(vocab: int, *, prompts: int = 3, samples: int = 2, seed: int =
         prompt = torch.randint(1, vocab, (int(torch.randint(*prompt_tokens, (1,), generator=g)),), generator=g)
         pairs += [(prompt, torch.randint(1, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g))
                   for _ in range(samples)]
+    return rollout_layout(pairs)
+
+
+def rollout_layout(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
+    """verl's rollout layout of (prompt, response) pairs (1-D each): {prompts [B, P] left-padded,
+    responses [B, R] right-padded, input_ids [B, P + R], attention_mask, response_mask [B, R],
+    position_ids}, and the sequences themselves."""
     width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
     batch = {k: torch.zeros(len(pairs), w, dtype=torch.long) for k, w in
              (("prompts", width_p), ("responses", width_r), ("attention_mask", width_p + width_r),
