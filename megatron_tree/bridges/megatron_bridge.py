@@ -73,6 +73,14 @@ def _megatron_bridge() -> tuple[Any, type]:
     return gpt_provider, AutoBridge
 
 
+def te_layer_specs() -> set:
+    """Megatron-Bridge's transformer-engine layer specs (a provider's default), which fail to build
+    without transformer-engine; :func:`make_tree_provider` swaps them for the local spec."""
+    gpt_provider, _ = _megatron_bridge()
+    return {gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec,
+            gpt_provider.transformer_engine_full_layer_spec}
+
+
 # Provider flags that need transformer-engine or apex (finalize() or the torch norms raise).
 _TE_ONLY_FLAGS = ("apply_rope_fusion", "persist_layer_norm", "masked_softmax_fusion",
                   "gradient_accumulation_fusion", "sequence_parallel", "moe_permute_fusion",
@@ -135,9 +143,7 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     use_te = _transformer_engine_available()
     base_spec = provider.transformer_layer_spec
     if not use_te:
-        te_specs = {gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec,
-                    gpt_provider.transformer_engine_full_layer_spec}
-        if base_spec in te_specs:
+        if base_spec in te_layer_specs():
             base_spec = gpt_provider.local_layer_spec
         elif base_spec is _hybrid_te_spec():
             base_spec = local_hybrid_block_spec

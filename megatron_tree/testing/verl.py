@@ -14,6 +14,8 @@ from types import ModuleType
 
 import torch
 
+from ..patches._scoped import swapped
+
 
 def apply_megatron_cpu_patch() -> None:
     """megatron_tree's reversible CPU runtime patch: torch.cuda.current_device -> cpu, Megatron's
@@ -291,24 +293,21 @@ def local_spec_in_megatron_bridge():
     (gpt_layer_specs.py:233, ``TESpecProvider()`` -> TypeError: 'NoneType' object is not callable).
     The TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider`` switches
     off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of it."""
+    from megatron_tree.bridges.megatron_bridge import te_layer_specs
+
     from megatron.bridge.models import gpt_provider
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
-
-    from megatron_tree.bridges.megatron_bridge import _TE_SPECS
 
     original = AutoBridge.to_megatron_provider
 
     def to_megatron_provider(self, *args, **kwargs):
         provider = original(self, *args, **kwargs)
-        if provider.transformer_layer_spec in _TE_SPECS:
+        if provider.transformer_layer_spec in te_layer_specs():
             provider.transformer_layer_spec = gpt_provider.local_layer_spec
         return provider
 
-    AutoBridge.to_megatron_provider = to_megatron_provider
-    try:
+    with swapped(AutoBridge, to_megatron_provider=to_megatron_provider):
         yield
-    finally:
-        AutoBridge.to_megatron_provider = original
 
 
 def give_pad_token(model_config, pad_token_id: int = 0) -> None:
