@@ -13,7 +13,8 @@ MEGATRON = [
     "safetensors",
     "einops",
 ]
-TEST = ["pytest>=8", "hypothesis>=6.100"]
+# ruff is pinned: a newer release may format or lint differently from what CI checked.
+TEST = ["pytest>=8", "hypothesis>=6.100", "ruff==0.17.6"]
 
 setup(
     name="megatron_tree",
@@ -26,8 +27,12 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
     # "examples": the examples' plots and megatron_tree.visualize's mask picture.
-    extras_require={"megatron": MEGATRON, "test": TEST, "examples": ["matplotlib"],
-                    "all": MEGATRON + TEST + ["matplotlib"]},
+    extras_require={
+        "megatron": MEGATRON,
+        "test": TEST,
+        "examples": ["matplotlib"],
+        "all": MEGATRON + TEST + ["matplotlib"],
+    },
     # verl imports every "verl.plugins" entry point at import: this one registers the tree engines
     # (VERL_ENGINE_VENDOR=megatron_tree selects them). Nothing is imported until verl asks.
     entry_points={"verl.plugins": ["megatron_tree = megatron_tree.integrations.verl_plugin"]},

@@ -58,9 +58,10 @@ RUNS = ("tree", "unshared")
 
 # ----------------------------------------------------------------------------------------- task
 
+
 @dataclass(frozen=True)
 class CountTask:
-    """"Write the target symbol ``count`` times, then stop."
+    """ "Write the target symbol ``count`` times, then stop."
 
     Token layout: 0 PAD, 1 BOS, 2 EOS, 3 (unused), ``4 .. 3 + max_count`` the counts 1..max_count,
     the rest symbols. A prompt is ``BOS, system (system_len symbols, the same for every prompt),
@@ -82,8 +83,9 @@ class CountTask:
             raise ValueError(f"system_len={self.system_len} must be >= 0")
         if self.vocab_size < self.first_symbol + 2:
             raise ValueError(
-                f"vocab_size={self.vocab_size} leaves fewer than 2 symbols after the special and count "
-                f"tokens (max_count={self.max_count}); use a larger vocabulary or a smaller max_count"
+                f"vocab_size={self.vocab_size} leaves fewer than 2 symbols after the special and "
+                f"count tokens (max_count={self.max_count}); use a larger vocabulary or a smaller "
+                "max_count"
             )
 
     @property
@@ -126,15 +128,22 @@ class CountTask:
         counts = torch.arange(1, self.max_count + 1).repeat(self.num_symbols)
         return targets, counts
 
-    def rewards(self, responses: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
+    def rewards(
+        self,
+        responses: torch.Tensor,
+        lengths: torch.Tensor,
+        targets: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
         """Fraction of the ``count + 1`` answer positions right, per response [B] in [0, 1].
 
         ``responses`` [B, R] (PAD past each length), ``lengths`` [B] (EOS included when emitted).
         """
         r = responses.shape[1]
         pos = torch.arange(r)[None]
-        ideal = torch.where(pos < counts[:, None], targets[:, None], torch.full_like(responses, self.EOS))
+        ideal = torch.where(
+            pos < counts[:, None], targets[:, None], torch.full_like(responses, self.EOS)
+        )
         scored = pos <= counts[:, None]  # the count + 1 answer positions
         right = (responses == ideal) & (pos < lengths[:, None]) & scored
         return right.sum(1).float() / (counts + 1).float()
@@ -142,9 +151,18 @@ class CountTask:
 
 # ---------------------------------------------------------------------------------- generation
 
+
 @torch.no_grad()
-def sample(generator_model, prompts: torch.Tensor, max_new: int, eos: int, pad: int, *,
-           g: torch.Generator | None, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample(
+    generator_model,
+    prompts: torch.Tensor,
+    max_new: int,
+    eos: int,
+    pad: int,
+    *,
+    g: torch.Generator | None,
+    greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample (temperature 1, or greedy) up to ``max_new`` tokens after equal-length ``prompts``
     [B, P] with the HF model's KV cache.
 
@@ -180,8 +198,15 @@ def sample(generator_model, prompts: torch.Tensor, max_new: int, eos: int, pad: 
     return responses, lengths, sampled_logprobs
 
 
-def rollout_batch(task: CountTask, prompts: torch.Tensor, responses: torch.Tensor, lengths: torch.Tensor,
-                  sampled_logprobs: torch.Tensor, rewards: torch.Tensor, samples: int) -> dict:
+def rollout_batch(
+    task: CountTask,
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    lengths: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    rewards: torch.Tensor,
+    samples: int,
+) -> dict:
     """The padded GRPO batch: ``input_ids`` / ``attention_mask`` / rolled ``loss_mask`` /
     ``advantages`` / rolled ``rollout_logprobs`` (the sampler's) [B, P + R]; rows of one prompt are
     consecutive (``samples`` each).
@@ -194,16 +219,24 @@ def rollout_batch(task: CountTask, prompts: torch.Tensor, responses: torch.Tenso
     pos = torch.arange(ids.shape[1])[None]
     attention_mask = (pos < p + lengths[:, None]).long()
     loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
-    loss_mask[:, :-1] = ((pos[:, 1:] >= p) & (attention_mask[:, 1:] == 1)).float()  # entry t: token t + 1
+    loss_mask[:, :-1] = (
+        (pos[:, 1:] >= p) & (attention_mask[:, 1:] == 1)
+    ).float()  # entry t: token t + 1
     rollout_logprobs = torch.zeros(ids.shape, dtype=torch.float32)
     rollout_logprobs[:, p - 1 : -1] = sampled_logprobs.float()  # entry t: token t + 1
     group = rewards.view(-1, samples)
     adv = ((group - group.mean(1, keepdim=True)) / (group.std(1, keepdim=True) + 1e-4)).reshape(b)
-    return {"input_ids": ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "advantages": adv[:, None].expand_as(loss_mask).contiguous(), "rollout_logprobs": rollout_logprobs}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "advantages": adv[:, None].expand_as(loss_mask).contiguous(),
+        "rollout_logprobs": rollout_logprobs,
+    }
 
 
 # ------------------------------------------------------------------------------------- models
+
 
 def write_checkpoint(config_dir: str, out_dir: str, seed: int) -> None:
     """A HuggingFace checkpoint of the bundled config with HF's own random init (std 0.02: nearly
@@ -212,7 +245,9 @@ def write_checkpoint(config_dir: str, out_dir: str, seed: int) -> None:
 
     config = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        out_dir, safe_serialization=True
+    )
 
 
 def load_generator(ckpt: str, dtype: torch.dtype = torch.float32):
@@ -235,7 +270,9 @@ def sync_weights(bridge, models: list, generator_model) -> int:
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
-        raise ValueError(f"the bridge did not export {missing[:4]} ({len(missing)} generator tensors)")
+        raise ValueError(
+            f"the bridge did not export {missing[:4]} ({len(missing)} generator tensors)"
+        )
     return len(seen)
 
 
@@ -312,12 +349,22 @@ class Loop:
             models[0].train()
             opt = torch.optim.Adam(models[0].parameters(), lr=args.lr, betas=(0.9, 0.99), eps=1e-8)
             own = name == "tree" or (args.own_rollouts and name == "unshared")
-            self.runs[name] = Run(name, share, max_tokens, models, opt, load_generator(ckpt, self.dtype) if own else None)
+            self.runs[name] = Run(
+                name,
+                share,
+                max_tokens,
+                models,
+                opt,
+                load_generator(ckpt, self.dtype) if own else None,
+            )
         vocab = self.ref[0].vocab_size
         self.shape = GPTShape.from_config(self.ref[0].config, vocab)
-        self.task = CountTask(vocab_size=vocab, system_len=args.system_len, max_count=args.max_count,
-                              seed=args.seed)
-        self.eval_generator = load_generator(ckpt, self.dtype)  # greedy evaluation of either run's policy
+        self.task = CountTask(
+            vocab_size=vocab, system_len=args.system_len, max_count=args.max_count, seed=args.seed
+        )
+        self.eval_generator = load_generator(
+            ckpt, self.dtype
+        )  # greedy evaluation of either run's policy
 
     # ------------------------------------------------------------------------------ one step
     def rollouts(self, run: Run, targets, counts, seed: int) -> tuple[dict, torch.Tensor]:
@@ -325,9 +372,12 @@ class Loop:
         task, n = self.task, self.args.samples
         prompts = task.prompts(targets, counts).repeat_interleave(n, 0)
         g = torch.Generator().manual_seed(seed)
-        responses, lengths, logps = sample(run.generator_model, prompts, task.max_response_len, task.EOS,
-                                           task.PAD, g=g)
-        rewards = task.rewards(responses, lengths, targets.repeat_interleave(n), counts.repeat_interleave(n))
+        responses, lengths, logps = sample(
+            run.generator_model, prompts, task.max_response_len, task.EOS, task.PAD, g=g
+        )
+        rewards = task.rewards(
+            responses, lengths, targets.repeat_interleave(n), counts.repeat_interleave(n)
+        )
         return rollout_batch(task, prompts, responses, lengths, logps, rewards, n), rewards
 
     def train_on(self, run: Run, batch: dict, seconds: dict) -> dict:
@@ -337,11 +387,17 @@ class Loop:
         args = self.args
         t0 = time.perf_counter()
         packed = build_packed_tree_batch(
-            batch, max_tokens_per_mb=run.max_tokens, block_size=args.block_size, pad_to_max=False,
-            vocab_size=self.task.vocab_size, share_prefixes=run.share_prefixes,
+            batch,
+            max_tokens_per_mb=run.max_tokens,
+            block_size=args.block_size,
+            pad_to_max=False,
+            vocab_size=self.task.vocab_size,
+            share_prefixes=run.share_prefixes,
         )
         t1 = time.perf_counter()
-        old = tree_forward_backward(run.models, packed, None, forward_only=True, collect_outputs=True)
+        old = tree_forward_backward(
+            run.models, packed, None, forward_only=True, collect_outputs=True
+        )
         ref = tree_forward_backward(self.ref, packed, None, forward_only=True, collect_outputs=True)
         packed.attach("old_logprobs", old.tree_outputs["logprobs"])
         packed.attach("ref_logprobs", ref.tree_outputs["logprobs"])
@@ -352,7 +408,9 @@ class Loop:
             log_ratio = mb["ref_logprobs"] - mb["old_logprobs"]
             kl_num += float(((torch.exp(log_ratio) - log_ratio - 1).double() * mask).sum())
             kl_den += float(mask.sum())
-            gap = max(gap, float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mask).max()))
+            gap = max(
+                gap, float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mask).max())
+            )
         loss_fn = functools.partial(grpo_loss, clip_eps=args.clip_eps, kl_coef=args.kl_coef)
         losses = []
         for _ in range(args.ppo_epochs):
@@ -362,9 +420,14 @@ class Loop:
             losses.append(float(result.loss))
         t3 = time.perf_counter()
         seconds.update(pack=t1 - t0, logprobs=t2 - t1, train=t3 - t2)
-        return {"loss": sum(losses) / len(losses), "kl": kl_num / max(kl_den, 1.0), "rollout_logprob_gap": gap,
-                "tree_token_ratio": packed.tree_token_ratio, "train_flops": train_flops(packed.trees, self.shape),
-                "trees": len(packed)}
+        return {
+            "loss": sum(losses) / len(losses),
+            "kl": kl_num / max(kl_den, 1.0),
+            "rollout_logprob_gap": gap,
+            "tree_token_ratio": packed.tree_token_ratio,
+            "train_flops": train_flops(packed.trees, self.shape),
+            "trees": len(packed),
+        }
 
     def step(self, i: int) -> dict:
         """One GRPO step of every run; {run: metrics}."""
@@ -392,13 +455,20 @@ class Loop:
                 sync_weights(self.bridge, run.models, run.generator_model)
                 seconds[name]["sync"] = time.perf_counter() - t0
         tree, base = self.runs["tree"].model, self.runs["unshared"].model
-        drifts = {"param_rel_diff": param_rel_diff(tree, base),
-                  "param_change": param_rel_diff(tree, self.ref[0])}  # ||tree - initial|| / ||tree||
+        drifts = {
+            "param_rel_diff": param_rel_diff(tree, base),
+            "param_change": param_rel_diff(tree, self.ref[0]),
+        }  # ||tree - initial|| / ||tree||
         if "control" in self.runs:
             drifts["control_rel_diff"] = param_rel_diff(base, self.runs["control"].model)
         for name, run in self.runs.items():
-            metrics[name].update(reward=float(rewards[name].mean()), train_seconds=seconds[name]["train"],
-                                 seconds=seconds[name], rollouts_identical=identical, **drifts)
+            metrics[name].update(
+                reward=float(rewards[name].mean()),
+                train_seconds=seconds[name]["train"],
+                seconds=seconds[name],
+                rollouts_identical=identical,
+                **drifts,
+            )
             run.history.append(metrics[name])
         return metrics
 
@@ -406,12 +476,20 @@ class Loop:
         """Mean reward of ``run``'s policy, greedy, over every (target, count) pair once."""
         sync_weights(self.bridge, run.models, self.eval_generator)
         targets, counts = self.task.all_cases()
-        responses, lengths, _ = sample(self.eval_generator, self.task.prompts(targets, counts),
-                                       self.task.max_response_len, self.task.EOS, self.task.PAD, g=None, greedy=True)
+        responses, lengths, _ = sample(
+            self.eval_generator,
+            self.task.prompts(targets, counts),
+            self.task.max_response_len,
+            self.task.EOS,
+            self.task.PAD,
+            g=None,
+            greedy=True,
+        )
         return float(self.task.rewards(responses, lengths, targets, counts).mean())
 
 
 # ----------------------------------------------------------------------------------- reporting
+
 
 def progress_line(i: int, steps: int, m: dict) -> str:
     """Two lines per step: one per run."""
@@ -420,12 +498,14 @@ def progress_line(i: int, steps: int, m: dict) -> str:
         s = " ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
         drift = ""
         if name == "unshared":
-            drift = f" | drift vs tree {r['param_rel_diff']:.2e} (params moved {r['param_change']:.2e})"
+            drift = (
+                f" | drift vs tree {r['param_rel_diff']:.2e} (params moved {r['param_change']:.2e})"
+            )
         elif name == "control":
             drift = f" | drift vs unshared {r['control_rel_diff']:.2e}"
         lines.append(
-            f"step {i + 1:>3}/{steps} {name:<8} reward {r['reward']:.3f} loss {r['loss']:+.5f} kl {r['kl']:.5f} "
-            f"tree_token_ratio {r['tree_token_ratio']:.3f} | s: {s}{drift}"
+            f"step {i + 1:>3}/{steps} {name:<8} reward {r['reward']:.3f} loss {r['loss']:+.5f} kl "
+            f"{r['kl']:.5f} tree_token_ratio {r['tree_token_ratio']:.3f} | s: {s}{drift}"
         )
     return "\n".join(lines)
 
@@ -438,32 +518,50 @@ def summarize(loop: Loop, wall: float, greedy: dict) -> dict:
         rows = hist[:k] if part == "start" else hist[-k:]
         return sum(r[key] for r in rows) / len(rows)
 
-    timed = slice(1 if len(tree) > 1 else 0, None)  # the first step warms up (allocator, first calls)
+    timed = slice(
+        1 if len(tree) > 1 else 0, None
+    )  # the first step warms up (allocator, first calls)
     t_tree = sum(r["train_seconds"] for r in tree[timed])
     t_base = sum(r["train_seconds"] for r in base[timed])
     ideal = sum(r["train_flops"] for r in base[timed]) / sum(r["train_flops"] for r in tree[timed])
     divergent = [i for i, r in enumerate(tree) if not r["rollouts_identical"]]
     control = [r["control_rel_diff"] for r in tree if "control_rel_diff" in r]
     return {
-        "steps": len(tree), "steps_averaged": k,
-        "reward_start": {"tree": avg(tree, "reward", "start"), "unshared": avg(base, "reward", "start")},
+        "steps": len(tree),
+        "steps_averaged": k,
+        "reward_start": {
+            "tree": avg(tree, "reward", "start"),
+            "unshared": avg(base, "reward", "start"),
+        },
         "reward_end": {"tree": avg(tree, "reward", "end"), "unshared": avg(base, "reward", "end")},
         "greedy_reward": greedy,
-        "tree_token_ratio": {"start": avg(tree, "tree_token_ratio", "start"), "end": avg(tree, "tree_token_ratio", "end")},
+        "tree_token_ratio": {
+            "start": avg(tree, "tree_token_ratio", "start"),
+            "end": avg(tree, "tree_token_ratio", "end"),
+        },
         "train_seconds": {"tree": t_tree, "unshared": t_base},
-        "train_speedup": t_base / t_tree, "ideal_speedup": ideal, "fraction_of_ideal": t_base / t_tree / ideal,
+        "train_speedup": t_base / t_tree,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": t_base / t_tree / ideal,
         # robust to a busy machine: the median over steps of each step's ratio
-        "train_speedup_median": statistics.median(b["train_seconds"] / t["train_seconds"]
-                                                  for t, b in zip(tree[timed], base[timed])),
-        "ideal_speedup_median": statistics.median(b["train_flops"] / t["train_flops"]
-                                                  for t, b in zip(tree[timed], base[timed])),
+        "train_speedup_median": statistics.median(
+            b["train_seconds"] / t["train_seconds"] for t, b in zip(tree[timed], base[timed])
+        ),
+        "ideal_speedup_median": statistics.median(
+            b["train_flops"] / t["train_flops"] for t, b in zip(tree[timed], base[timed])
+        ),
         "max_param_rel_diff": max(r["param_rel_diff"] for r in tree),
         "max_control_rel_diff": max(control) if control else None,
         "param_change": tree[-1]["param_change"],
-        # of the runs that sample with their own policy (with shared rollouts, the unshared run's gap
+        # of the runs that sample with their own policy (with shared rollouts, the unshared run's
+        # gap
         # measures how far its policy has moved from the tree run's instead)
-        "max_rollout_logprob_gap": max(r["rollout_logprob_gap"] for run in loop.runs.values()
-                                       if run.generator_model is not None for r in run.history),
+        "max_rollout_logprob_gap": max(
+            r["rollout_logprob_gap"]
+            for run in loop.runs.values()
+            if run.generator_model is not None
+            for r in run.history
+        ),
         "first_divergent_rollout_step": (divergent[0] + 1) if divergent else None,
         "wall_seconds": wall,
     }
@@ -472,33 +570,67 @@ def summarize(loop: Loop, wall: float, greedy: dict) -> dict:
 def print_table(s: dict, plot: str | None) -> None:
     rows = [
         ("steps (start/end: mean of the first/last)", f"{s['steps']} ({s['steps_averaged']})"),
-        ("mean reward, start -> end: tree", f"{s['reward_start']['tree']:.3f} -> {s['reward_end']['tree']:.3f}"),
-        ("mean reward, start -> end: unshared", f"{s['reward_start']['unshared']:.3f} -> {s['reward_end']['unshared']:.3f}"),
-        ("greedy reward (all prompts), init -> end: tree",
-         f"{s['greedy_reward']['init']:.3f} -> {s['greedy_reward']['tree']:.3f}"),
-        ("greedy reward, init -> end: unshared", f"{s['greedy_reward']['init']:.3f} -> {s['greedy_reward']['unshared']:.3f}"),
-        ("tree_token_ratio, start -> end", f"{s['tree_token_ratio']['start']:.3f} -> {s['tree_token_ratio']['end']:.3f}"),
-        ("train seconds (steps after the first): tree / unshared",
-         f"{s['train_seconds']['tree']:.1f} / {s['train_seconds']['unshared']:.1f}"),
-        ("train-phase speed-up (total; median over steps)", f"{s['train_speedup']:.2f}x; {s['train_speedup_median']:.2f}x"),
-        ("ideal speed-up, FLOP model (total; median)",
-         f"{s['ideal_speedup']:.2f}x ({s['fraction_of_ideal']:.0%} reached); {s['ideal_speedup_median']:.2f}x"),
+        (
+            "mean reward, start -> end: tree",
+            f"{s['reward_start']['tree']:.3f} -> {s['reward_end']['tree']:.3f}",
+        ),
+        (
+            "mean reward, start -> end: unshared",
+            f"{s['reward_start']['unshared']:.3f} -> {s['reward_end']['unshared']:.3f}",
+        ),
+        (
+            "greedy reward (all prompts), init -> end: tree",
+            f"{s['greedy_reward']['init']:.3f} -> {s['greedy_reward']['tree']:.3f}",
+        ),
+        (
+            "greedy reward, init -> end: unshared",
+            f"{s['greedy_reward']['init']:.3f} -> {s['greedy_reward']['unshared']:.3f}",
+        ),
+        (
+            "tree_token_ratio, start -> end",
+            f"{s['tree_token_ratio']['start']:.3f} -> {s['tree_token_ratio']['end']:.3f}",
+        ),
+        (
+            "train seconds (steps after the first): tree / unshared",
+            f"{s['train_seconds']['tree']:.1f} / {s['train_seconds']['unshared']:.1f}",
+        ),
+        (
+            "train-phase speed-up (total; median over steps)",
+            f"{s['train_speedup']:.2f}x; {s['train_speedup_median']:.2f}x",
+        ),
+        (
+            "ideal speed-up, FLOP model (total; median)",
+            f"{s['ideal_speedup']:.2f}x ({s['fraction_of_ideal']:.0%} reached); "
+            f"{s['ideal_speedup_median']:.2f}x",
+        ),
         ("worst parameter drift ||tree - unshared|| / ||tree||", f"{s['max_param_rel_diff']:.2e}"),
         ("parameters moved by training ||tree - init|| / ||tree||", f"{s['param_change']:.2e}"),
-        ("max |sampler log-prob - trainer log-prob| (weight sync)", f"{s['max_rollout_logprob_gap']:.1e}"),
+        (
+            "max |sampler log-prob - trainer log-prob| (weight sync)",
+            f"{s['max_rollout_logprob_gap']:.1e}",
+        ),
         ("wall time", f"{s['wall_seconds']:.0f} s"),
         ("plot", str(plot)),
     ]
     if s["max_control_rel_diff"] is not None:
-        rows.insert(-4, ("noise floor: worst drift unshared vs control", f"{s['max_control_rel_diff']:.2e}"))
+        rows.insert(
+            -4, ("noise floor: worst drift unshared vs control", f"{s['max_control_rel_diff']:.2e}")
+        )
     if s["first_divergent_rollout_step"] is not None:
-        rows.insert(-2, ("first step whose rollouts differ (--own-rollouts)", str(s["first_divergent_rollout_step"])))
+        rows.insert(
+            -2,
+            (
+                "first step whose rollouts differ (--own-rollouts)",
+                str(s["first_divergent_rollout_step"]),
+            ),
+        )
     print()
     for label, value in rows:
         print(f"{label:<56} {value}")
 
 
 # --------------------------------------------------------------------------------------- plot
+
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend; ImportError naming the install if it is missing."""
@@ -508,8 +640,10 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib (or pip install "
-                          "megatron_tree[examples]); --plot '' skips the plot") from e
+        raise ImportError(
+            "--plot needs matplotlib: pip install matplotlib (or pip install "
+            "megatron_tree[examples]); --plot '' skips the plot"
+        ) from e
     return plt
 
 
@@ -537,11 +671,22 @@ def save_plot(loop: Loop, path: Path) -> Path:
         bottom = [0.0] * len(xs)
         for k, phase in enumerate(PHASES):
             vals = [r["seconds"][phase] for r in hist[name]]
-            b.bar(xs, vals, width * 0.95, bottom=bottom, color=f"C{k}", hatch="//" if j else None,
-                  edgecolor="white" if j else None, label=phase if j == 0 else None)
+            b.bar(
+                xs,
+                vals,
+                width * 0.95,
+                bottom=bottom,
+                color=f"C{k}",
+                hatch="//" if j else None,
+                edgecolor="white" if j else None,
+                label=phase if j == 0 else None,
+            )
             bottom = [x + v for x, v in zip(bottom, vals)]
-    b.set(xlabel="step (bar pairs: tree, unshared //)", ylabel="seconds",
-          title="seconds per step by phase: tree (left) / unshared (right, hatched)")
+    b.set(
+        xlabel="step (bar pairs: tree, unshared //)",
+        ylabel="seconds",
+        title="seconds per step by phase: tree (left) / unshared (right, hatched)",
+    )
     top = max(sum(r["seconds"][p] for p in PHASES) for name in RUNS for r in hist[name])
     b.set_ylim(0, 1.2 * top)  # headroom for the legend
     b.grid(axis="y", alpha=0.3)
@@ -556,33 +701,53 @@ def save_plot(loop: Loop, path: Path) -> Path:
 
 # --------------------------------------------------------------------------------------- main
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(HERE / "configs" / "qwen3_grpo"), help="HF config dir")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--samples", type=int, default=16, help="samples per prompt (the GRPO group)")
-    p.add_argument("--system-len", type=int, default=32, help="tokens of the system prompt every prompt shares")
+    p.add_argument(
+        "--system-len", type=int, default=32, help="tokens of the system prompt every prompt shares"
+    )
     p.add_argument("--max-count", type=int, default=4, help="counts are 1..max_count")
     p.add_argument("--ppo-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--max-tokens", type=int, default=4096, help="unique tokens per tree (micro-batch)")
+    p.add_argument(
+        "--max-tokens", type=int, default=4096, help="unique tokens per tree (micro-batch)"
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--own-rollouts", action="store_true",
-                   help="each run samples from its own policy (same sampler seed) instead of sharing the tree run's")
+    p.add_argument(
+        "--own-rollouts",
+        action="store_true",
+        help="each run samples from its own policy (same sampler seed) instead of sharing the "
+        "tree run's",
+    )
     p.add_argument("--json", default=None, help="write per-step metrics of both runs here")
-    p.add_argument("--plot", default="outputs/grpo_loop.png",
-                   help="PNG of rewards and step times (needs matplotlib); '' skips it")
-    p.add_argument("--small", action="store_true", help="4 prompts x 8 samples, system prompt 16, counts 1..3")
-    p.add_argument("--fp64", action="store_true",
-                   help="train and sample in float64: the drift between the runs then shrinks with the machine "
-                        "epsilon (fp32 1.2e-7 -> fp64 2.2e-16), which shows that it is rounding")
-    p.add_argument("--control", action="store_true",
-                   help="a third run, unshared with half the micro-batch capacity: the drift between two "
-                        "exact layouts (float rounding alone), to compare the tree run's drift with")
+    p.add_argument(
+        "--plot",
+        default="outputs/grpo_loop.png",
+        help="PNG of rewards and step times (needs matplotlib); '' skips it",
+    )
+    p.add_argument(
+        "--small", action="store_true", help="4 prompts x 8 samples, system prompt 16, counts 1..3"
+    )
+    p.add_argument(
+        "--fp64",
+        action="store_true",
+        help="train and sample in float64: the drift between the runs then shrinks with the "
+        "machine epsilon (fp32 1.2e-7 -> fp64 2.2e-16), which shows that it is rounding",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="a third run, unshared with half the micro-batch capacity: the drift between two "
+        "exact layouts (float rounding alone), to compare the tree run's drift with",
+    )
     args = p.parse_args(argv)
     if args.small:
         args.prompts, args.samples, args.system_len, args.max_count = 4, 8, 16, 3
@@ -591,7 +756,10 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.samples < 2:
-        raise ValueError(f"--samples={args.samples} must be >= 2: GRPO normalises rewards within each prompt's group")
+        raise ValueError(
+            f"--samples={args.samples} must be >= 2: GRPO normalises rewards within each prompt's "
+            "group"
+        )
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be > 0")
     if not 0 < args.clip_eps < 1:
@@ -614,26 +782,38 @@ def main(argv=None) -> dict:
         write_checkpoint(args.config, ckpt, args.seed)
         loop.setup(ckpt)
     s = loop.shape
-    print(f"built {len(loop.runs) + 1} {type(loop.ref[0]).__name__}s through mbridge (policies {', '.join(loop.runs)}; "
-          f"a frozen reference): hidden {s.hidden}, {s.layers} layers, vocab {s.vocab}, {loop.dtype}; task: {args.prompts} prompts x {args.samples} "
-          f"samples, prompt {loop.task.prompt_len} tokens (system {args.system_len}), answers 2-"
-          f"{args.max_count + 1} tokens; rollouts {'per run' if args.own_rollouts else 'shared (tree policy)'}",
-          flush=True)
+    print(
+        f"built {len(loop.runs) + 1} {type(loop.ref[0]).__name__}s through mbridge (policies "
+        f"{', '.join(loop.runs)}; a frozen reference): hidden {s.hidden}, {s.layers} layers, vocab "
+        f"{s.vocab}, {loop.dtype}; task: {args.prompts} prompts x {args.samples} samples, prompt "
+        f"{loop.task.prompt_len} tokens (system {args.system_len}), answers 2-{args.max_count + 1} "
+        f"tokens; rollouts {'per run' if args.own_rollouts else 'shared (tree policy)'}",
+        flush=True,
+    )
     greedy = {"init": loop.greedy_reward(loop.runs["tree"])}
     for i in range(args.steps):
         metrics = loop.step(i)
-        print(f"{progress_line(i, args.steps, metrics)} (t={time.perf_counter() - wall0:.0f}s)", flush=True)
+        print(
+            f"{progress_line(i, args.steps, metrics)} (t={time.perf_counter() - wall0:.0f}s)",
+            flush=True,
+        )
     greedy.update({name: loop.greedy_reward(run) for name, run in loop.runs.items()})
     plot = save_plot(loop, Path(args.plot)) if args.plot else None
     summary = summarize(loop, time.perf_counter() - wall0, greedy)
     summary["plot"] = None if plot is None else str(plot)
     print_table(summary, plot)
     if args.json:
-        steps = [{"step": i + 1, **{name: run.history[i] for name, run in loop.runs.items()}}
-                 for i in range(args.steps)]
+        steps = [
+            {"step": i + 1, **{name: run.history[i] for name, run in loop.runs.items()}}
+            for i in range(args.steps)
+        ]
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "steps": steps,
-                                               "summary": summary}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items()}, "steps": steps, "summary": summary},
+                indent=1,
+            )
+        )
     return summary
 
 

@@ -21,23 +21,33 @@ from megatron_tree.visualize import save_tree_mask_png
 def main(out_dir: str = "outputs") -> dict:
     batch = multi_turn_batch(num_tasks=4, rollouts_per_task=4, turns=4, vocab_size=32000, seed=0)
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=8192, block_size=128)
-    print(f"{packed.batch_size} sequences ({packed.num_real_tokens} tokens) -> {len(packed)} trees, "
-          f"{packed.num_tree_tokens} unique tokens: tree_token_ratio {packed.tree_token_ratio:.3f}")
+    print(
+        f"{packed.batch_size} sequences ({packed.num_real_tokens} tokens) -> {len(packed)} trees, "
+        f"{packed.num_tree_tokens} unique tokens: tree_token_ratio {packed.tree_token_ratio:.3f}"
+    )
     for i, mb in enumerate(packed):
         tree = mb["tree"]
         depth = int(tree.position_ids.max()) + 1
         roots = int((tree.parent_index[: tree.num_tree_tokens] < 0).sum())
         branch_points = int(torch.bincount(tree.parent_index[tree.parent_index >= 0]).gt(1).sum())
-        print(f"  tree {i}: {tree.num_sequences} sequences, {tree.num_tree_tokens}/{tree.padded_length} "
-              f"tokens, {roots} root(s), {branch_points} branch points, depth {depth}")
+        print(
+            f"  tree {i}: {tree.num_sequences} sequences, "
+            f"{tree.num_tree_tokens}/{tree.padded_length} tokens, {roots} root(s), {branch_points} "
+            f"branch points, depth {depth}"
+        )
 
     # Read the deepest sequence of the first tree back and compare it with the input row.
     tree = packed[0]["tree"]
     longest = int(tree.sequence_lengths.argmax())
     row = int(tree.sequence_ids[longest])
     n = int(batch["attention_mask"][row].sum())
-    same = torch.equal(tree.input_ids[tree.sequence_token_index(longest)], batch["input_ids"][row, :n])
-    print(f"  batch row {row} ({n} tokens) read back from tree 0: {'identical' if same else 'DIFFERENT'}")
+    same = torch.equal(
+        tree.input_ids[tree.sequence_token_index(longest)], batch["input_ids"][row, :n]
+    )
+    print(
+        f"  batch row {row} ({n} tokens) read back from tree 0: "
+        f"{'identical' if same else 'DIFFERENT'}"
+    )
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     picture = save_tree_mask_png(tree, Path(out_dir) / "multi_turn_mask.png", max_pixels=512)

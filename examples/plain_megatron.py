@@ -38,24 +38,39 @@ def main(steps: int = 3) -> list[float]:
     model_parallel_cuda_manual_seed(1234)
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
-        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        use_cpu_initialization=True, masked_softmax_fusion=False,  # CPU: no fused CUDA softmax
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,  # CPU: no fused CUDA softmax
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     # Tree attention replaces core_attention in every layer; TreeGPTModel indexes RoPE by depth.
     spec = tree_attention_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), block_size=64)
     model = TreeGPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=2048,
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=1024,
+        max_sequence_length=2048,
         position_embedding_type="rope",
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    batch = grpo_batch(num_prompts=2, samples_per_prompt=4, prompt_len=192, response_len=(32, 64), vocab_size=1024)
+    batch = grpo_batch(
+        num_prompts=2, samples_per_prompt=4, prompt_len=192, response_len=(32, 64), vocab_size=1024
+    )
     response = batch.pop("loss_mask")
     batch["loss_mask"] = torch.zeros_like(response)
     batch["loss_mask"][:, :-1] = response[:, 1:]  # rolled: entry t is about token t + 1
-    batch["advantages"] = torch.randn(batch["input_ids"].shape[0], 1).expand_as(response).contiguous()
+    batch["advantages"] = (
+        torch.randn(batch["input_ids"].shape[0], 1).expand_as(response).contiguous()
+    )
 
     # Pack the rollout batch once; every pass below steps on the same trees.
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=1024, block_size=64, vocab_size=1024)

@@ -13,8 +13,10 @@ the first tree's attention mask.
     python examples/tree_vs_baseline.py --small               # a reduced size (seconds)
     torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
-    python examples/tree_vs_baseline.py --model qwen3_moe_tiny   # mixture of experts (8 experts, top-2)
-    python examples/tree_vs_baseline.py --model qwen35_tiny      # gated delta-net hybrid (Megatron-Bridge)
+    python examples/tree_vs_baseline.py --model qwen3_moe_tiny   # mixture of experts (8 experts,
+    top-2)
+    python examples/tree_vs_baseline.py --model qwen35_tiny      # gated delta-net hybrid
+    (Megatron-Bridge)
 
 ``--model qwen35_tiny`` builds a tiny Qwen3.5 (``examples/configs/qwen35_tiny``: three gated
 delta-net layers then one attention layer) through Megatron-Bridge (the Python 3.12 Megatron-Bridge
@@ -46,14 +48,22 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 PHASES = 7
 MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny")
-HYBRID_MODELS = ("qwen35_tiny",)  # gated delta-net hybrids: Megatron-Bridge only (transformers >= 5.8)
+HYBRID_MODELS = (
+    "qwen35_tiny",
+)  # gated delta-net hybrids: Megatron-Bridge only (transformers >= 5.8)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3_tiny", choices=MODELS,
-                   help="bundled config under examples/configs (qwen3_moe_tiny: mixture of experts)")
-    p.add_argument("--config", default=None, help="HF config dir (default: the bundled --model config)")
+    p.add_argument(
+        "--model",
+        default="qwen3_tiny",
+        choices=MODELS,
+        help="bundled config under examples/configs (qwen3_moe_tiny: mixture of experts)",
+    )
+    p.add_argument(
+        "--config", default=None, help="HF config dir (default: the bundled --model config)"
+    )
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -61,22 +71,30 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
-    p.add_argument("--bridge", default=None, choices=["mbridge", "megatron-bridge"],
-                   help="HF bridge that builds the model (default mbridge; megatron-bridge, the Python "
-                        "3.12 Megatron-Bridge stack, for qwen35_tiny)")
+    p.add_argument(
+        "--bridge",
+        default=None,
+        choices=["mbridge", "megatron-bridge"],
+        help="HF bridge that builds the model (default mbridge; megatron-bridge, the Python "
+        "3.12 Megatron-Bridge stack, for qwen35_tiny)",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=2, help="timed steps of each kind (median)")
     p.add_argument("--parity-sequences", type=int, default=8, help="sequences checked against HF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--out", default="outputs", help="folder for the mask picture")
-    p.add_argument("--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32")
+    p.add_argument(
+        "--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32"
+    )
     args = p.parse_args(argv)
     if args.bridge is None:
         args.bridge = "megatron-bridge" if args.model in HYBRID_MODELS else "mbridge"
     if args.model in HYBRID_MODELS and args.bridge != "megatron-bridge":
-        p.error(f"--model {args.model} (a gated delta-net hybrid) needs --bridge megatron-bridge: mbridge "
-                "has no Qwen3.5 bridge")
+        p.error(
+            f"--model {args.model} (a gated delta-net hybrid) needs --bridge megatron-bridge: "
+            "mbridge has no Qwen3.5 bridge"
+        )
     if args.config is None:
         args.config = str(HERE / "configs" / args.model)
     if args.small:
@@ -92,7 +110,10 @@ class Progress:
     def __call__(self, message: str) -> None:
         self.step += 1
         if self.rank == 0:
-            print(f"[{self.step}/{PHASES}] {message} (t={time.perf_counter() - self.t0:.1f}s)", flush=True)
+            print(
+                f"[{self.step}/{PHASES}] {message} (t={time.perf_counter() - self.t0:.1f}s)",
+                flush=True,
+            )
 
 
 def init_parallel(args) -> int:
@@ -124,7 +145,7 @@ def write_checkpoint(config_dir: str, out_dir: str) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger than the default init, so logits are far from uniform
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -150,8 +171,12 @@ def grpo_inputs(args, vocab: int) -> dict:
     from megatron_tree.testing.synthetic import grpo_batch
 
     batch = grpo_batch(
-        num_prompts=args.prompts, samples_per_prompt=args.samples, prompt_len=args.prompt_len,
-        response_len=tuple(args.response_len), vocab_size=vocab, seed=0,
+        num_prompts=args.prompts,
+        samples_per_prompt=args.samples,
+        prompt_len=args.prompt_len,
+        response_len=tuple(args.response_len),
+        vocab_size=vocab,
+        seed=0,
     )
     # Rolled: entry t weights the prediction of token t + 1, a response token.
     mask = torch.zeros_like(batch["loss_mask"])
@@ -165,7 +190,9 @@ def grpo_inputs(args, vocab: int) -> dict:
         group = prompt_id == p
         if int(group.sum()) < 2:  # one sample per prompt: baseline against the whole batch
             group = torch.ones_like(group)
-        adv[prompt_id == p] = ((rewards - rewards[group].mean()) / (rewards[group].std() + 1e-6))[prompt_id == p]
+        adv[prompt_id == p] = ((rewards - rewards[group].mean()) / (rewards[group].std() + 1e-6))[
+            prompt_id == p
+        ]
     batch["advantages"] = adv[:, None].expand_as(mask).contiguous()
     return batch
 
@@ -207,7 +234,8 @@ def peak_activation_bytes(fn, model) -> int:
 
 
 def build_model(args, ckpt: str):
-    """The tiny Qwen3 through mbridge (or Megatron-Bridge) under the tree-training patch; (model, GPTShape)."""
+    """The tiny Qwen3 through mbridge (or Megatron-Bridge) under the tree-training patch; (model,
+    GPTShape)."""
     from megatron_tree import GPTShape
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -215,15 +243,20 @@ def build_model(args, ckpt: str):
         from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
         from megatron_tree.patches import megatron_bridge_te
 
-        megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
+        # Megatron-Bridge imports only with it where transformer-engine is missing
+        megatron_bridge_te.apply()
         from megatron.bridge import AutoBridge
 
-        with patch_megatron_bridge_for_tree_training(backend=args.backend, block_size=args.block_size):
+        with patch_megatron_bridge_for_tree_training(
+            backend=args.backend, block_size=args.block_size
+        ):
             bridge = AutoBridge.from_hf_pretrained(ckpt, dtype=dtype)
         provider = bridge.to_megatron_provider(load_weights=True)
         provider.tensor_model_parallel_size = args.tp
         provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=args.bf16, fp16=False)[0]
+        model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=args.bf16, fp16=False)[
+            0
+        ]
     else:
         from mbridge import AutoBridge
 
@@ -238,10 +271,13 @@ def build_model(args, ckpt: str):
 
 
 def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int], reference=None):
-    """Max |log-prob - HF| over ``rows`` (rank 0 computes the HF reference once and passes it back)."""
+    """Max |log-prob - HF| over ``rows`` (rank 0 computes the HF reference once and passes it
+    back)."""
     reference = reference if reference is not None else hf_logprobs(ckpt, batch, rows)
-    err = max(float((merged_logprobs[row, : len(want)].float().cpu() - want).abs().max())
-              for row, want in reference.items())
+    err = max(
+        float((merged_logprobs[row, : len(want)].float().cpu() - want).abs().max())
+        for row, want in reference.items()
+    )
     return err, reference
 
 
@@ -264,7 +300,9 @@ def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict, dict]:
                 results[name] = step(packed)
                 peaks[name] = torch.cuda.max_memory_allocated()
             else:
-                peaks[name] = peak_activation_bytes(lambda p=packed, n=name: results.__setitem__(n, step(p)), model)
+                peaks[name] = peak_activation_bytes(
+                    lambda p=packed, n=name: results.__setitem__(n, step(p)), model
+                )
         if moe:
             from megatron.core import parallel_state
 
@@ -286,23 +324,46 @@ def timed(batches: dict, reps: int, step) -> dict:
 def report(row: dict, memory_kind: str, picture) -> None:
     mib = 2**20
     print()
-    print(f"{'parity: max |logp tree - logp HF| (unpacked)':<48} {row['parity_max_abs_logprob_err']:.2e}")
-    print(f"{'parity of the unshared baseline vs HF':<48} {row['baseline_parity_max_abs_logprob_err']:.2e}")
-    print(f"{'tree vs baseline loss, relative difference':<48} {row['tree_vs_baseline_loss_rel_err']:.2e}")
+    print(
+        f"{'parity: max |logp tree - logp HF| (unpacked)':<48} "
+        f"{row['parity_max_abs_logprob_err']:.2e}"
+    )
+    print(
+        f"{'parity of the unshared baseline vs HF':<48} "
+        f"{row['baseline_parity_max_abs_logprob_err']:.2e}"
+    )
+    print(
+        f"{'tree vs baseline loss, relative difference':<48} "
+        f"{row['tree_vs_baseline_loss_rel_err']:.2e}"
+    )
     print(f"{'tree_token_ratio (unique / real tokens)':<48} {row['tree_token_ratio']:.3f}")
-    print(f"{'micro-batches: tree / baseline':<48} {row['trees']} / {row['baseline_micro_batches']}")
+    print(
+        f"{'micro-batches: tree / baseline':<48} {row['trees']} / {row['baseline_micro_batches']}"
+    )
     print(f"{'baseline step (median)':<48} {row['baseline_s']:.3f} s")
     print(f"{'tree step (median)':<48} {row['tree_s']:.3f} s")
     print(f"{'speed-up':<48} {row['speedup']:.2f}x")
-    print(f"{'ideal speed-up (FLOP model)':<48} {row['ideal_speedup']:.2f}x ({row['fraction_of_ideal']:.0%} reached)")
-    print(f"{memory_kind + ': tree / baseline':<48} {row['tree_memory_bytes'] / mib:.0f} / "
-          f"{row['baseline_memory_bytes'] / mib:.0f} MiB")
+    print(
+        f"{'ideal speed-up (FLOP model)':<48} {row['ideal_speedup']:.2f}x "
+        f"({row['fraction_of_ideal']:.0%} reached)"
+    )
+    print(
+        f"{memory_kind + ': tree / baseline':<48} {row['tree_memory_bytes'] / mib:.0f} / "
+        f"{row['baseline_memory_bytes'] / mib:.0f} MiB"
+    )
     if "tree_expert_tokens" in row:
         tree, base = row["tree_expert_tokens"], row["baseline_expert_tokens"]
-        print(f"{'experts: top-k of E (active-expert FLOPs)':<48} top-{row['moe_topk']} of {row['num_experts']}")
-        print(f"{'expert tokens, tree (per expert, all layers)':<48} {tree} (max/mean "
-              f"{max(tree) / (sum(tree) / len(tree)):.2f})")
-        print(f"{'expert tokens, baseline':<48} {base} (tree / baseline {sum(tree) / sum(base):.3f})")
+        print(
+            f"{'experts: top-k of E (active-expert FLOPs)':<48} top-{row['moe_topk']} of "
+            f"{row['num_experts']}"
+        )
+        print(
+            f"{'expert tokens, tree (per expert, all layers)':<48} {tree} (max/mean "
+            f"{max(tree) / (sum(tree) / len(tree)):.2f})"
+        )
+        print(
+            f"{'expert tokens, baseline':<48} {base} (tree / baseline {sum(tree) / sum(base):.3f})"
+        )
     print(f"{'mask picture':<48} {picture}")
 
 
@@ -314,7 +375,12 @@ def main(argv=None) -> dict:
 
     from megatron.core import parallel_state
 
-    from megatron_tree import build_packed_tree_batch, ppo_clipped_loss, train_flops, tree_forward_backward
+    from megatron_tree import (
+        build_packed_tree_batch,
+        ppo_clipped_loss,
+        train_flops,
+        tree_forward_backward,
+    )
     from megatron_tree.visualize import save_tree_mask_png
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -326,36 +392,53 @@ def main(argv=None) -> dict:
         ckpt = ckpt_path[0]
         progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
         model, shape = build_model(args, ckpt)
-        progress(f"built {type(getattr(model, 'module', model)).__name__} through {args.bridge}: hidden "
-                 f"{shape.hidden}, {shape.layers} layers, "
-                 f"{f'{shape.num_experts} experts (top-{shape.topk}), ' if shape.num_experts else ''}vocab {shape.vocab}, TP {args.tp}, backend "
-                 f"{args.backend}, {args.device}")
+        experts = f"{shape.num_experts} experts (top-{shape.topk}), " if shape.num_experts else ""
+        progress(
+            f"built {type(getattr(model, 'module', model)).__name__} through {args.bridge}: hidden "
+            f"{shape.hidden}, {shape.layers} layers, "
+            f"{experts}vocab "
+            f"{shape.vocab}, TP {args.tp}, backend {args.backend}, {args.device}"
+        )
 
         # Pack the rollout batch once (and once more without sharing, for the baseline).
         batch = grpo_inputs(args, shape.vocab)
         # No pipeline parallelism here: pad each tree only to the block alignment, not to capacity.
-        packing = dict(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, parallel_size=args.tp,
-                       vocab_size=shape.vocab, pad_to_max=False)
+        packing = dict(
+            max_tokens_per_mb=args.max_tokens,
+            block_size=args.block_size,
+            parallel_size=args.tp,
+            vocab_size=shape.vocab,
+            pad_to_max=False,
+        )
         packed = build_packed_tree_batch(batch, **packing)
         unshared = build_packed_tree_batch(batch, share_prefixes=False, **packing)
-        old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True, tp_group=tp_group)
-        base_old = tree_forward_backward(model, unshared, None, forward_only=True, collect_outputs=True,
-                                         tp_group=tp_group)
+        old = tree_forward_backward(
+            model, packed, None, forward_only=True, collect_outputs=True, tp_group=tp_group
+        )
+        base_old = tree_forward_backward(
+            model, unshared, None, forward_only=True, collect_outputs=True, tp_group=tp_group
+        )
         width = batch["input_ids"].shape[1]
         old_logprobs = old.merged_outputs(max_seq_len=width)["logprobs"]
         packed.attach("old_logprobs", old.tree_outputs["logprobs"])  # tree layout: no round trip
         unshared.attach("old_logprobs", old_logprobs)  # the baseline uses the same old policy
-        progress(f"batch: {packed.batch_size} sequences, {packed.num_real_tokens} tokens -> "
-                 f"{packed.num_tree_tokens} tree tokens in {len(packed)} trees, packed once; old "
-                 f"log-probs from a forward-only tree pass")
+        progress(
+            f"batch: {packed.batch_size} sequences, {packed.num_real_tokens} tokens -> "
+            f"{packed.num_tree_tokens} tree tokens in {len(packed)} trees, packed once; old "
+            "log-probs from a forward-only tree pass"
+        )
 
         rows = list(range(min(args.parity_sequences, packed.batch_size)))
         tree_err = base_err = 0.0
         if rank == 0:
             tree_err, reference = parity(ckpt, batch, old_logprobs, rows)
-            base_err, _ = parity(ckpt, batch, base_old.merged_outputs(max_seq_len=width)["logprobs"], rows, reference)
-        progress(f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = {tree_err:.2e} "
-                 f"(unshared baseline {base_err:.2e})")
+            base_err, _ = parity(
+                ckpt, batch, base_old.merged_outputs(max_seq_len=width)["logprobs"], rows, reference
+            )
+        progress(
+            f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = "
+            f"{tree_err:.2e} (unshared baseline {base_err:.2e})"
+        )
 
     def step(batch_packed):
         model.zero_grad(set_to_none=True)
@@ -400,7 +483,9 @@ def main(argv=None) -> dict:
         row["tree_expert_tokens"] = experts["tree"].tolist()
         row["baseline_expert_tokens"] = experts["base"].tolist()
     if rank == 0:
-        report(row, "peak CUDA memory" if args.device == "cuda" else "peak activation memory", picture)
+        report(
+            row, "peak CUDA memory" if args.device == "cuda" else "peak activation memory", picture
+        )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return row
@@ -409,7 +494,8 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     from megatron_tree.quiet import known_upstream_warnings
 
-    # Known upstream noise (transformer-engine/apex absent, deprecations, ...) becomes one line at the
+    # Known upstream noise (transformer-engine/apex absent, deprecations, ...) becomes one line at
+    # the
     # end; unknown warnings still show. MEGATRON_TREE_VERBOSE=1 shows everything.
     with known_upstream_warnings(prefix="[demo]", report=os.environ.get("RANK", "0") == "0"):
         main()

@@ -32,21 +32,44 @@ def main(prompts: int = 4, samples: int = 4) -> dict:
     path = os.path.join(tempfile.mkdtemp(prefix="verl_grpo_"), "qwen3")
     make_hf_checkpoint("qwen3", path)
     engine, model_config = harness.build_engine(path, vendor="megatron_tree")
-    padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size, prompts=prompts, samples=samples)
+    padded, seqs = harness.rollout_batch(
+        model_config.hf_config.vocab_size, prompts=prompts, samples=samples
+    )
     data = harness.engine_batch(padded)
     with engine.eval_mode():
-        old = no_padding_2_padding(engine.infer_batch(data)["model_output"]["log_probs"], data).detach().float()
+        old = (
+            no_padding_2_padding(engine.infer_batch(data)["model_output"]["log_probs"], data)
+            .detach()
+            .float()
+        )
     rewards = torch.rand(prompts, samples, generator=torch.Generator().manual_seed(0))
-    scores = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).reshape(-1)
+    scores = (
+        (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
+    ).reshape(-1)
     advantages = scores[:, None] * padded["response_mask"]
-    train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages), global_batch_size=len(seqs))
-    config = McoreActorConfig(strategy="megatron", rollout_n=samples, ppo_mini_batch_size=len(seqs),
-                              ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    train = harness.engine_batch(
+        dict(padded, old_log_probs=old, advantages=advantages), global_batch_size=len(seqs)
+    )
+    config = McoreActorConfig(
+        strategy="megatron",
+        rollout_n=samples,
+        ppo_mini_batch_size=len(seqs),
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+    )
     with engine.train_mode():
         result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
-    summary = {"engine": type(engine).__name__, "loss": float(sum(result["loss"])), **engine.tree_stats}
-    print("[verl_grpo_step]", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in summary.items()))
+    summary = {
+        "engine": type(engine).__name__,
+        "loss": float(sum(result["loss"])),
+        **engine.tree_stats,
+    }
+    print(
+        "[verl_grpo_step]",
+        " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
+        ),
+    )
     return summary
 
 

@@ -26,7 +26,6 @@ from .core.logprobs import (
     gather_packed_tree_logprobs_entropy,
     gather_packed_tree_logprobs_entropy_from_hidden,
 )
-from .core.rows import KeyValueStore, TreeRows
 from .core.losses import loss_weights, ppo_clipped_loss, value_loss
 from .core.mask import (
     TreeMask,
@@ -47,6 +46,7 @@ from .core.results import (
     values_per_position,
 )
 from .core.rope import depth_rotary_pos_emb
+from .core.rows import KeyValueStore, TreeRows
 from .core.tree import PackedTree
 
 # Names that import Megatron (or mbridge), resolved on first access.
@@ -80,15 +80,38 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(
-    [
-        "GPTShape", "KeyValueStore", "LogProbs", "PackedTree", "PackedTreeBatch", "TreeMask", "TreeRows", "Values",
-        "build_attention_mask_from_trie", "build_block_mask_from_trie", "build_packed_tree_batch",
-        "context_parallel_split", "depth_rotary_pos_emb", "depth_window", "gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy",
-        "gather_packed_tree_logprobs_entropy_from_hidden", "gather_packed_tree_values",
-        "gather_packed_tree_vocab_stats", "loss_weights", "merge_packed_tree_results",
-        "partition_for_data_parallel",
-        "ppo_clipped_loss", "set_debug_checks", "train_flops", "tree_attention", "tree_attention_mask",
-        "tree_block_layout", "tree_depth", "tree_mask_mod", "value_loss", "values_per_position", *_LAZY,
-    ]
-)
+__all__ = [
+    "GPTShape",
+    "KeyValueStore",
+    "LogProbs",
+    "PackedTree",
+    "PackedTreeBatch",
+    "TreeMask",
+    "TreeRows",
+    "Values",
+    "build_attention_mask_from_trie",
+    "build_block_mask_from_trie",
+    "build_packed_tree_batch",
+    "context_parallel_split",
+    "depth_rotary_pos_emb",
+    "depth_window",
+    "gather_packed_tree_logprobs",
+    "gather_packed_tree_logprobs_entropy",
+    "gather_packed_tree_logprobs_entropy_from_hidden",
+    "gather_packed_tree_values",
+    "gather_packed_tree_vocab_stats",
+    "loss_weights",
+    "merge_packed_tree_results",
+    "partition_for_data_parallel",
+    "ppo_clipped_loss",
+    "set_debug_checks",
+    "train_flops",
+    "tree_attention",
+    "tree_attention_mask",
+    "tree_block_layout",
+    "tree_depth",
+    "tree_mask_mod",
+    "value_loss",
+    "values_per_position",
+]
+__all__ += sorted(_LAZY)

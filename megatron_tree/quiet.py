@@ -1,16 +1,19 @@
 """Hide *known* upstream noise (warnings, log records, a few bare prints) behind one summary line.
 
-The main job (``examples/tree_vs_baseline.py``) imports Megatron-Core, mbridge, transformers and torch;
+The main job (``examples/tree_vs_baseline.py``) imports Megatron-Core, mbridge, transformers and
+torch;
 on a machine without transformer-engine/apex they emit a wall of well-understood warnings before the
 job's first own line. :func:`known_upstream_warnings` suppresses only messages that match
 :data:`KNOWN` (a regex and a category label each), counts them, and at the end prints one line::
 
-    [demo] 9 known upstream warnings hidden (transformer-engine/apex absent: 7, deprecations: 1, ...);
+    [demo] 9 known upstream warnings hidden (transformer-engine/apex absent: 7, deprecations: 1,
+    ...);
     set MEGATRON_TREE_VERBOSE=1 to show them
 
 Anything that does not match is shown exactly as before: unknown warnings are never hidden. With
 ``MEGATRON_TREE_VERBOSE=1`` nothing is filtered at all.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,7 +24,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 from .patches._scoped import swapped
 
@@ -32,7 +35,10 @@ VERBOSE_ENV = "MEGATRON_TREE_VERBOSE"
 KNOWN: list[tuple[str, str]] = [
     ("transformer-engine/apex absent", r"Transformer Engine and Apex are not installed"),
     ("transformer-engine/apex absent", r"\bApex is not installed\b"),
-    ("transformer-engine/apex absent", r"[Tt]ransformer[- _][Ee]ngine (is )?not (installed|available|found)"),
+    (
+        "transformer-engine/apex absent",
+        r"[Tt]ransformer[- _][Ee]ngine (is )?not (installed|available|found)",
+    ),
     ("transformer-engine/apex absent", r"No module named '(transformer_engine|apex)'"),
     ("deprecations", r"full scope is deprecated"),
     ("deprecations", r"GPTModel IS DEPRECATED"),
@@ -41,9 +47,11 @@ KNOWN: list[tuple[str, str]] = [
     ("deprecations", r"`torch_dtype` is deprecated"),
     ("deprecations", r"pkg_resources is deprecated"),
     ("setuptools notices", r"BuildBackendWarning|Editable installation"),
-    ("Megatron info prints", r"^\s*> number of parameters on \(tensor, pipeline\) model parallel rank"),
+    (
+        "Megatron info prints",
+        r"^\s*> number of parameters on \(tensor, pipeline\) model parallel rank",
+    ),
 ]
-
 
 
 def verbose() -> bool:
@@ -76,8 +84,10 @@ class KnownNoise:
 
     def summary(self, prefix: str = "[demo]") -> str:
         parts = ", ".join(f"{label}: {n}" for label, n in self.counts.most_common())
-        return (f"{prefix} {self.total} known upstream warnings hidden ({parts}); "
-                f"set {VERBOSE_ENV}=1 to show them")
+        return (
+            f"{prefix} {self.total} known upstream warnings hidden ({parts}); set {VERBOSE_ENV}=1 "
+            "to show them"
+        )
 
 
 def _shown(record: logging.LogRecord, noise: KnownNoise) -> bool:
@@ -89,7 +99,8 @@ def _shown(record: logging.LogRecord, noise: KnownNoise) -> bool:
 
 
 class _LineFilter(io.TextIOBase):
-    """Wraps a text stream; drops whole lines that match a known pattern, passes the rest through."""
+    """Wraps a text stream; drops whole lines that match a known pattern, passes the rest
+    through."""
 
     def __init__(self, stream, noise: KnownNoise):
         self.stream, self.noise, self.pending = stream, noise, ""
@@ -113,9 +124,11 @@ class _LineFilter(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def known_upstream_warnings(prefix: str = "[demo]", report: bool = True, stream=None,
-                            filter_stdout: bool = True) -> Iterator[KnownNoise]:
-    """Hide known upstream warnings/log records/prints inside the block; print one summary line after.
+def known_upstream_warnings(
+    prefix: str = "[demo]", report: bool = True, stream=None, filter_stdout: bool = True
+) -> Iterator[KnownNoise]:
+    """Hide known upstream warnings/log records/prints inside the block; print one summary line
+    after.
 
     ``report`` False skips the summary (e.g. on ranks other than 0). Unknown messages are shown.
     With ``MEGATRON_TREE_VERBOSE=1`` nothing is hidden and no summary is printed.
@@ -132,7 +145,8 @@ def known_upstream_warnings(prefix: str = "[demo]", report: bool = True, stream=
         original_showwarning(message, category, filename, lineno, file, line)
 
     # A filter on the root logger does not see records that propagate up from child loggers, and
-    # upstream libraries add loggers and handlers at import time; so filter where every record passes
+    # upstream libraries add loggers and handlers at import time; so filter where every record
+    # passes
     # once: Logger.handle on the logger that made it (restored on exit).
     original_handle = logging.Logger.handle
 
@@ -146,7 +160,9 @@ def known_upstream_warnings(prefix: str = "[demo]", report: bool = True, stream=
             stack.enter_context(swapped(logging.Logger, handle=handle))
             if filter_stdout:
                 stack.enter_context(swapped(sys, stdout=_LineFilter(sys.stdout, noise)))
-                stack.callback(lambda: sys.stdout.flush())  # the filter's last line, before stdout is restored
+                stack.callback(
+                    lambda: sys.stdout.flush()
+                )  # the filter's last line, before stdout is restored
             yield noise
     finally:
         if report and noise.total:

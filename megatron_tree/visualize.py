@@ -64,18 +64,29 @@ def save_tree_mask_png(tree: PackedTree, path: str | Path, *, max_pixels: int = 
         from matplotlib.colors import ListedColormap
         from matplotlib.patches import Patch
     except ImportError as e:
-        raise ImportError("save_tree_mask_png needs matplotlib: pip install matplotlib "
-                          "(or pip install megatron_tree[examples])") from e
+        raise ImportError(
+            "save_tree_mask_png needs matplotlib: pip install matplotlib (or pip install "
+            "megatron_tree[examples])"
+        ) from e
     grid, tile = tree_mask_tiles(tree, max_pixels)
     n, side = tree.padded_length, grid.shape[0]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The axes span ~4.5 of the figure's 6 inches: at least one screen pixel per tile.
     fig, ax = plt.subplots(figsize=(6.5, 6), dpi=max(100, -(-side // 4)))
-    ax.imshow(grid.numpy(), cmap=ListedColormap(_COLOURS), vmin=0, vmax=3,
-              interpolation="nearest", extent=(0, n, n, 0))
-    ax.set(xlabel="key position", ylabel="query position",
-           title=f"tree attention mask: {tree.num_tree_tokens} tokens (padded {n}), tile {tile}")
+    ax.imshow(
+        grid.numpy(),
+        cmap=ListedColormap(_COLOURS),
+        vmin=0,
+        vmax=3,
+        interpolation="nearest",
+        extent=(0, n, n, 0),
+    )
+    ax.set(
+        xlabel="key position",
+        ylabel="query position",
+        title=f"tree attention mask: {tree.num_tree_tokens} tokens (padded {n}), tile {tile}",
+    )
     patches = [Patch(facecolor=c, edgecolor="grey", label=s) for c, s in zip(_COLOURS, _LABELS)]
     ax.legend(handles=patches, loc="upper right", fontsize="small")
     fig.tight_layout()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def scoped(apply: Callable[[], bool], undo: Callable[[], None], is_applied: Callable[[], bool]) -> Iterator[bool]:
+def scoped(
+    apply: Callable[[], bool], undo: Callable[[], None], is_applied: Callable[[], bool]
+) -> Iterator[bool]:
     """Apply a patch for the block; yields whether it is in effect. Only the outermost block that
     actually applied it undoes it, so nesting (or entering while it is applied) is safe."""
     applied_here = not is_applied()

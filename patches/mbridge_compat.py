@@ -29,7 +29,8 @@ _applied: list[type] = []
 
 def _deprecated(self):
     raise ValueError(
-        "ModelType.encoder_and_decoder is deprecated. Please use ModelType.encoder_or_decoder instead."
+        "ModelType.encoder_and_decoder is deprecated. Please use ModelType.encoder_or_decoder "
+        "instead."
     )
 
 
@@ -39,7 +40,8 @@ def _version(package: str) -> tuple[int, ...]:
 
 
 def needed() -> bool:
-    """True where mbridge 0.15.x meets a megatron-core that lacks ``ModelType.encoder_and_decoder``."""
+    """True where mbridge 0.15.x meets a megatron-core that lacks
+    ``ModelType.encoder_and_decoder``."""
     from megatron.core.transformer.enums import ModelType
 
     if hasattr(ModelType, _NAME):

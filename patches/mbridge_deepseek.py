@@ -6,7 +6,8 @@ HF ``DeepseekV3`` in transformers 4.57 and megatron-core 0.16.1 / 0.17.0):
 1. ``AutoBridge.from_pretrained`` raises ``TypeError: MLATransformerConfig.__init__() got an
    unexpected keyword argument 'max_position_embeddings'``: ``_build_config`` passes YaRN's
    pre-training context under the name of an older megatron-core field; megatron-core names it
-   ``original_max_position_embeddings``. Its default there is 4096; HF's is ``max_position_embeddings``.
+   ``original_max_position_embeddings``. Its default there is 4096; HF's is
+   ``max_position_embeddings``.
 2. The RoPE type comes from ``rope_scaling["type"]`` only. HF reads ``rope_type`` (and copies a
    legacy ``type`` into it), so a config naming only ``rope_type: yarn`` (what transformers writes)
    silently gets plain RoPE in Megatron, with YaRN's factor still in the softmax scale.
@@ -54,21 +55,29 @@ def _bridge_class() -> type:
 
 
 def _check() -> type:
-    """The bridge class; RuntimeError if a symbol this patch wraps is missing, a warning off-target."""
+    """The bridge class; RuntimeError if a symbol this patch wraps is missing, a warning
+    off-target."""
     version = importlib.metadata.version("mbridge")
     try:
         cls = _bridge_class()
-        missing = [n for n in ("_build_config", "_build_base_config", "_get_safetensor_io") if not hasattr(cls, n)]
+        missing = [
+            n
+            for n in ("_build_config", "_build_base_config", "_get_safetensor_io")
+            if not hasattr(cls, n)
+        ]
     except ImportError:
         missing = ["mbridge.models.deepseek_v3.DeepseekV3Bridge"]
     if missing:
         raise RuntimeError(
-            f"megatron_tree.patches.mbridge_deepseek targets mbridge {TARGET_MBRIDGE}.x; the installed "
-            f"mbridge {version} lacks {', '.join(missing)}: check DeepseekV3Bridge and update the patch"
+            f"megatron_tree.patches.mbridge_deepseek targets mbridge {TARGET_MBRIDGE}.x; the "
+            f"installed mbridge {version} lacks {', '.join(missing)}: check DeepseekV3Bridge and "
+            "update the patch"
         )
     if ".".join(version.split(".")[:2]) != TARGET_MBRIDGE:
-        warnings.warn(f"mbridge_deepseek patch is verified on mbridge {TARGET_MBRIDGE}.x, found {version}",
-                      stacklevel=3)
+        warnings.warn(
+            f"mbridge_deepseek patch is verified on mbridge {TARGET_MBRIDGE}.x, found {version}",
+            stacklevel=3,
+        )
     return cls
 
 
@@ -93,16 +102,26 @@ def _rope_kwargs(hf_config) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise ValueError(
-            f"rope_scaling type {rope_type!r}: Megatron's multi-latent attention has 'rope' and 'yarn' only"
+            f"rope_scaling type {rope_type!r}: Megatron's multi-latent attention has 'rope' and "
+            "'yarn' only"
         )
     if rope_type == "default":
-        return {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+        return {
+            "rope_type": "rope",
+            "rotary_scaling_factor": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        }
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if "attention_factor" in rope or not rope.get("truncate", True) or (mscale_all_dim and not mscale):
+    if (
+        "attention_factor" in rope
+        or not rope.get("truncate", True)
+        or (mscale_all_dim and not mscale)
+    ):
         raise ValueError(
-            f"rope_scaling {rope}: Megatron's YaRN takes its cos/sin scale from mscale / mscale_all_dim "
-            "and truncates the correction range; an explicit attention_factor, truncate=False or "
-            "mscale_all_dim without mscale cannot be reproduced"
+            f"rope_scaling {rope}: Megatron's YaRN takes its cos/sin scale from mscale / "
+            "mscale_all_dim and truncates the correction range; an explicit attention_factor, "
+            "truncate=False or mscale_all_dim without mscale cannot be reproduced"
         )
     if not (mscale and mscale_all_dim):  # HF: cos/sin scaled by g(1), softmax unscaled
         mscale, mscale_all_dim = 1.0, 0.0
@@ -161,7 +180,7 @@ def apply() -> bool:
     cls = _check()
     for name in ("_build_base_config", "_get_safetensor_io"):
         _saved.append((name, vars(cls).get(name, _ABSENT)))
-    build, read = getattr(cls, "_build_base_config"), getattr(cls, "_get_safetensor_io")
+    build, read = cls._build_base_config, cls._get_safetensor_io
     cls._build_base_config = functools.partialmethod(_build_with, build)
     cls._get_safetensor_io = functools.partialmethod(_io_with, read)
     return True
@@ -185,4 +204,3 @@ def is_applied() -> bool:
 def mbridge_deepseek_patch():
     """:func:`apply` for the duration of the block (only the block that applied it undoes it)."""
     return scoped(apply, undo, is_applied)
-

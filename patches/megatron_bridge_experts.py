@@ -68,8 +68,9 @@ def apply() -> bool:
         version = getattr(megatron.bridge, "__version__", "unknown")
         if not version.startswith(TARGET_MEGATRON_BRIDGE.rsplit(".", 1)[0]):
             raise RuntimeError(
-                f"megatron_tree.patches.megatron_bridge_experts targets megatron-bridge "
-                f"{TARGET_MEGATRON_BRIDGE}, found {version}; check its expert mappings and update the patch"
+                "megatron_tree.patches.megatron_bridge_experts targets megatron-bridge "
+                f"{TARGET_MEGATRON_BRIDGE}, found {version}; check its expert mappings and update "
+                "the patch"
             )
         registry = _registry()
         _original = registry.__init__
@@ -78,7 +79,8 @@ def apply() -> bool:
 
 
 def undo() -> None:
-    """Restore the original constructor (idempotent); registries built meanwhile keep their twins."""
+    """Restore the original constructor (idempotent); registries built meanwhile keep their
+    twins."""
     global _original
     if _original is not None:
         _registry().__init__ = _original

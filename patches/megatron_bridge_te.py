@@ -1,7 +1,8 @@
 """Import Megatron-Bridge without transformer-engine: an explicit, reversible, version-gated patch.
 
 Upstream symptom (megatron-bridge 0.6.2, ``TARGET_MEGATRON_BRIDGE``): ``from megatron.bridge import
-AutoBridge`` raises ``ModuleNotFoundError: No module named 'transformer_engine'`` on machines without
+AutoBridge`` raises ``ModuleNotFoundError: No module named 'transformer_engine'`` on machines
+without
 transformer-engine (every CPU machine): ``megatron/bridge/peft/lora_layers.py`` imports
 ``transformer_engine.pytorch`` unguarded, and the package imports it on the way to ``AutoBridge``
 (through the PEFT bridges). Every other transformer-engine import in Megatron-Bridge and
@@ -47,10 +48,13 @@ class _Loader(importlib.machinery.SourceFileLoader):
         source = self.get_data(self.path).decode()
         if _LINE not in source:
             raise ImportError(
-                f"megatron_tree.patches.megatron_bridge_te targets megatron-bridge {TARGET_MEGATRON_BRIDGE}: "
-                f"{_MODULE} no longer has the line {_LINE!r}; update the patch"
+                "megatron_tree.patches.megatron_bridge_te targets megatron-bridge "
+                f"{TARGET_MEGATRON_BRIDGE}: {_MODULE} no longer has the line {_LINE!r}; update the "
+                "patch"
             )
-        return compile(source.replace(_LINE, f"te = {_STAND_IN}", 1), self.path, "exec", dont_inherit=True)
+        return compile(
+            source.replace(_LINE, f"te = {_STAND_IN}", 1), self.path, "exec", dont_inherit=True
+        )
 
     def exec_module(self, module):
         module.__dict__[_STAND_IN] = _StandIn("transformer_engine.pytorch (megatron_tree stand-in)")

@@ -1,6 +1,7 @@
 """Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
 
-Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos on a CPU machine cannot avoid
+Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos
+on a CPU machine cannot avoid
 (model construction, the model-parallel RNG tracker, activation recompute, the default causal mask,
 the MoE router and alltoall token dispatcher), and its CPU norms refuse sequence parallelism. This
 module redirects exactly those calls to the CPU and lifts that one refusal:
@@ -11,7 +12,8 @@ patched symbol                                              CPU behaviour
 ``torch.cuda.current_device``                               returns ``torch.device("cpu")``
 ``megatron.core.tensor_parallel.random._get_cuda_rng_state``  the CPU generator's state
 ``megatron.core.tensor_parallel.random._set_cuda_rng_state``  sets the CPU generator's state
-``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``  seeds a state on the CPU generator
+``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``  seeds a state on the CPU
+generator
 ``megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed``  (and its re-export in
                                                             ``megatron.core.tensor_parallel``) seeds
                                                             the CPU generator and the tracker states
@@ -44,7 +46,8 @@ patched symbol                                              CPU behaviour
                                                             the shared experts' overlap stream
                                                             (``moe_shared_expert_overlap``, on in
                                                             DeepSeek-V3 / GLM-4.5 bridges)
-``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` where it is True (0.16.x stubs
+``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` where it is True (0.16.x
+stubs
                                                             TE's classes with mocks when it is
                                                             missing, so its MLA reads True and fails
                                                             in ``isinstance(..., TELinear)``; 0.17
@@ -52,7 +55,8 @@ patched symbol                                              CPU behaviour
 ``...embeddings.rope_utils.get_pos_emb_on_this_cp_rank``    the same zigzag slice with a CPU index
 (and its copies in ``rotary_pos_embedding`` and             (upstream builds it with
 ``yarn_rotary_pos_embedding``)                              ``pin_memory=True`` and ``.cuda()``;
-                                                            YaRN calls it in its constructor at CP > 1)
+                                                            YaRN calls it in its constructor at CP >
+                                                            1)
 ``megatron.core.transformer.moe.moe_utils.te_general_gemm``  defined as ``None`` where it is missing
                                                             (megatron-core 0.16.x without
                                                             transformer-engine; 0.17+ define it);
@@ -65,7 +69,8 @@ unconditionally, so every MoE forward without transformer-engine raises ``NameEr
 'te_general_gemm' is not defined`` (0.17 and 0.19 set it to None in an ``else`` branch: nothing to
 do there). The alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``, all three
 versions) creates ``torch.cuda.Stream()`` in its constructor and moves its split sizes to the host
-on that stream (``_maybe_dtoh_and_synchronize``: ``torch.cuda.current_stream``, ``torch.cuda.stream``,
+on that stream (``_maybe_dtoh_and_synchronize``: ``torch.cuda.current_stream``,
+``torch.cuda.stream``,
 ``record_event``). On a CPU the tensors are already on the host, so the stand-in streams do
 nothing, which is exactly the synchronous behaviour the code falls back to. That host copy also
 turns the split sizes into NumPy arrays for ``all_to_all_single``; upstream skips tensors that are
@@ -135,12 +140,18 @@ _TARGETS: tuple[tuple[str, str], ...] = (
     ("torch.nn", "Module.cuda"),
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__"),
     ("megatron.core.transformer.moe.token_dispatcher", "torch"),
-    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream",
+    ),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.moe.shared_experts", "torch"),
     ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
-    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    (
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+        "get_pos_emb_on_this_cp_rank",
+    ),
 )
 
 # (module path, name, value): module globals that some versions read but never define; defined
@@ -216,8 +227,8 @@ def _cpu_model_parallel_cuda_manual_seed(
 
     if te_rng_tracker or use_cudagraphable_rng:
         raise ValueError(
-            "the CPU patch supports only Megatron's own RNG tracker: pass te_rng_tracker=False "
-            "and use_cudagraphable_rng=False"
+            "the CPU patch supports only Megatron's own RNG tracker: pass te_rng_tracker=False and "
+            "use_cudagraphable_rng=False"
         )
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -236,9 +247,7 @@ def _cpu_model_parallel_cuda_manual_seed(
     torch.default_generator.manual_seed(seed)
     tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(
-        mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
-    )
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
@@ -331,7 +340,9 @@ class _TorchWithCpuStreams:
         return getattr(torch, name)
 
 
-def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+def _cpu_maybe_move_tensor_to_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
     """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: ``as_numpy`` still
     gives a NumPy array (what the all-to-all's split sizes must be)."""
     if torch.is_tensor(tensor) and as_numpy:
@@ -339,16 +350,19 @@ def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_st
     return tensor
 
 
-def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+def _cpu_pos_emb_on_this_cp_rank(
+    pos_emb: torch.Tensor, seq_dim: int, cp_group: Any
+) -> torch.Tensor:
     """Megatron's zigzag slice of a rotary table for a context-parallel rank (chunks ``r`` and
-    ``2 cp - r - 1`` of ``2 cp``), with its index on the CPU (upstream pins it and copies it to CUDA)."""
+    ``2 cp - r - 1`` of ``2 cp``), with its index on the CPU (upstream pins it and copies it to
+    CUDA)."""
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     pos_emb = pos_emb.index_select(seq_dim, index)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 def _module_cuda_noop(self, device: Any = None):
@@ -374,7 +388,9 @@ def _torch_norm_new(cls, config, hidden_size: int, eps: float = 1e-5, *args: Any
     original = _original(cls, "__new__")
     upstream_config = config
     if config.sequence_parallel:
-        upstream_config = copy.copy(config)  # shallow: no __post_init__, the model's config untouched
+        upstream_config = copy.copy(
+            config
+        )  # shallow: no __post_init__, the model's config untouched
         upstream_config.sequence_parallel = False
     norm = original.__get__(None, cls)(cls, upstream_config, hidden_size, eps, *args, **kwargs)
     for param in norm.parameters():
@@ -450,14 +466,16 @@ def apply() -> bool:
             missing.append(f"{module_name}.{attr_path}")
     if missing:
         raise RuntimeError(
-            f"megatron_tree.patches.megatron_cpu is verified on megatron-core {VERIFIED_MEGATRON_CORE}, but "
-            f"the installed megatron-core {_megatron_version()} lacks: {', '.join(missing)}. "
-            "Install a verified version or update patches/megatron_cpu.py."
+            "megatron_tree.patches.megatron_cpu is verified on megatron-core "
+            f"{VERIFIED_MEGATRON_CORE}, but the installed megatron-core {_megatron_version()} "
+            f"lacks: {', '.join(missing)}. Install a verified version or update "
+            "patches/megatron_cpu.py."
         )
     version = _megatron_version()
     if ".".join(version.split(".")[:2]) not in VERIFIED_MEGATRON_CORE:
         warnings.warn(
-            f"megatron_cpu patch is verified on megatron-core {VERIFIED_MEGATRON_CORE}, found {version}",
+            f"megatron_cpu patch is verified on megatron-core {VERIFIED_MEGATRON_CORE}, found "
+            f"{version}",
             stacklevel=2,
         )
     for owner, name, module_name, attr_path in resolved:

@@ -47,7 +47,9 @@ def source_file(name: str, obj) -> str:
     try:
         return resolved.relative_to(ROOT).as_posix()
     except ValueError:
-        raise ValueError(f"megatron_tree.{name} is defined outside the repository: {resolved}") from None
+        raise ValueError(
+            f"megatron_tree.{name} is defined outside the repository: {resolved}"
+        ) from None
 
 
 def render() -> str:
@@ -74,13 +76,18 @@ def replace(text: str, table: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README's table is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the README's table is stale"
+    )
     args = parser.parse_args(argv)
     text = args.readme.read_text(encoding="utf-8")
     new = replace(text, render())
     if args.check:
         if new != text:
-            print(f"{args.readme}: the API table is stale; run python scripts/api_table.py", file=sys.stderr)
+            print(
+                f"{args.readme}: the API table is stale; run python scripts/api_table.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if new != text:

@@ -36,14 +36,23 @@ def agent_tree(small: bool, vocab: int) -> dict:
     from megatron_tree.testing.synthetic import multi_turn_batch
 
     scale = 4 if small else 1
-    batch = multi_turn_batch(num_tasks=1, rollouts_per_task=3, turns=5, system_len=2048 // scale,
-                            task_len=512 // scale, observation_len=(640 // scale, 896 // scale),
-                            action_len=(256 // scale, 384 // scale), vocab_size=vocab, seed=7)
+    batch = multi_turn_batch(
+        num_tasks=1,
+        rollouts_per_task=3,
+        turns=5,
+        system_len=2048 // scale,
+        task_len=512 // scale,
+        observation_len=(640 // scale, 896 // scale),
+        action_len=(256 // scale, 384 // scale),
+        vocab_size=vocab,
+        seed=7,
+    )
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 def nll(outputs: dict, micro_batch: dict) -> torch.Tensor:
-    """Per-token negative log-likelihood (default loss mask: every entry but each sequence's last)."""
+    """Per-token negative log-likelihood (default loss mask: every entry but each sequence's
+    last)."""
     return -outputs["logprobs"]
 
 
@@ -72,10 +81,20 @@ def _worker(rank: int, args, batch: dict, cp: int) -> dict:
     from megatron_tree.core.context_parallel import attention_work, context_parallel_split
     from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 
-    config = small_gpt_config(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-                              num_query_groups=2, ffn_hidden_size=4 * args.hidden, context_parallel_size=cp)
-    model = build_gpt_model(config, tree=True, vocab_size=args.vocab, backend="block_sparse", block_size=128)
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=1 << 20, block_size=128, parallel_size=cp, pad_to_max=False)
+    config = small_gpt_config(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=4 * args.hidden,
+        context_parallel_size=cp,
+    )
+    model = build_gpt_model(
+        config, tree=True, vocab_size=args.vocab, backend="block_sparse", block_size=128
+    )
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=1 << 20, block_size=128, parallel_size=cp, pad_to_max=False
+    )
     assert len(packed) == 1, "the benchmark wants one tree"
     tree = packed[0]["tree"]
     split = context_parallel_split(tree, cp, ps.get_context_parallel_rank())
@@ -95,8 +114,14 @@ def _worker(rank: int, args, batch: dict, cp: int) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"contiguous": float(contiguous.max() / contiguous.min()), "rows": tree.padded_length // cp, "tokens": tree.num_tree_tokens, "pairs": int(pairs[ps.get_context_parallel_rank()]),
-            "saved_mib": saved.mib, "seconds": statistics.median(times)}
+    return {
+        "contiguous": float(contiguous.max() / contiguous.min()),
+        "rows": tree.padded_length // cp,
+        "tokens": tree.num_tree_tokens,
+        "pairs": int(pairs[ps.get_context_parallel_rank()]),
+        "saved_mib": saved.mib,
+        "seconds": statistics.median(times),
+    }
 
 
 def main() -> None:
@@ -107,8 +132,12 @@ def main() -> None:
 
     batch = agent_tree(args.small, args.vocab)
     lengths = batch["attention_mask"].sum(1)
-    print(f"agent tree: {len(lengths)} sequences, {int(lengths.sum())} tokens, longest {int(lengths.max())}; "
-          f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, block_sparse", flush=True)
+    print(
+        f"agent tree: {len(lengths)} sequences, {int(lengths.sum())} tokens, longest "
+        f"{int(lengths.max())}; model: {args.layers} layers, hidden {args.hidden}, vocab "
+        f"{args.vocab}, fp32, block_sparse",
+        flush=True,
+    )
     rows = []
     for cp in (1, 2):
         print(f"running CP={cp} ...", flush=True)
@@ -117,17 +146,26 @@ def main() -> None:
     base_mem = max(r["saved_mib"] for r in rows[0][1])
     base_time = max(r["seconds"] for r in rows[0][1])
     print(f"\ntree tokens {rows[0][1][0]['tokens']} (padded {rows[0][1][0]['rows']})")
-    print(f"{'CP':>3} {'rank':>4} {'rows':>7} {'attn pairs':>12} {'saved MiB':>10} {'vs CP=1':>8} {'step s':>8} {'vs CP=1':>8}")
+    print(
+        f"{'CP':>3} {'rank':>4} {'rows':>7} {'attn pairs':>12} {'saved MiB':>10} {'vs CP=1':>8} "
+        f"{'step s':>8} {'vs CP=1':>8}"
+    )
     for cp, ranks in rows:
         for r, res in enumerate(ranks):
-            print(f"{cp:>3} {r:>4} {res['rows']:>7} {res['pairs']:>12} {res['saved_mib']:>10.1f} "
-                  f"{res['saved_mib'] / base_mem:>8.2f} {res['seconds']:>8.2f} {res['seconds'] / base_time:>8.2f}")
+            print(
+                f"{cp:>3} {r:>4} {res['rows']:>7} {res['pairs']:>12} {res['saved_mib']:>10.1f} "
+                f"{res['saved_mib'] / base_mem:>8.2f} {res['seconds']:>8.2f} "
+                f"{res['seconds'] / base_time:>8.2f}"
+            )
     cp2 = rows[1][1]
     pairs = [r["pairs"] for r in cp2]
-    print(f"\nCP=2: peak saved activations per rank {max(r['saved_mib'] for r in cp2) / base_mem:.2f}x of CP=1 "
-          f"(goal <= 0.6x); attention pairs max/min over ranks {max(pairs) / min(pairs):.3f} (a contiguous "
-          f"split: {cp2[0]['contiguous']:.3f}); step time "
-          f"{max(r['seconds'] for r in cp2) / base_time:.2f}x of CP=1 (2 processes on a shared CPU)")
+    print(
+        "\nCP=2: peak saved activations per rank "
+        f"{max(r['saved_mib'] for r in cp2) / base_mem:.2f}x of CP=1 (goal <= 0.6x); attention "
+        f"pairs max/min over ranks {max(pairs) / min(pairs):.3f} (a contiguous split: "
+        f"{cp2[0]['contiguous']:.3f}); step time {max(r['seconds'] for r in cp2) / base_time:.2f}x "
+        "of CP=1 (2 processes on a shared CPU)"
+    )
 
 
 if __name__ == "__main__":

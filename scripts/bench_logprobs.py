@@ -101,8 +101,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--memory-child", nargs=2, metavar=("METHOD", "DTYPE"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-child", nargs=2, metavar=("METHOD", "DTYPE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,24 +116,34 @@ def main() -> None:
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {load}, "
-        f"median of {args.repeats}; "
-        f"tree: N={tree.padded_length} padded, U={tree.num_tree_tokens} real rows, "
-        f"S={tree.num_sequences} sequences, T={tree.num_sequence_tokens} sequence tokens, "
-        f"V={args.vocab}"
+        f"median of {args.repeats}; tree: N={tree.padded_length} padded, U={tree.num_tree_tokens} "
+        f"real rows, S={tree.num_sequences} sequences, T={tree.num_sequence_tokens} sequence "
+        f"tokens, V={args.vocab}"
     )
     logits32 = torch.randn(tree.padded_length, args.vocab)
     cases = [(m, "float32") for m in METHODS] + [("ours (chunked, per node)", "bfloat16")]
-    header = (f"{'method':36} {'logits':>8} {'fwd s':>7} {'fwd+bwd s':>9} "
-              f"{'peak extra / logits':>19}")
+    header = (
+        f"{'method':36} {'logits':>8} {'fwd s':>7} {'fwd+bwd s':>9} {'peak extra / logits':>19}"
+    )
     print(header)
     print("-" * len(header))
     rows = {}
     for method, dtype in cases:
         logits = logits32.to(getattr(torch, dtype))
-        fwd = _median_s(lambda: METHODS[method](logits, tree), args.repeats)
-        both = _median_s(lambda: _forward_backward(method, logits, tree), args.repeats)
-        child = [sys.executable, __file__, "--vocab", str(args.vocab),
-                 "--memory-child", method, dtype]
+        fwd = _median_s(lambda: METHODS[method](logits, tree), args.repeats)  # noqa: B023
+        both = _median_s(
+            lambda: _forward_backward(method, logits, tree),  # noqa: B023 (called at once)
+            args.repeats,
+        )
+        child = [
+            sys.executable,
+            __file__,
+            "--vocab",
+            str(args.vocab),
+            "--memory-child",
+            method,
+            dtype,
+        ]
         if args.threads:
             child += ["--threads", str(args.threads)]
         run = subprocess.run(child, check=True, capture_output=True, text=True)
@@ -143,8 +154,10 @@ def main() -> None:
     ours = rows[("ours (chunked, per node)", "float32")]
     for method in list(METHODS)[1:]:
         base = rows[(method, "float32")]
-        print(f"speed-up of ours over {method}: forward {base[0] / ours[0]:.1f}x, "
-              f"forward+backward {base[1] / ours[1]:.1f}x")
+        print(
+            f"speed-up of ours over {method}: forward {base[0] / ours[0]:.1f}x, forward+backward "
+            f"{base[1] / ours[1]:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ import torch
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -36,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--responses", type=int, default=8)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--backend", default="block_sparse", choices=["auto", "sdpa", "flex", "block_sparse"])
+    p.add_argument(
+        "--backend", default="block_sparse", choices=["auto", "sdpa", "flex", "block_sparse"]
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--reps", type=int, default=3)
@@ -63,9 +67,9 @@ def init_world():
 def build_model(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_tree.testing.models import small_gpt_config
     from megatron_tree.mcore.model import TreeGPTModel
     from megatron_tree.mcore.spec import tree_attention_spec
+    from megatron_tree.testing.models import small_gpt_config
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = small_gpt_config(
@@ -78,7 +82,9 @@ def build_model(args):
         bf16=args.dtype == "bf16",
     )
     spec = tree_attention_spec(
-        get_gpt_layer_local_spec(normalization="RMSNorm"), backend=args.backend, block_size=args.block_size
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        backend=args.backend,
+        block_size=args.block_size,
     )
     model = TreeGPTModel(
         config=config,
@@ -94,10 +100,14 @@ def batches(args):
     """(shared GRPO sequences, unrelated sequences of the same lengths)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, args.vocab, (args.prompt,), generator=g)
-    shared = [torch.cat([prompt, torch.randint(1, args.vocab, (args.response_len,), generator=g)])
-              for _ in range(args.responses)]
-    unrelated = [torch.randint(1, args.vocab, (args.prompt + args.response_len,), generator=g)
-                 for _ in range(args.responses)]
+    shared = [
+        torch.cat([prompt, torch.randint(1, args.vocab, (args.response_len,), generator=g)])
+        for _ in range(args.responses)
+    ]
+    unrelated = [
+        torch.randint(1, args.vocab, (args.prompt + args.response_len,), generator=g)
+        for _ in range(args.responses)
+    ]
     return shared, unrelated
 
 
@@ -204,16 +214,20 @@ def main(argv=None) -> dict:
             ideal=ideal,
         )
     print(
-        f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.groups} groups, "
-        f"ffn {args.ffn}, vocab {args.vocab}; {args.device} {args.dtype}, backend {args.backend}, "
-        f"threads {args.threads}; batch: prompt {args.prompt} + {args.responses} x {args.response_len}"
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.groups} "
+        f"groups, ffn {args.ffn}, vocab {args.vocab}; {args.device} {args.dtype}, backend "
+        f"{args.backend}, threads {args.threads}; batch: prompt {args.prompt} + {args.responses} x "
+        f"{args.response_len}"
     )
-    print(f"{'batch':<16} {'tokens tree/base':>17} {'fwd+bwd tree':>13} {'baseline':>9} "
-          f"{'speed-up':>9} {'ideal':>6} {'of ideal':>9}")
+    print(
+        f"{'batch':<16} {'tokens tree/base':>17} {'fwd+bwd tree':>13} {'baseline':>9} "
+        f"{'speed-up':>9} {'ideal':>6} {'of ideal':>9}"
+    )
     for name, r in rows.items():
         print(
             f"{name:<16} {r['tokens_tree']:>8}/{r['tokens_base']:<8} {r['t_tree']:>12.3f}s "
-            f"{r['t_base']:>8.3f}s {r['speedup']:>8.2f}x {r['ideal']:>5.2f}x {r['speedup'] / r['ideal']:>8.0%}"
+            f"{r['t_base']:>8.3f}s {r['speedup']:>8.2f}x {r['ideal']:>5.2f}x "
+            f"{r['speedup'] / r['ideal']:>8.0%}"
         )
     return rows
 

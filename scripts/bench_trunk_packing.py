@@ -51,8 +51,11 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=600, help="random batches of the fuzz")
     parser.add_argument("--seed", type=int, default=0, help="batch i of the fuzz uses seed + i")
-    parser.add_argument("--old-package", metavar="PATH",
-                        help="a checkout whose megatron_tree is measured instead of this one's")
+    parser.add_argument(
+        "--old-package",
+        metavar="PATH",
+        help="a checkout whose megatron_tree is measured instead of this one's",
+    )
     return parser.parse_args()
 
 
@@ -132,9 +135,14 @@ def fuzz_seqs(seed: int, multi_turn_batch) -> list:
             seqs.append(torch.cat([prompt, tokens(g, rng.randint(5, 300))]))
     for _ in range(rng.choice([0, 0, 1, 1, 2])):
         batch = multi_turn_batch(
-            num_tasks=rng.randint(1, 3), rollouts_per_task=rng.randint(1, 3), turns=(1, 3),
-            system_len=rng.randint(20, 400), task_len=rng.randint(10, 150),
-            observation_len=(10, 80), action_len=(10, 120), vocab_size=VOCAB,
+            num_tasks=rng.randint(1, 3),
+            rollouts_per_task=rng.randint(1, 3),
+            turns=(1, 3),
+            system_len=rng.randint(20, 400),
+            task_len=rng.randint(10, 150),
+            observation_len=(10, 80),
+            action_len=(10, 120),
+            vocab_size=VOCAB,
             seed=rng.randrange(2**31),
         )
         lengths = batch["attention_mask"].sum(1).tolist()
@@ -166,30 +174,42 @@ def long_context_seqs():
 
 
 def pack(build, pad, seqs, capacity: int, block: int, share_trunks: bool):
-    return build(pad(seqs), max_tokens_per_mb=capacity, block_size=block, pad_to_max=False,
-                 share_trunks=share_trunks)
+    return build(
+        pad(seqs),
+        max_tokens_per_mb=capacity,
+        block_size=block,
+        pad_to_max=False,
+        share_trunks=share_trunks,
+    )
 
 
 def grpo_case(build, pad) -> bool:
     seqs = grpo_case_seqs()
     unique, _ = trie_counts(seqs)
     total = sum(len(s) for s in seqs)
-    print(f"1. GRPO case: one 110-token prompt, 8 distinct 12-token responses ({total} tokens, "
-          f"{unique} unique);\n   capacity 124, block_size 1 (no alignment padding), "
-          f"pad_to_max False")
-    print(f"  {'share_trunks':12} {'micro-b':>7} {'tokens':>7} {'padded':>7} {'unique':>7} "
-          f"{'tok/uniq':>8} {'pad/uniq':>8} {'trunk':>5} {'branch':>6}")
+    print(
+        f"1. GRPO case: one 110-token prompt, 8 distinct 12-token responses ({total} tokens, "
+        f"{unique} unique);\n   capacity 124, block_size 1 (no alignment padding), pad_to_max False"
+    )
+    print(
+        f"  {'share_trunks':12} {'micro-b':>7} {'tokens':>7} {'padded':>7} {'unique':>7} "
+        f"{'tok/uniq':>8} {'pad/uniq':>8} {'trunk':>5} {'branch':>6}"
+    )
     result = {}
     for share in (False, True):
         p = pack(build, pad, seqs, 124, 1, share)
         result[share] = p.num_tree_tokens
         trunk, branch = layout(p)
-        print(f"  {str(share):12} {len(p):7d} {p.num_tree_tokens:7d} {p.num_padded_tokens:7d} "
-              f"{unique:7d} {p.num_tree_tokens / unique:8.3f} {p.num_padded_tokens / unique:8.3f} "
-              f"{trunk:>5} {branch:>6}")
+        print(
+            f"  {share!s:12} {len(p):7d} {p.num_tree_tokens:7d} {p.num_padded_tokens:7d} "
+            f"{unique:7d} {p.num_tree_tokens / unique:8.3f} {p.num_padded_tokens / unique:8.3f} "
+            f"{trunk:>5} {branch:>6}"
+        )
     ok = result[True] == unique
-    print(f"  [{'PASS' if ok else 'FAIL'}] trunk reuse computes the single trie's {unique} tokens "
-          f"(computed {result[True]}; share_trunks=False {result[False]})")
+    print(
+        f"  [{'PASS' if ok else 'FAIL'}] trunk reuse computes the single trie's {unique} tokens "
+        f"(computed {result[True]}; share_trunks=False {result[False]})"
+    )
     return ok
 
 
@@ -210,18 +230,31 @@ def fuzz(build, pad, multi_turn_batch, args) -> bool:
             except ValueError as e:
                 errors[share].append((seed, str(e).splitlines()[0]))
                 continue
-            stats[share].append((p.num_tree_tokens / unique, p.num_padded_tokens / unique, seed,
-                                 over[-1]))
+            stats[share].append(
+                (p.num_tree_tokens / unique, p.num_padded_tokens / unique, seed, over[-1])
+            )
         if len(packed) == 2 and packed[True].num_padded_tokens > packed[False].num_padded_tokens:
-            worse.append((seed, len(seqs), sum(len(s) for s in seqs), unique, max(roots), capacity,
-                          packed[False], packed[True]))
+            worse.append(
+                (
+                    seed,
+                    len(seqs),
+                    sum(len(s) for s in seqs),
+                    unique,
+                    max(roots),
+                    capacity,
+                    packed[False],
+                    packed[True],
+                )
+            )
         if (i + 1) % 100 == 0:
             log(f"fuzz: {i + 1}/{args.batches} batches, {time.perf_counter() - t0:.1f} s")
     seconds = time.perf_counter() - t0
 
     last = args.seed + args.batches - 1
-    print(f"\n2. fuzz: {args.batches} random batches (seeds {args.seed}..{last}), block_size "
-          f"{FUZZ_BLOCK}, pad_to_max False;\n   ratios over the single trie's unique tokens")
+    print(
+        f"\n2. fuzz: {args.batches} random batches (seeds {args.seed}..{last}), block_size "
+        f"{FUZZ_BLOCK}, pad_to_max False;\n   ratios over the single trie's unique tokens"
+    )
     print(f"  batches holding a trie larger than the capacity: {sum(over)} of {args.batches}")
     print(f"  {'':36} {'share_trunks=False':>20} {'share_trunks=True':>20}")
 
@@ -236,27 +269,39 @@ def fuzz(build, pad, multi_turn_batch, args) -> bool:
         row(f"{name} / unique > 1.5", lambda s, k=k: str(sum(x[k] > 1.5 for x in s)))
         row(f"{name} / unique median", lambda s, k=k: f"{quantile([x[k] for x in s], 0.5):.3f}")
         row(f"{name} / unique p90", lambda s, k=k: f"{quantile([x[k] for x in s], 0.9):.3f}")
-        row(f"{name} / unique worst (seed)",
-            lambda s, k=k: "%.3f (%d)" % max((x[k], x[2]) for x in s))
-        row("  over-capacity batches: median",
-            lambda s, k=k: f"{quantile([x[k] for x in s if x[3]] or [0.0], 0.5):.3f}")
-        row("  over-capacity batches: p90",
-            lambda s, k=k: f"{quantile([x[k] for x in s if x[3]] or [0.0], 0.9):.3f}")
+        row(
+            f"{name} / unique worst (seed)",
+            lambda s, k=k: "{:.3f} ({:d})".format(*max((x[k], x[2]) for x in s)),
+        )
+        row(
+            "  over-capacity batches: median",
+            lambda s, k=k: f"{quantile([x[k] for x in s if x[3]] or [0.0], 0.5):.3f}",
+        )
+        row(
+            "  over-capacity batches: p90",
+            lambda s, k=k: f"{quantile([x[k] for x in s if x[3]] or [0.0], 0.9):.3f}",
+        )
     for share in (False, True):
         if errors[share]:
             seed, msg = errors[share][0]
-            print(f"  share_trunks={share}: {len(errors[share])} batches refused with ValueError; "
-                  f"first seed {seed}: {msg}")
+            print(
+                f"  share_trunks={share}: {len(errors[share])} batches refused with ValueError; "
+                f"first seed {seed}: {msg}"
+            )
     print(f"  packing time: {seconds:.1f} s for {2 * args.batches} packings")
     ok = not worse
-    print(f"  [{'PASS' if ok else 'FAIL'}] batches where trunk reuse computed more padded rows "
-          f"than share_trunks=False: {len(worse)}")
+    print(
+        f"  [{'PASS' if ok else 'FAIL'}] batches where trunk reuse computed more padded rows than "
+        f"share_trunks=False: {len(worse)}"
+    )
     if worse:
         seed, n, total, unique, largest, cap, off, on = worse[0]
-        print(f"    first: seed {seed}: {n} sequences, {total} tokens, {unique} unique, "
-              f"largest trie {largest}, capacity {cap};\n    padded rows {off.num_padded_tokens} "
-              f"(False, {len(off)} micro-b) vs {on.num_padded_tokens} (True, {len(on)} micro-b); "
-              f"tokens {off.num_tree_tokens} vs {on.num_tree_tokens}")
+        print(
+            f"    first: seed {seed}: {n} sequences, {total} tokens, {unique} unique, largest trie "
+            f"{largest}, capacity {cap};\n    padded rows {off.num_padded_tokens} (False, "
+            f"{len(off)} micro-b) vs {on.num_padded_tokens} (True, {len(on)} micro-b); tokens "
+            f"{off.num_tree_tokens} vs {on.num_tree_tokens}"
+        )
     return ok
 
 
@@ -264,9 +309,11 @@ def long_context(build, pad) -> bool:
     seqs, second = long_context_seqs()
     unique, _ = trie_counts(seqs)
     total = sum(len(s) for s in seqs)
-    print(f"\n3. long context: a 24000-token history, 10 tasks of 200-600 tokens ({second} with "
-          f"a second turn):\n   {len(seqs)} sequences, {total} tokens, {unique} unique, longest "
-          f"{max(len(s) for s in seqs)}; capacity 8192, block_size 128, pad_to_max False")
+    print(
+        f"\n3. long context: a 24000-token history, 10 tasks of 200-600 tokens ({second} with a "
+        f"second turn):\n   {len(seqs)} sequences, {total} tokens, {unique} unique, longest "
+        f"{max(len(s) for s in seqs)}; capacity 8192, block_size 128, pad_to_max False"
+    )
     ok = True
     try:
         p = pack(build, pad, seqs, 8192, 128, True)
@@ -277,19 +324,25 @@ def long_context(build, pad) -> bool:
     else:
         trunk, branch = layout(p)
         ratio = p.num_tree_tokens / unique
-        print(f"  share_trunks=True: {len(p)} micro-batches ({trunk} trunk parts, {branch} branch "
-              f"micro-batches),\n    tokens computed {p.num_tree_tokens}, padded rows "
-              f"{p.num_padded_tokens} (x{p.num_padded_tokens / unique:.3f} of unique)")
+        print(
+            f"  share_trunks=True: {len(p)} micro-batches ({trunk} trunk parts, {branch} branch "
+            f"micro-batches),\n    tokens computed {p.num_tree_tokens}, padded rows "
+            f"{p.num_padded_tokens} (x{p.num_padded_tokens / unique:.3f} of unique)"
+        )
         ok = ratio <= 1.02
-        print(f"  [{'PASS' if ok else 'FAIL'}] trunk-reuse tokens {p.num_tree_tokens} within 2% "
-              f"of the single trie's {unique} (x{ratio:.4f})")
+        print(
+            f"  [{'PASS' if ok else 'FAIL'}] trunk-reuse tokens {p.num_tree_tokens} within 2% of "
+            f"the single trie's {unique} (x{ratio:.4f})"
+        )
     try:
         p = pack(build, pad, seqs, 8192, 128, False)
     except ValueError as e:
         print(f"  [PASS] share_trunks=False raises ValueError: {str(e).splitlines()[0]}")
     else:
-        print(f"  [FAIL] share_trunks=False packed it ({len(p)} micro-batches, tokens "
-              f"{p.num_tree_tokens}) instead of raising ValueError")
+        print(
+            f"  [FAIL] share_trunks=False packed it ({len(p)} micro-batches, tokens "
+            f"{p.num_tree_tokens}) instead of raising ValueError"
+        )
         ok = False
     return ok
 

@@ -20,18 +20,33 @@ from functools import partial
 
 import torch
 
-MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=32)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+)
 
 
-def rollout(groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> tuple[dict, list[torch.Tensor]]:
+def rollout(
+    groups: list[tuple[torch.Tensor, list[torch.Tensor]]],
+) -> tuple[dict, list[torch.Tensor]]:
     """verl's rollout layout for (prompt, responses) groups (the test harness's)."""
     from megatron_tree.testing.verl import rollout_layout
 
     return rollout_layout([(p, r) for p, responses in groups for r in responses])
 
 
-def grpo_groups(vocab: int, prompts: int, samples: int, prompt_len: int, response: tuple[int, int], seed: int = 0):
+def grpo_groups(
+    vocab: int,
+    prompts: int,
+    samples: int,
+    prompt_len: int,
+    response: tuple[int, int],
+    seed: int = 0,
+):
     g = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(1, vocab, (n,), generator=g)  # noqa: E731
     length = lambda: int(torch.randint(response[0], response[1] + 1, (1,), generator=g))  # noqa: E731
@@ -54,14 +69,21 @@ def multi_hop_groups(vocab: int, sequences: int, shared: int, own: int, seed: in
 
 
 def step_seconds(engine, padded, seqs, repeats: int) -> float:
-    from megatron_tree.testing import verl as harness
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
 
+    from megatron_tree.testing import verl as harness
+
     mask = padded["response_mask"]
     extra = {"old_log_probs": torch.zeros(mask.shape), "advantages": torch.randn(mask.shape) * mask}
-    config = McoreActorConfig(strategy="megatron", rollout_n=1, ppo_mini_batch_size=len(seqs),
-                              ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=4096)
+    config = McoreActorConfig(
+        strategy="megatron",
+        rollout_n=1,
+        ppo_mini_batch_size=len(seqs),
+        ppo_micro_batch_size_per_gpu=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=4096,
+    )
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         data = harness.engine_batch(dict(padded, **extra), global_batch_size=len(seqs))
@@ -76,25 +98,45 @@ def step_seconds(engine, padded, seqs, repeats: int) -> float:
 
 
 def ideal_speedup(model_config, seqs) -> float:
-    """Unpacked FLOPs / tree FLOPs of the FLOP model for these sequences (whole tries, no padding)."""
+    """Unpacked FLOPs / tree FLOPs of the FLOP model for these sequences (whole tries, no
+    padding)."""
     from megatron_tree.core.flops import GPTShape, train_flops
     from megatron_tree.core.packing import build_packed_tree_batch
 
     hf = model_config.hf_config
-    shape = GPTShape(hidden=hf.hidden_size, layers=hf.num_hidden_layers, heads=hf.num_attention_heads,
-                     query_groups=hf.num_key_value_heads, ffn_hidden=hf.intermediate_size, vocab=hf.vocab_size,
-                     head_dim=hf.head_dim)
-    trees = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=1 << 20, block_size=1,
-                                    pad_to_max=False, share_trunks=False).trees
-    chains = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=1 << 20, block_size=1,
-                                     pad_to_max=False, share_prefixes=False, share_trunks=False).trees
+    shape = GPTShape(
+        hidden=hf.hidden_size,
+        layers=hf.num_hidden_layers,
+        heads=hf.num_attention_heads,
+        query_groups=hf.num_key_value_heads,
+        ffn_hidden=hf.intermediate_size,
+        vocab=hf.vocab_size,
+        head_dim=hf.head_dim,
+    )
+    trees = build_packed_tree_batch(
+        {"input_ids": seqs},
+        max_tokens_per_mb=1 << 20,
+        block_size=1,
+        pad_to_max=False,
+        share_trunks=False,
+    ).trees
+    chains = build_packed_tree_batch(
+        {"input_ids": seqs},
+        max_tokens_per_mb=1 << 20,
+        block_size=1,
+        pad_to_max=False,
+        share_prefixes=False,
+        share_trunks=False,
+    ).trees
     return train_flops(chains, shape) / train_flops(trees, shape)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="4 x 4 GRPO with 128-token prompts (a quick check)")
+    parser.add_argument(
+        "--small", action="store_true", help="4 x 4 GRPO with 128-token prompts (a quick check)"
+    )
     args = parser.parse_args()
     from megatron_tree.testing import verl as harness
     from megatron_tree.testing.models import make_hf_checkpoint
@@ -104,29 +146,57 @@ def main() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="bench_verl_"), "qwen3")
     make_hf_checkpoint("qwen3", path, **MODEL)
     prompts, samples, prompt_len = (4, 4, 128) if args.small else (8, 8, 512)
-    # The trunk engine's micro-batches are smaller than a prompt group: its prompt runs once as a trunk.
+    # The trunk engine's micro-batches are smaller than a prompt group: its prompt runs once as a
+    # trunk.
     trunk_tokens = 256 if args.small else 1024
-    engines = {"verl": harness.build_engine(path, vendor=None),
-               "tree": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=4096),
-               "trunk": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=trunk_tokens)}
+    engines = {
+        "verl": harness.build_engine(path, vendor=None),
+        "tree": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=4096),
+        "trunk": harness.build_engine(path, vendor="megatron_tree", tree_max_tokens=trunk_tokens),
+    }
     vocab = engines["verl"][1].hf_config.vocab_size
     grpo = grpo_groups(vocab, prompts, samples, prompt_len, (64, 256))
-    batches = [(f"GRPO {prompts}x{samples}, prompt {prompt_len}", grpo, "tree"),
-               (f"same, trunk reuse ({trunk_tokens}-token mb)", grpo, "trunk"),
-               # pairs sharing 192 of their 288 tokens: a third of the tokens shared
-               ("multi-hop, low sharing", multi_hop_groups(vocab, 2 * prompts, shared=192, own=96), "tree")]
+    batches = [
+        (f"GRPO {prompts}x{samples}, prompt {prompt_len}", grpo, "tree"),
+        (f"same, trunk reuse ({trunk_tokens}-token mb)", grpo, "trunk"),
+        # pairs sharing 192 of their 288 tokens: a third of the tokens shared
+        (
+            "multi-hop, low sharing",
+            multi_hop_groups(vocab, 2 * prompts, shared=192, own=96),
+            "tree",
+        ),
+    ]
     rows = []
     for name, groups, tree_engine in batches:
         padded, seqs = rollout(groups)
-        seconds = {key: step_seconds(engines[key][0], padded, seqs, args.repeats) for key in ("verl", tree_engine)}
+        seconds = {
+            key: step_seconds(engines[key][0], padded, seqs, args.repeats)
+            for key in ("verl", tree_engine)
+        }
         stats = engines[tree_engine][0].tree_stats
         shared = 1 - stats["tokens_computed"] / stats["tokens_unpacked"]
-        rows.append((name, len(seqs), stats["tokens_unpacked"], shared, seconds["verl"], seconds[tree_engine],
-                     seconds["verl"] / seconds[tree_engine], ideal_speedup(engines["verl"][1], seqs)))
+        rows.append(
+            (
+                name,
+                len(seqs),
+                stats["tokens_unpacked"],
+                shared,
+                seconds["verl"],
+                seconds[tree_engine],
+                seconds["verl"] / seconds[tree_engine],
+                ideal_speedup(engines["verl"][1], seqs),
+            )
+        )
         print(f"[bench] {name}: {stats}", flush=True)
-    print(f"\n{'batch':<40} {'seqs':>5} {'tokens':>7} {'shared':>7} {'verl s':>8} {'tree s':>8} {'speed-up':>9} {'ideal':>6}")
+    print(
+        f"\n{'batch':<40} {'seqs':>5} {'tokens':>7} {'shared':>7} {'verl s':>8} {'tree s':>8} "
+        f"{'speed-up':>9} {'ideal':>6}"
+    )
     for name, n, tokens, shared, base, tree, speedup, ideal in rows:
-        print(f"{name:<40} {n:>5} {tokens:>7} {shared:>7.1%} {base:>8.3f} {tree:>8.3f} {speedup:>8.2f}x {ideal:>5.2f}x")
+        print(
+            f"{name:<40} {n:>5} {tokens:>7} {shared:>7.1%} {base:>8.3f} {tree:>8.3f} "
+            f"{speedup:>8.2f}x {ideal:>5.2f}x"
+        )
 
 
 if __name__ == "__main__":

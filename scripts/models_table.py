@@ -4,7 +4,8 @@ The HuggingFace parity tests append one JSON line per result to ``$MEGATRON_TREE
 (:func:`megatron_tree.testing.models.record_parity`); ``scripts/test_matrix.sh`` sets it for every
 stack. This script groups the lines by model type and bridge, and prints a Markdown table (the
 stacks and layouts tested, the worst log-prob error over them), followed by the families tree
-training refuses and why. With ``--readme README.md`` it replaces the table between the README's markers.
+training refuses and why. With ``--readme README.md`` it replaces the table between the README's
+markers.
 
 Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...] [--readme README.md]
 """
@@ -36,17 +37,26 @@ FAMILY = {
 }
 
 REFUSED = [
-    ("Nemotron-H and other Mamba hybrids; megatron-core 0.19's HybridModel",
-     "Mamba layers are not tree-aware yet; refused by name (ValueError), never run across branches"),
-    ("DeepSeek-V3.2, GLM-5 (DeepSeek sparse attention, DSAttention)",
-     "its indexer selects keys by content, which a tree mask cannot express; refused by name"),
-    ("Multi-token prediction layers (DeepSeek-V3's num_nextn_predict_layers)",
-     "the token after the next is not unique at a branch point; refused until mtp_num_layers=None "
-     "(the main head, which RL trains, is unaffected)"),
+    (
+        "Nemotron-H and other Mamba hybrids; megatron-core 0.19's HybridModel",
+        "Mamba layers are not tree-aware yet; refused by name (ValueError), never run across "
+        "branches",
+    ),
+    (
+        "DeepSeek-V3.2, GLM-5 (DeepSeek sparse attention, DSAttention)",
+        "its indexer selects keys by content, which a tree mask cannot express; refused by name",
+    ),
+    (
+        "Multi-token prediction layers (DeepSeek-V3's num_nextn_predict_layers)",
+        "the token after the next is not unique at a branch point; refused until "
+        "mtp_num_layers=None (the main head, which RL trains, is unaffected)",
+    ),
     ("Encoder-decoder / cross attention", "not a tree operation; refused by the spec rewrite"),
-    ("Router losses seq_aux_loss / global_aux_loss, a capacity factor",
-     "per-sequence, cross-step or rank-dependent statistics; refused at the first training step "
-     "(aux_loss and z-loss are computed as if unpacked)"),
+    (
+        "Router losses seq_aux_loss / global_aux_loss, a capacity factor",
+        "per-sequence, cross-step or rank-dependent statistics; refused at the first training step "
+        "(aux_loss and z-loss are computed as if unpacked)",
+    ),
 ]
 
 
@@ -60,14 +70,28 @@ def render(rows: list[dict]) -> str:
         group["layouts"].add(row["layout"])
         group["err"] = max(group["err"], row["max_logprob_err"])
     order = {name: i for i, name in enumerate(FAMILY)}
-    lines = ["| model type | family | bridge | megatron-core (python, transformers) | layouts | "
-             "max abs log-prob error vs HF (fp32) |", "|---|---|---|---|---|---|"]
-    for (model_type, bridge), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])):
-        stacks = ", ".join(f"{m} ({'.'.join(p.split('.')[:2])}, {t})" for m, p, t in sorted(group["stacks"]))
-        lines.append(f"| `{model_type}` | {FAMILY.get(model_type, '')} | {bridge} | {stacks} | "
-                     f"{', '.join(sorted(group['layouts']))} | {group['err']:.1e} |")
-    lines += ["", "Refused (a clear `ValueError` naming the module or setting and the fix):", "",
-              "| family / setting | why |", "|---|---|"]
+    lines = [
+        "| model type | family | bridge | megatron-core (python, transformers) | layouts | max abs "
+        "log-prob error vs HF (fp32) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (model_type, bridge), group in sorted(
+        groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])
+    ):
+        stacks = ", ".join(
+            f"{m} ({'.'.join(p.split('.')[:2])}, {t})" for m, p, t in sorted(group["stacks"])
+        )
+        lines.append(
+            f"| `{model_type}` | {FAMILY.get(model_type, '')} | {bridge} | {stacks} | "
+            f"{', '.join(sorted(group['layouts']))} | {group['err']:.1e} |"
+        )
+    lines += [
+        "",
+        "Refused (a clear `ValueError` naming the module or setting and the fix):",
+        "",
+        "| family / setting | why |",
+        "|---|---|",
+    ]
     lines += [f"| {name} | {why} |" for name, why in REFUSED]
     return "\n".join(lines)
 
@@ -75,12 +99,21 @@ def render(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", type=Path)
-    parser.add_argument("--readme", type=Path, help="replace the table between the markers of this file")
+    parser.add_argument(
+        "--readme", type=Path, help="replace the table between the markers of this file"
+    )
     args = parser.parse_args()
-    rows = [json.loads(line) for log in args.logs for line in log.read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for log in args.logs
+        for line in log.read_text().splitlines()
+        if line.strip()
+    ]
     if not rows:
-        raise SystemExit(f"no parity results in {[str(p) for p in args.logs]}: run the parity tests with "
-                         "MEGATRON_TREE_PARITY_LOG set (scripts/test_matrix.sh does)")
+        raise SystemExit(
+            f"no parity results in {[str(p) for p in args.logs]}: run the parity tests with "
+            "MEGATRON_TREE_PARITY_LOG set (scripts/test_matrix.sh does)"
+        )
     table = render(rows)
     if args.readme is None:
         print(table)

@@ -3,11 +3,15 @@
 #   scripts/test.sh tests/test_packing.py -x
 #   scripts/test.sh -m gpu          # the GPU tests (skipped without CUDA; see scripts/gpu_check.sh)
 #   MEGATRON_TREE_PYTHON=python3.12 scripts/test.sh     # the Python 3.12 stack (scripts/_env.sh)
-# Fails when pytest fails or when it collected no test (pytest exit code 5).
+# Lint and format (ruff, settings in ruff.toml) are checked first. Fails when ruff finds anything,
+# when pytest fails or when it collected no test (pytest exit code 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 source scripts/_env.sh
+echo "[test] ruff check and ruff format --check (ruff.toml)"
+"$VENV/bin/ruff" check --quiet .
+"$VENV/bin/ruff" format --check --quiet .
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

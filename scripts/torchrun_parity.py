@@ -42,10 +42,16 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--critic", action="store_true")
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
-    p.add_argument("--trunk", action="store_true",
-                   help="trunk reuse: prompt groups larger than the 64-token micro-batch (share_trunks=True)")
-    p.add_argument("--chains", action="store_true",
-                   help="trunk reuse with chains: a 150-token history and a 140-token sequence at capacity 64")
+    p.add_argument(
+        "--trunk",
+        action="store_true",
+        help="trunk reuse: prompt groups larger than the 64-token micro-batch (share_trunks=True)",
+    )
+    p.add_argument(
+        "--chains",
+        action="store_true",
+        help="trunk reuse with chains: a 150-token history and a 140-token sequence at capacity 64",
+    )
     return p.parse_args()
 
 
@@ -53,9 +59,15 @@ def config(args, tp: int, pp: int = 1, cp: int = 1, vpp: int | None = None, sp: 
     from megatron_tree.testing.models import small_gpt_config
 
     return small_gpt_config(
-        num_layers=args.layers, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
+        num_layers=args.layers,
+        gated_linear_unit=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sp,
     )
 
 
@@ -67,10 +79,17 @@ def tree_chunks(args, device, state):
     from megatron_tree.testing.reference import stage_parameter_name
 
     chunks, names = [], {}
-    for vp_stage in ([None] if args.vpp is None else range(args.vpp)):
+    for vp_stage in [None] if args.vpp is None else range(args.vpp):
         cfg = config(args, args.tp, args.pp, args.cp, args.vpp, args.sp)
-        chunk = build_gpt_model(cfg, tree=True, vocab_size=args.vocab, critic=args.critic, backend=args.backend,
-                                block_size=16, vp_stage=vp_stage).to(device)
+        chunk = build_gpt_model(
+            cfg,
+            tree=True,
+            vocab_size=args.vocab,
+            critic=args.critic,
+            backend=args.backend,
+            block_size=16,
+            vp_stage=vp_stage,
+        ).to(device)
         first = get_transformer_layer_offset(cfg, vp_stage=vp_stage)
         for n in chunk.state_dict():
             names[(len(chunks), n)] = stage_parameter_name(n, first)
@@ -88,8 +107,17 @@ def batch(vocab: int, trunk: bool, chains: bool = False) -> dict:
     if trunk:
         return rl_batch(trunk_sequences(), response_start=5)
 
-    b = multi_turn_batch(num_tasks=2, rollouts_per_task=3, turns=3, system_len=24, task_len=8,
-                         observation_len=(3, 9), action_len=(4, 12), vocab_size=vocab, seed=5)
+    b = multi_turn_batch(
+        num_tasks=2,
+        rollouts_per_task=3,
+        turns=3,
+        system_len=24,
+        task_len=8,
+        observation_len=(3, 9),
+        action_len=(4, 12),
+        vocab_size=vocab,
+        seed=5,
+    )
     g = torch.Generator().manual_seed(3)
     mask = torch.zeros_like(b["loss_mask"])
     mask[:, :-1] = b["loss_mask"][:, 1:]  # rolled: entry t is about token t + 1
@@ -106,10 +134,10 @@ def main() -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_tree import LogProbs, Values, ppo_clipped_loss, tree_forward_backward, value_loss
+    from megatron_tree.patches import megatron_cpu
     from megatron_tree.testing.models import build_gpt_model
     from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
-    from megatron_tree.patches import megatron_cpu
-    from megatron_tree import LogProbs, Values, ppo_clipped_loss, tree_forward_backward, value_loss
 
     if device == "cpu":
         megatron_cpu.apply()
@@ -118,7 +146,10 @@ def main() -> int:
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % (args.tp * args.pp * args.cp):
-        raise ValueError(f"world size {world} must be a multiple of --tp {args.tp} x --pp {args.pp} x --cp {args.cp}")
+        raise ValueError(
+            f"world size {world} must be a multiple of --tp {args.tp} x --pp {args.pp} x --cp "
+            f"{args.cp}"
+        )
     loss_fn = value_loss if args.critic else ppo_clipped_loss
     args.trunk = args.trunk or args.chains
     data = batch(args.vocab, args.trunk, args.chains)
@@ -126,63 +157,108 @@ def main() -> int:
     # 1. Reference: whole model at TP=tp, every sequence of the whole batch alone.
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
-    reference = build_gpt_model(config(args, args.tp), tree=False, vocab_size=args.vocab, critic=args.critic).to(device)
+    reference = build_gpt_model(
+        config(args, args.tp), tree=False, vocab_size=args.vocab, critic=args.critic
+    ).to(device)
     want_outputs: dict = {}
-    want_loss = unpacked_reference_step(reference, data, loss_fn, critic=args.critic, outputs=want_outputs)
-    state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in reference.state_dict().items()}
+    want_loss = unpacked_reference_step(
+        reference, data, loss_fn, critic=args.critic, outputs=want_outputs
+    )
+    state = {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for k, v in reference.state_dict().items()
+    }
     want = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
     del reference
     ps.destroy_model_parallel()
 
     # 2. Tree step on the tree layout: this stage's slices of the same weights, this DP rank's rows.
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 context_parallel_size=args.cp, virtual_pipeline_model_parallel_size=args.vpp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+    )
     model_parallel_cuda_manual_seed(1234)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     chunks, names = tree_chunks(args, device, state)
     mine = {k: v[dp_rank::dp] for k, v in data.items()}
     result = tree_forward_backward(
-        chunks if args.vpp else chunks[0], mine, loss_fn, gather=Values() if args.critic else LogProbs(),
-        max_tokens_per_mb=64 if args.trunk else 128, block_size=16, tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group() if dp > 1 else None, pad_to_max=args.pp > 1,
-        collect_outputs=True, share_trunks=True if args.trunk else None,
+        chunks if args.vpp else chunks[0],
+        mine,
+        loss_fn,
+        gather=Values() if args.critic else LogProbs(),
+        max_tokens_per_mb=64 if args.trunk else 128,
+        block_size=16,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group() if dp > 1 else None,
+        pad_to_max=args.pp > 1,
+        collect_outputs=True,
+        share_trunks=True if args.trunk else None,
     )
-    got = {names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
-    for chunk in chunks:  # finalize_model_grads: sequence-parallel (norm) weights hold per-shard sums
+    got = {
+        names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()
+    }
+    for (
+        chunk
+    ) in chunks:  # finalize_model_grads: sequence-parallel (norm) weights hold per-shard sums
         for p in chunk.parameters():
             if getattr(p, "sequence_parallel", False):
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     for g in got.values():  # Megatron DDP: average over the data x context parallel ranks
-        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(
+            g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True)
+        )
     errors = gradient_errors(got, {n: want[n] for n in got})
     worst = max(errors, key=errors.get)
     ok = errors[worst] <= GRAD_RTOL
     stage = ps.get_pipeline_model_parallel_rank()
-    line = (f"rank {rank} (tp {ps.get_tensor_model_parallel_rank()}, cp {ps.get_context_parallel_rank()}, "
-            f"dp {dp_rank}, pp stage {stage}): {len(errors)} grads, worst {worst} rel {errors[worst]:.2e}")
+    line = (
+        f"rank {rank} (tp {ps.get_tensor_model_parallel_rank()}, cp "
+        f"{ps.get_context_parallel_rank()}, dp {dp_rank}, pp stage {stage}): {len(errors)} grads, "
+        f"worst {worst} rel {errors[worst]:.2e}"
+    )
     if result.loss is not None:
         loss = result.loss.clone()
         if dp > 1:
             dist.all_reduce(loss, group=ps.get_data_parallel_group())  # the DP ranks' shares add up
         loss_rel = abs(float(loss) - float(want_loss)) / abs(float(want_loss))
         ok = ok and loss_rel <= LOSS_RTOL
-        line += f"; loss tree {float(loss):.6f} vs unpacked {float(want_loss):.6f} (rel {loss_rel:.1e})"
+        line += (
+            f"; loss tree {float(loss):.6f} vs unpacked {float(want_loss):.6f} (rel {loss_rel:.1e})"
+        )
         name = "values" if args.critic else "logprobs"
         got_out = result.merged_outputs(max_seq_len=data["input_ids"].shape[1])[name]
         rows = range(data["input_ids"].shape[0])[dp_rank::dp]
-        out_err = max(float((got_out[j, : len(want_outputs[i][name])].double() - want_outputs[i][name].double()).abs().max())
-                      for j, i in enumerate(rows))
+        out_err = max(
+            float(
+                (got_out[j, : len(want_outputs[i][name])].double() - want_outputs[i][name].double())
+                .abs()
+                .max()
+            )
+            for j, i in enumerate(rows)
+        )
         ok = ok and out_err <= OUTPUT_ATOL
         line += f"; max |{name} tree - unpacked| {out_err:.1e}"
     parts = sum(mb["rows"].group is not None for mb in result.packed)
-    line += f"; trees {result.num_micro_batches} ({parts} trunk-reuse parts), tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
+    line += (
+        f"; trees {result.num_micro_batches} ({parts} trunk-reuse parts), "
+        f"tree_token_ratio {result.tree_token_ratio:.3f} -> {'PASS' if ok else 'FAIL'}"
+    )
     print(line, flush=True)
     flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)
     if rank == 0:
-        layout = f"tp {args.tp}{' +sp' if args.sp else ''}, cp {args.cp}, pp {args.pp}, vpp {args.vpp or 1}, dp {world // (args.tp * args.pp * args.cp)}"
-        print(f"torchrun parity ({layout}, {'critic' if args.critic else 'actor'}): "
-              f"{'PASS' if int(flag) == 0 else 'FAIL'}", flush=True)
+        dp = world // (args.tp * args.pp * args.cp)
+        layout = (
+            f"tp {args.tp}{' +sp' if args.sp else ''}, cp {args.cp}, pp {args.pp}, "
+            f"vpp {args.vpp or 1}, dp {dp}"
+        )
+        print(
+            f"torchrun parity ({layout}, {'critic' if args.critic else 'actor'}): "
+            f"{'PASS' if int(flag) == 0 else 'FAIL'}",
+            flush=True,
+        )
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return int(flag)

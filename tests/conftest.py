@@ -68,7 +68,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def references(checkpoints):
-    """HF fp32 (eager attention, CPU) on each branching sequence alone: {arch: {sequence: log-probs}}."""
+    """HF fp32 (eager attention, CPU) on each branching sequence alone: {arch: {sequence:
+    log-probs}}."""
     from megatron_tree.testing.models import branching_sequences, hf_references
 
     return hf_references(checkpoints, branching_sequences())

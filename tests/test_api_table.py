@@ -13,10 +13,12 @@ SCRIPT = ROOT / "scripts" / "api_table.py"
 
 
 def test_readme_api_table_is_current():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 0, (
-        f"README.md's API table is stale (or a name failed to import): run python scripts/api_table.py\n"
-        f"{run.stdout}{run.stderr[-4000:]}"
+        "README.md's API table is stale (or a name failed to import): run python "
+        f"scripts/api_table.py\n{run.stdout}{run.stderr[-4000:]}"
     )
 
 
@@ -33,5 +35,10 @@ def test_a_stale_table_is_caught(tmp_path):
     readme.write_text(text.replace("| [`tree_depth`]", "| [`tree_depth_old`]"), encoding="utf-8")
     check = [sys.executable, str(SCRIPT), "--readme", str(readme), "--check"]
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 1
-    subprocess.run([sys.executable, str(SCRIPT), "--readme", str(readme)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--readme", str(readme)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     assert readme.read_text(encoding="utf-8") == text

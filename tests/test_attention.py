@@ -1,4 +1,5 @@
-"""Tree core attention: every backend and mask form against a brute-force reference; spec rewrite."""
+"""Tree core attention: every backend and mask form against a brute-force reference; spec
+rewrite."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from megatron_tree.core import mask as tree_mask
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
-
 from megatron_tree.testing.models import attention_reference, branching_sequences, pack
 from megatron_tree.testing.tolerances import FP64_TOL
 
@@ -68,13 +68,19 @@ def test_value_head_dim_may_differ_from_query_head_dim(backend, sink):
     masked = build_attention_mask_from_trie(tree)
     q, k, v = _qkv(tree.padded_length, dim=24, value_dim=16, grad=backend != "flex")
     offset = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64) if sink else None
-    scores = torch.einsum("qhd,khd->hqk", q[:, 0], k[:, 0].repeat_interleave(2, dim=1)) / math.sqrt(24)
+    scores = torch.einsum("qhd,khd->hqk", q[:, 0], k[:, 0].repeat_interleave(2, dim=1)) / math.sqrt(
+        24
+    )
     scores = scores.masked_fill(masked, float("-inf"))
     if sink:
         scores = torch.cat([scores, offset[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
     probs = scores.softmax(-1)[..., : tree.padded_length]
-    ref = torch.einsum("hqk,khd->qhd", probs, v[:, 0].repeat_interleave(2, dim=1)).reshape(-1, 1, 64)
-    out = tree_attention(q, k, v, tree_attention_mask(tree), backend=backend, block_size=16, softmax_offset=offset)
+    ref = torch.einsum("hqk,khd->qhd", probs, v[:, 0].repeat_interleave(2, dim=1)).reshape(
+        -1, 1, 64
+    )
+    out = tree_attention(
+        q, k, v, tree_attention_mask(tree), backend=backend, block_size=16, softmax_offset=offset
+    )
     assert out.shape == (tree.padded_length, 1, 64)
     assert (out - ref).abs().max() < FP64_TOL
     if backend != "flex":
@@ -121,10 +127,14 @@ def test_derived_masks_are_built_once_per_micro_batch(monkeypatch):
     tree = _tree()
     calls = []
     original = tree_mask.block_sparse_plan
-    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(
+        tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
     q, k, v = _qkv(tree.padded_length, grad=False)
     mask = tree_attention_mask(tree)
-    outs = [tree_attention(q, k, v, mask, backend="block_sparse") for _ in range(4)]  # four "layers"
+    outs = [
+        tree_attention(q, k, v, mask, backend="block_sparse") for _ in range(4)
+    ]  # four "layers"
     assert len(calls) == 1
     tree_attention(q, k, v, mask.detach(), backend="block_sparse")  # what recomputation receives
     assert len(calls) == 1
@@ -151,15 +161,21 @@ def test_flex_compiles_once_for_many_packed_lengths(with_plan):
     counters.clear()
     g = torch.Generator().manual_seed(0)
     for n_seq in range(10):
-        seqs = [torch.randint(1, 50, (int(torch.randint(5, 40, (), generator=g)),), generator=g)
-                for _ in range(n_seq + 2)]
+        seqs = [
+            torch.randint(1, 50, (int(torch.randint(5, 40, (), generator=g)),), generator=g)
+            for _ in range(n_seq + 2)
+        ]
         tree = pack(seqs, block_size=16, max_tokens=1024)[0]["tree"]
         q, k, v = (t.float() for t in _qkv(tree.padded_length, grad=False, seed=n_seq))
         mask = tree_attention_mask(tree) if with_plan else tree.subtree_end
         out = tree_attention(q, k, v, mask, backend="flex", block_size=16, compile_flex=True)
         # fp32 compiled kernel vs brute force: reduction order only.
-        torch.testing.assert_close(out, attention_reference(q, k, v, build_attention_mask_from_trie(tree)),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out,
+            attention_reference(q, k, v, build_attention_mask_from_trie(tree)),
+            atol=1e-5,
+            rtol=1e-5,
+        )
     lengths = counters["stats"]["unique_graphs"]
     assert 1 <= lengths <= 2, dict(counters["stats"])
 
@@ -181,8 +197,8 @@ def test_mask_errors_name_the_sizes():
         tree_attention(q, k, v, tree.subtree_end, backend="nope")
 
 
-# --------------------------------------------------------------------------------------- spec rewrite
-import megatron.core  # noqa: E402  (a test dependency: no skip)
+# --------------------------------------------------------------------------------------- spec
+# rewrite
 
 
 def _core_attention_of(layer_spec):
@@ -190,7 +206,10 @@ def _core_attention_of(layer_spec):
 
 
 def test_spec_rewrite_local_layer_and_block():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -201,7 +220,10 @@ def test_spec_rewrite_local_layer_and_block():
     local = get_gpt_layer_local_spec()
     rewritten = tree_attention_spec(local, backend="block_sparse", block_size=64)
     core = _core_attention_of(rewritten)
-    assert core.module is TreeCoreAttention and core.params == {"backend": "block_sparse", "block_size": 64}
+    assert core.module is TreeCoreAttention and core.params == {
+        "backend": "block_sparse",
+        "block_size": 64,
+    }
     assert rewritten.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.arbitrary
     # The input is untouched, the linear layers are kept.
     assert _core_attention_of(local) is DotProductAttention
@@ -210,10 +232,15 @@ def test_spec_rewrite_local_layer_and_block():
         is local.submodules.self_attention.submodules.linear_qkv
     )
     config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4)
-    block = tree_attention_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0))
+    block = tree_attention_spec(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    )
     assert len(block.layer_specs) == 3
     assert all(_core_attention_of(s).module is TreeCoreAttention for s in block.layer_specs)
-    assert tree_attention_spec(rewritten).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.arbitrary
+    assert (
+        tree_attention_spec(rewritten).submodules.self_attention.params["attn_mask_type"]
+        == AttnMaskType.arbitrary
+    )
 
 
 def test_spec_rewrite_te_spec_keeps_te_layers():
@@ -242,9 +269,13 @@ def test_spec_rewrite_rejects_what_it_cannot_rewrite():
     class CustomAttention(torch.nn.Module):
         pass
 
-    custom_second = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(), get_gpt_layer_local_spec()])
+    custom_second = TransformerBlockSubmodules(
+        layer_specs=[get_gpt_layer_local_spec(), get_gpt_layer_local_spec()]
+    )
     custom_second.layer_specs[1].submodules.self_attention.module = CustomAttention
-    with pytest.raises(ValueError, match="block layer 1: cannot rewrite self-attention CustomAttention"):
+    with pytest.raises(
+        ValueError, match="block layer 1: cannot rewrite self-attention CustomAttention"
+    ):
         tree_attention_spec(custom_second)
 
     unknown = get_gpt_layer_local_spec()

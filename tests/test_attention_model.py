@@ -22,9 +22,13 @@ from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
-# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
+# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA
+# itself).
 pytestmark = [
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
+    ),
     pytest.mark.usefixtures("world"),
 ]
 
@@ -72,7 +76,11 @@ def _tree_logprobs(model, micro_batches, mask_form: str = "subtree_end") -> dict
     out = {}
     for mb in micro_batches:
         tree = mb["tree"]
-        mask = tree_attention_mask(tree) if mask_form == "subtree_end" else build_attention_mask_from_trie(tree)
+        mask = (
+            tree_attention_mask(tree)
+            if mask_form == "subtree_end"
+            else build_attention_mask_from_trie(tree)
+        )
         logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mask)
         out.update(packed_logprobs(logits, mb))
     return out
@@ -138,13 +146,20 @@ def test_recompute_builds_the_tree_mask_once_per_micro_batch(monkeypatch, recomp
 
     calls = []
     original = tree_mask.block_sparse_plan
-    monkeypatch.setattr(tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(
+        tree_mask, "block_sparse_plan", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    )
     micro_batches = pack(branching_sequences(), max_tokens=64)[:2]
-    assert len(micro_batches) == 2 and micro_batches[0]["tree"].padded_length == micro_batches[1]["tree"].padded_length
+    assert (
+        len(micro_batches) == 2
+        and micro_batches[0]["tree"].padded_length == micro_batches[1]["tree"].padded_length
+    )
     model = _model("tree", _config(**recompute_fields(recompute))).train()
 
     def forward(mb):
-        logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+        logits = model(
+            mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"])
+        )
         return logits.log_softmax(-1)[..., 3].sum()
 
     in_flight = [forward(mb) for mb in micro_batches]
@@ -165,7 +180,9 @@ def test_core_attention_module_errors():
     from megatron_tree.mcore.core_attention import TreeCoreAttention
 
     config = _config()
-    with pytest.raises(ValueError, match="layer 3: tree attention needs attn_mask_type=AttnMaskType.arbitrary"):
+    with pytest.raises(
+        ValueError, match="layer 3: tree attention needs attn_mask_type=AttnMaskType.arbitrary"
+    ):
         TreeCoreAttention(config, 3, AttnMaskType.causal, "self")
     with pytest.raises(ValueError, match="backend='fast'"):
         TreeCoreAttention(config, 1, AttnMaskType.arbitrary, "self", backend="fast")
@@ -177,7 +194,9 @@ def test_core_attention_module_errors():
     with pytest.raises(ValueError, match="packed_seq_params"):
         module(q, kv, kv, torch.arange(1, 33), packed_seq_params=object())
     # Under context parallelism a plain encoding (no split) cannot say which rows this rank holds.
-    cp_module = TreeCoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.arbitrary, "self")
+    cp_module = TreeCoreAttention(
+        _config(context_parallel_size=2), 1, AttnMaskType.arbitrary, "self"
+    )
     with pytest.raises(ValueError, match="context_parallel_size=2 needs the tree mask of a 2-way"):
         cp_module(q, kv, kv, torch.arange(1, 33))
 
@@ -196,8 +215,14 @@ def test_attention_dropout_draws_from_the_model_parallel_rng():
     n = tree.padded_length
     g = torch.Generator().manual_seed(0)
     q, kv = torch.randn(n, 1, 4, 16, generator=g), torch.randn(n, 1, 2, 16, generator=g)
-    module = TreeCoreAttention(_config(attention_dropout=0.5), 1, AttnMaskType.arbitrary, "self",
-                               backend="block_sparse", block_size=16).train()
+    module = TreeCoreAttention(
+        _config(attention_dropout=0.5),
+        1,
+        AttnMaskType.arbitrary,
+        "self",
+        backend="block_sparse",
+        block_size=16,
+    ).train()
     mp_random.model_parallel_cuda_manual_seed(77)
     default_state = torch.get_rng_state()
     first = module(q, kv, kv, tree_attention_mask(tree))
@@ -218,7 +243,9 @@ def test_position_range_is_checked_only_in_debug_mode():
     assert depth_rotary_pos_emb(table, torch.tensor([[0, 1, 1, 2]])).shape == (4, 1, 1, 4)
     set_debug_checks(True)
     try:
-        with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 8\) .* got values in \[-1, 2\]"):
+        with pytest.raises(
+            ValueError, match=r"position_ids must lie in \[0, 8\) .* got values in \[-1, 2\]"
+        ):
             depth_rotary_pos_emb(table, bad)
         with pytest.raises(ValueError, match=r"got values in \[0, 9\]"):
             depth_rotary_pos_emb(table, torch.tensor([[0, 9]]))

@@ -1,4 +1,5 @@
-"""mbridge + ``patch_bridge_for_tree_training``: HF checkpoints load into tree models that give every
+"""mbridge + ``patch_bridge_for_tree_training``: HF checkpoints load into tree models that give
+every
 sequence of a branching trie the log-probs HuggingFace gives it alone, at TP=1 and TP=2."""
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from megatron_tree.testing.models import (
 from megatron_tree.testing.tolerances import LOGP_TOL
 
 # A CPU suite: on a CUDA machine Megatron places rotary tables on the GPU while these models live on
-# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA itself).
+# the CPU. Run it there with CUDA_VISIBLE_DEVICES= (scripts/gpu_check.sh does; it checks CUDA
+# itself).
 pytestmark = [
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
+    ),
     pytest.mark.usefixtures("world"),
 ]
 
@@ -50,8 +55,14 @@ def tree_logprobs(model, micro_batches) -> dict[int, torch.Tensor]:
     with torch.no_grad():
         for mb in micro_batches:
             tree = mb["tree"]
-            logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))
-            out.update(packed_logprobs(tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb))
+            logits = model(
+                mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree)
+            )
+            out.update(
+                packed_logprobs(
+                    tensor_parallel.gather_from_tensor_model_parallel_region(logits), mb
+                )
+            )
     return out
 
 
@@ -71,22 +82,24 @@ def test_patch_restores_everything_and_binds_instances(checkpoints):
     from mbridge import AutoBridge
     from mbridge.core import bridge as bridge_module
 
-    from megatron_tree.bridges.mbridge import is_tree_training_bridge, patch_bridge_for_tree_training
+    from megatron_tree.bridges.mbridge import (
+        is_tree_training_bridge,
+        patch_bridge_for_tree_training,
+    )
     from megatron_tree.mcore.model import TreeGPTModel
 
     path = checkpoints["qwen2"]
     init = bridge_module.Bridge.__init__
     cuda = torch.nn.Module.cuda
-    with pytest.raises(RuntimeError, match="inside"):
-        with patch_bridge_for_tree_training():
-            assert bridge_module.Bridge.__init__ is not init
-            with patch_bridge_for_tree_training(enable=False):
-                plain = AutoBridge.from_pretrained(path, dtype=torch.float32)
-            with patch_bridge_for_tree_training(backend="sdpa"):
-                inner = AutoBridge.from_pretrained(path, dtype=torch.float32)
-            outer = AutoBridge.from_pretrained(path, dtype=torch.float32)
-            assert isinstance(outer.get_model(bf16=False, wrap_with_ddp=False)[0], TreeGPTModel)
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), patch_bridge_for_tree_training():
+        assert bridge_module.Bridge.__init__ is not init
+        with patch_bridge_for_tree_training(enable=False):
+            plain = AutoBridge.from_pretrained(path, dtype=torch.float32)
+        with patch_bridge_for_tree_training(backend="sdpa"):
+            inner = AutoBridge.from_pretrained(path, dtype=torch.float32)
+        outer = AutoBridge.from_pretrained(path, dtype=torch.float32)
+        assert isinstance(outer.get_model(bf16=False, wrap_with_ddp=False)[0], TreeGPTModel)
+        raise RuntimeError("inside")
     assert bridge_module.Bridge.__init__ is init
     assert torch.nn.Module.cuda is cuda
     assert not is_tree_training_bridge(plain)
@@ -99,8 +112,10 @@ def test_patch_restores_everything_and_binds_instances(checkpoints):
     assert torch.nn.Module.cuda is cuda
     backends = {layer.self_attention.core_attention.backend for layer in model.decoder.layers}
     assert backends == {"sdpa"}
-    assert {layer.self_attention.core_attention.backend for layer in outer.get_model(
-        bf16=False, wrap_with_ddp=False)[0].decoder.layers} == {"auto"}
+    assert {
+        layer.self_attention.core_attention.backend
+        for layer in outer.get_model(bf16=False, wrap_with_ddp=False)[0].decoder.layers
+    } == {"auto"}
     with pytest.raises(ValueError, match="backend='nope'"):
         with patch_bridge_for_tree_training(backend="nope"):
             pass
@@ -118,10 +133,15 @@ def test_mbridge_compat_on_megatron_core_without_encoder_and_decoder(checkpoints
     from megatron_tree.patches import mbridge_compat
 
     path = checkpoints["qwen3"]
-    monkeypatch.delattr(ModelType, "encoder_and_decoder", raising=False)  # absent already on >= 0.17
+    monkeypatch.delattr(
+        ModelType, "encoder_and_decoder", raising=False
+    )  # absent already on >= 0.17
     real_version = mbridge_compat._version
-    monkeypatch.setattr(mbridge_compat, "_version",
-                        lambda package: (0, 19) if package == "megatron-core" else real_version(package))
+    monkeypatch.setattr(
+        mbridge_compat,
+        "_version",
+        lambda package: (0, 19) if package == "megatron-core" else real_version(package),
+    )
     plain = AutoBridge.from_pretrained(path, dtype=torch.float32)
     with pytest.raises(AttributeError, match="encoder_and_decoder"):
         plain.get_model(bf16=False, wrap_with_ddp=False)
@@ -137,7 +157,10 @@ def _tp2_worker(rank: int, checkpoints: dict) -> dict:
     for arch, path in checkpoints.items():
         bridge, model = _load(path)
         assert bridge.config.tensor_model_parallel_size == 2
-        assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
+        assert (
+            model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size
+            == 2
+        )
         out[arch] = tree_logprobs(model, micro_batches)
     return out
 
@@ -152,7 +175,12 @@ def test_bridge_tp2_matches_tp1_and_hf(checkpoints, references):
         for rank in ranks:
             assert max_err(rank[arch], tp1) <= LOGP_TOL, arch
             assert max_err(rank[arch], references[arch]) <= LOGP_TOL, arch
-        record_parity(arch, "mbridge", max(max_err(rank[arch], references[arch]) for rank in ranks), layout="TP=2")
+        record_parity(
+            arch,
+            "mbridge",
+            max(max_err(rank[arch], references[arch]) for rank in ranks),
+            layout="TP=2",
+        )
 
 
 def step_logprobs(model, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -164,8 +192,16 @@ def step_logprobs(model, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     from megatron_tree.testing.synthetic import pad_sequences
 
     batch = pad_sequences(seqs)
-    result = tree_forward_backward(model, batch, None, forward_only=True, collect_outputs=True, max_tokens_per_mb=64,
-                                   block_size=16, tp_group=ps.get_tensor_model_parallel_group())
+    result = tree_forward_backward(
+        model,
+        batch,
+        None,
+        forward_only=True,
+        collect_outputs=True,
+        max_tokens_per_mb=64,
+        block_size=16,
+        tp_group=ps.get_tensor_model_parallel_group(),
+    )
     merged = result.merged_outputs()["logprobs"]
     return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
 
@@ -194,7 +230,8 @@ MOE_CASES = {  # name: (arch, HF config overrides)
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    """{case: (path, HF log-probs on each branching sequence alone)} for the tiny MoE checkpoints."""
+    """{case: (path, HF log-probs on each branching sequence alone)} for the tiny MoE
+    checkpoints."""
     from megatron_tree.testing.models import hf_references, make_hf_checkpoints
 
     paths = make_hf_checkpoints(tmp_path_factory.mktemp("cases"), MOE_CASES)
@@ -226,8 +263,11 @@ def _moe_ep2_worker(rank: int, path: str) -> dict:
     bridge, model = _load(path)
     assert bridge.config.expert_model_parallel_size == 2
     experts = model.decoder.layers[0].mlp.experts.local_experts
-    return {"ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": len(experts),
-            "logprobs": tree_logprobs(model, pack(branching_sequences()))}
+    return {
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "local_experts": len(experts),
+        "logprobs": tree_logprobs(model, pack(branching_sequences())),
+    }
 
 
 def test_bridge_moe_expert_parallel_2_matches_hf(moe_checkpoints):
@@ -238,7 +278,9 @@ def test_bridge_moe_expert_parallel_2_matches_hf(moe_checkpoints):
     assert [(r["ep_rank"], r["local_experts"]) for r in ranks] == [(0, 2), (1, 2)]
     for r in ranks:
         assert max_err(r["logprobs"], reference) <= LOGP_TOL
-    record_parity("qwen3_moe", "mbridge", max(max_err(r["logprobs"], reference) for r in ranks), layout="EP=2")
+    record_parity(
+        "qwen3_moe", "mbridge", max(max_err(r["logprobs"], reference) for r in ranks), layout="EP=2"
+    )
 
 
 def test_bridge_moe_refuses_expert_tp_other_than_tp(moe_checkpoints, monkeypatch):
@@ -255,6 +297,11 @@ def test_bridge_moe_refuses_expert_tp_other_than_tp(moe_checkpoints, monkeypatch
         return states
 
     monkeypatch.setattr(parallel_states.ParallelStates, "get_parallel_state", staticmethod(etp2))
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 differs from tensor_model_parallel_size=1"):
-        with patch_bridge_for_tree_training():
-            AutoBridge.from_pretrained(moe_checkpoints["qwen3_moe"][0], dtype=torch.float32)
+    with (
+        pytest.raises(
+            ValueError,
+            match="expert_tensor_parallel_size=2 differs from tensor_model_parallel_size=1",
+        ),
+        patch_bridge_for_tree_training(),
+    ):
+        AutoBridge.from_pretrained(moe_checkpoints["qwen3_moe"][0], dtype=torch.float32)

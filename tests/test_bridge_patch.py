@@ -40,7 +40,11 @@ def test_blocks_nest_and_the_innermost_decides():
             disabled = _Bridge("c")
         after = _Bridge("d")
     assert (outer.settings, inner.settings, disabled.settings, after.settings) == (
-        {"backend": "sdpa"}, {"backend": "flex"}, None, {"backend": "sdpa"})
+        {"backend": "sdpa"},
+        {"backend": "flex"},
+        None,
+        {"backend": "sdpa"},
+    )
     assert outer.before and not disabled.before and outer.name == "a"
     assert _Bridge.__init__ is own_init and _Bridge("plain").settings is None
 
@@ -52,9 +56,8 @@ def test_enabled_inside_disabled_and_restored_on_error():
         with hook.block(_Bridge, {"backend": "sdpa"}):
             assert _Bridge("x").settings == {"backend": "sdpa"}
         assert _Bridge.__init__ is own_init and _Bridge("y").settings is None
-    with pytest.raises(RuntimeError, match="inside"):
-        with hook.block(_Bridge, {"backend": "sdpa"}):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), hook.block(_Bridge, {"backend": "sdpa"}):
+        raise RuntimeError("inside")
     assert _Bridge.__init__ is own_init
 
 
@@ -63,12 +66,17 @@ def test_both_patches_are_exported_at_the_package_root():
     from megatron_tree.bridges import mbridge, megatron_bridge
 
     assert megatron_tree.patch_bridge_for_tree_training is mbridge.patch_bridge_for_tree_training
-    assert megatron_tree.patch_megatron_bridge_for_tree_training is megatron_bridge.patch_megatron_bridge_for_tree_training
+    assert (
+        megatron_tree.patch_megatron_bridge_for_tree_training
+        is megatron_bridge.patch_megatron_bridge_for_tree_training
+    )
 
 
 def test_importing_the_megatron_bridge_patch_patches_nothing():
-    code = ("import sys, megatron_tree.bridges.megatron_bridge\n"
-            "print(sorted(m for m in sys.modules if m.startswith('megatron.bridge')))\n")
+    code = (
+        "import sys, megatron_tree.bridges.megatron_bridge\nprint(sorted(m for m in sys.modules if "
+        "m.startswith('megatron.bridge')))\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]"

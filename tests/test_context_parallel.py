@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from megatron_tree.core.attention import tree_attention
-from megatron_tree.core.context_parallel import attention_work, context_parallel_split, split_positions
+from megatron_tree.core.context_parallel import (
+    attention_work,
+    context_parallel_split,
+    split_positions,
+)
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.core.tree import PackedTree
 from megatron_tree.testing.dist import reinitialize_model_parallel, run_spawned
@@ -70,7 +74,9 @@ def test_split_balances_attention_work():
 def test_split_errors():
     depth = _chain(48)
     tree = PackedTree.all_padding(48)
-    with pytest.raises(ValueError, match="packed length 48 is not a multiple of the context-parallel size 5"):
+    with pytest.raises(
+        ValueError, match="packed length 48 is not a multiple of the context-parallel size 5"
+    ):
         split_positions(depth, 5)
     with pytest.raises(ValueError, match="rank=2 must be below cp_size=2"):
         context_parallel_split(tree, 2, 2)
@@ -79,7 +85,9 @@ def test_split_errors():
     split = context_parallel_split(tree, 2, 0)
     with pytest.raises(ValueError, match="already split"):
         context_parallel_split(split, 2, 0)
-    with pytest.raises(ValueError, match="rows are of a tree of 48 positions, the mask's tree has 32"):
+    with pytest.raises(
+        ValueError, match="rows are of a tree of 48 positions, the mask's tree has 32"
+    ):
         tree_attention_mask(torch.arange(1, 33), split)
 
 
@@ -97,7 +105,9 @@ def test_attention_of_a_rank_rows_equals_brute_force(backend, cp, unit):
     for rank in range(cp):
         split = context_parallel_split(tree, cp, rank, unit=unit)
         rows = split.local_positions
-        got = tree_attention(q[rows], k, v, tree_attention_mask(tree, split), backend=backend, block_size=16)
+        got = tree_attention(
+            q[rows], k, v, tree_attention_mask(tree, split), backend=backend, block_size=16
+        )
         assert (got - want[rows]).abs().max() <= FP32_ATTN_TOL
 
 
@@ -105,7 +115,10 @@ def test_attention_refuses_fewer_queries_without_a_split():
     tree = pack(branching_sequences())[0]["tree"]
     n = tree.padded_length
     q, kv = torch.randn(n // 2, 1, 2, 8), torch.randn(n, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"only the mask of a micro-batch's rows, tree_attention_mask\(rows, \.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"only the mask of a micro-batch's rows, tree_attention_mask\(rows, \.\.\.\)",
+    ):
         tree_attention(q, kv, kv, tree_attention_mask(tree))
     split = context_parallel_split(tree, 4, 0)
     with pytest.raises(ValueError, match=f"the tree mask is for {n // 4} query rows, got {n // 2}"):
@@ -134,11 +147,17 @@ def _model(tree: bool, critic: bool, cp: int, recompute: dict):
     from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 
     config = small_gpt_config(
-        num_layers=NUM_LAYERS, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), context_parallel_size=cp,
+        num_layers=NUM_LAYERS,
+        gated_linear_unit=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        context_parallel_size=cp,
         **recompute,
     )
-    return build_gpt_model(config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16)
+    return build_gpt_model(
+        config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16
+    )
 
 
 def _reference_logprobs(model, batch: dict) -> torch.Tensor:
@@ -150,7 +169,8 @@ def _reference_logprobs(model, batch: dict) -> torch.Tensor:
         for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
             seq = batch["input_ids"][i, :n]
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(
-                model(seq[None], torch.arange(n)[None], attention_mask=None))[0]
+                model(seq[None], torch.arange(n)[None], attention_mask=None)
+            )[0]
             logp = torch.log_softmax(logits.double(), dim=-1)
             out[i, : n - 1] = logp[torch.arange(n - 1), seq[1:]]
     return out
@@ -185,18 +205,31 @@ def _cp_worker(rank: int, tp: int, cp: int, cases: list[tuple]) -> list[dict]:
         model = _model(True, critic, cp, recompute)
         model.load_state_dict(state)
         result = tree_forward_backward(
-            model, batch, loss_fn, gather=Values() if critic else LogProbs(), max_tokens_per_mb=max_tokens,
-            block_size=16, tp_group=ps.get_tensor_model_parallel_group(), collect_outputs=True, **options,
+            model,
+            batch,
+            loss_fn,
+            gather=Values() if critic else LogProbs(),
+            max_tokens_per_mb=max_tokens,
+            block_size=16,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            collect_outputs=True,
+            **options,
         )
         grads = parameter_grads(model, require_all=True)
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
             dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_context_parallel_group())
         errors = gradient_errors(grads, want)
-        row = {"case": name, "loss_rel": abs(float(result.loss) - want_loss) / abs(want_loss),
-               "grad_rel": max(errors.values()), "trees": result.num_micro_batches,
-               "lengths": [t.padded_length for t in result.packed.trees],
-               "trunk_parts": sum(mb["rows"].records for mb in result.packed),
-               "branches": sum(mb["rows"].group is not None and not mb["rows"].records for mb in result.packed)}
+        row = {
+            "case": name,
+            "loss_rel": abs(float(result.loss) - want_loss) / abs(want_loss),
+            "grad_rel": max(errors.values()),
+            "trees": result.num_micro_batches,
+            "lengths": [t.padded_length for t in result.packed.trees],
+            "trunk_parts": sum(mb["rows"].records for mb in result.packed),
+            "branches": sum(
+                mb["rows"].group is not None and not mb["rows"].records for mb in result.packed
+            ),
+        }
         if not critic:
             got = result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]
             row["logprob_err"] = float((got.double() - want_logprobs).abs().max())

@@ -1,4 +1,5 @@
-"""The CPU runtime patch for Megatron-Core: a tiny GPTModel trains on gloo, and undo restores all."""
+"""The CPU runtime patch for Megatron-Core: a tiny GPTModel trains on gloo, and undo restores
+all."""
 
 from __future__ import annotations
 
@@ -66,13 +67,12 @@ def test_apply_undo_restore_originals_and_are_idempotent():
 
 def test_context_manager_restores_on_exception_and_nests():
     originals = _current_targets()
-    with pytest.raises(KeyError):
-        with megatron_cpu.megatron_cpu_patch() as active:
-            assert active
-            with megatron_cpu.megatron_cpu_patch():
-                pass
-            assert megatron_cpu.is_applied()  # the inner block did not undo the outer one
-            raise KeyError("boom")
+    with pytest.raises(KeyError), megatron_cpu.megatron_cpu_patch() as active:
+        assert active
+        with megatron_cpu.megatron_cpu_patch():
+            pass
+        assert megatron_cpu.is_applied()  # the inner block did not undo the outer one
+        raise KeyError("boom")
     assert not megatron_cpu.is_applied()
     assert all(a is b for a, b in zip(_current_targets(), originals))
 
@@ -150,7 +150,9 @@ def test_torch_norms_allow_sequence_parallel_and_mark_their_parameters():
     from megatron_tree.testing.models import small_gpt_config
 
     configs = {
-        norm: small_gpt_config(normalization=norm, tensor_model_parallel_size=2, sequence_parallel=True)
+        norm: small_gpt_config(
+            normalization=norm, tensor_model_parallel_size=2, sequence_parallel=True
+        )
         for norm in ("RMSNorm", "LayerNorm")
     }
     with pytest.raises(AssertionError, match="sequence parallel not supported"):

@@ -19,15 +19,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_main_job_small(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "tree_vs_baseline.py"), "--small", "--parity-sequences", "3",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(ROOT / "examples" / "tree_vs_baseline.py"),
+            "--small",
+            "--parity-sequences",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for phase in range(1, 8):
         assert f"[{phase}/7]" in out
-    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    parity = float(
+        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1)
+    )
     assert parity <= LOGP_TOL
     loss_gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1))
     assert loss_gap <= LOSS_RTOL
@@ -40,7 +52,11 @@ def test_main_job_small(tmp_path):
 def _run(script: str, *args: str, cwd=None) -> str:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=cwd,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -63,8 +79,18 @@ def test_main_job_bf16_parity(tmp_path):
     """The README's bf16 command on CPU (mbridge wraps bf16 models in Float16Module). Bar, as the
     standards set it: the tree's bf16 log-probs are at most 2x as far from HF fp32 as the same bf16
     model's unshared run (each sequence alone in its own chain)."""
-    out = _run("tree_vs_baseline.py", "--small", "--bf16", "--parity-sequences", "3", "--out", str(tmp_path))
-    tree = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    out = _run(
+        "tree_vs_baseline.py",
+        "--small",
+        "--bf16",
+        "--parity-sequences",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
+    tree = float(
+        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1)
+    )
     base = float(re.search(r"parity of the unshared baseline vs HF\s+(\S+)", out).group(1))
     assert 0 < base < 0.5  # bf16 rounding of log-probs around -8: a few 1e-2
     assert tree <= BF16_FACTOR * base
@@ -76,17 +102,32 @@ def test_main_job_moe_small(tmp_path):
     counts active experts, and the table reports the tokens each expert computed: each of the 4
     layers sends every token of a step to 2 experts, so the tree's total is below the baseline's
     in the proportion of the tokens the tree computes."""
-    out = _run("tree_vs_baseline.py", "--model", "qwen3_moe_tiny", "--small", "--parity-sequences", "3",
-               "--out", str(tmp_path))
+    out = _run(
+        "tree_vs_baseline.py",
+        "--model",
+        "qwen3_moe_tiny",
+        "--small",
+        "--parity-sequences",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     assert "8 experts (top-2)" in out
     # fp32 on CPU: summation order only, MoE routing included.
-    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1))
+    parity = float(
+        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1)
+    )
     assert parity <= LOGP_TOL
     gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1))
     assert gap <= LOSS_RTOL
     assert float(re.search(r"ideal speed-up \(FLOP model\)\s+(\S+)x", out).group(1)) > 1.5
-    tree = [int(x) for x in re.search(r"expert tokens, tree .*?\[([\d, ]+)\]", out).group(1).split(",")]
-    base = [int(x) for x in re.search(r"expert tokens, baseline\s+\[([\d, ]+)\]", out).group(1).split(",")]
+    tree = [
+        int(x) for x in re.search(r"expert tokens, tree .*?\[([\d, ]+)\]", out).group(1).split(",")
+    ]
+    base = [
+        int(x)
+        for x in re.search(r"expert tokens, baseline\s+\[([\d, ]+)\]", out).group(1).split(",")
+    ]
     assert len(tree) == len(base) == 8
     assert sum(tree) % (4 * 2) == 0 and sum(base) % (4 * 2) == 0  # 4 layers x top-2 per token
     assert sum(tree) < sum(base)

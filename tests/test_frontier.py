@@ -1,6 +1,7 @@
 """The frontier MoE families through NVIDIA Megatron-Bridge with trees: DeepSeek-V3 and Kimi-K2
 (multi-latent attention with YaRN, dense first layer, routed + shared experts, sigmoid routing with
-expert bias in groups), GLM-4.5 (partial rotary, q/k norms, routed + shared experts), gpt-oss (sinks,
+expert bias in groups), GLM-4.5 (partial rotary, q/k norms, routed + shared experts), gpt-oss
+(sinks,
 sliding / full layers, biased experts) and Qwen3-MoE. Tiny random checkpoints, fp32, CPU: every
 sequence of a branching multi-turn trie gets the log-probs HuggingFace gives it alone, the step's
 gradients equal the unpacked ones, and DeepSeek-V3 holds at TP=2 and EP=2. Runs in the
@@ -62,7 +63,10 @@ def _assert_family_modules(arch: str, model) -> None:
         assert layers[0].self_attention.config.rope_type == "yarn"
     if arch == "gpt_oss":
         cores = [layer.self_attention.core_attention for layer in layers]
-        assert [c.window_size for c in cores] == [(7, 0), None]  # HF's sliding_window=8 keys, itself included
+        assert [c.window_size for c in cores] == [
+            (7, 0),
+            None,
+        ]  # HF's sliding_window=8 keys, itself included
         assert all(isinstance(c.softmax_offset, torch.nn.Parameter) for c in cores)
 
 
@@ -88,7 +92,9 @@ class _OneSequence(torch.nn.Module):
         from megatron_tree.testing.models import pack
 
         mb = pack([input_ids[0]])[0]
-        out = self.model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+        out = self.model(
+            mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"])
+        )
         return out[:, : input_ids.shape[1]]
 
 
@@ -108,8 +114,15 @@ def test_frontier_step_gradients_equal_unpacked(world, arch, frontier_checkpoint
     reference = _OneSequence(megatron_bridge_tree_model(path, **NO_ROUTER_LOSS))
     want = float(unpacked_reference_step(reference, batch, loss_fn))
     model = megatron_bridge_tree_model(path, **NO_ROUTER_LOSS)
-    result = tree_forward_backward(model, batch, loss_fn, gather=LogProbs(), max_tokens_per_mb=128, block_size=16,
-                                   tp_group=ps.get_tensor_model_parallel_group())
+    result = tree_forward_backward(
+        model,
+        batch,
+        loss_fn,
+        gather=LogProbs(),
+        max_tokens_per_mb=128,
+        block_size=16,
+        tp_group=ps.get_tensor_model_parallel_group(),
+    )
     errors = gradient_errors(parameter_grads(model), parameter_grads(reference, prefix="model."))
     assert float(result.loss) == pytest.approx(want, rel=LOSS_RTOL)
     assert any("experts" in n for n in errors) and any("router" in n for n in errors)
@@ -130,13 +143,25 @@ def _deepseek_worker(rank: int, path: str, fields: dict) -> dict:
 def test_deepseek_v3_parallel_matches_hf(layout, frontier_checkpoints, frontier_references):
     """TP=2 splits the latent up-projections and heads; EP=2 puts two experts on each rank (the
     alltoall dispatcher the bridge sets)."""
-    fields, world = ({"tp": 2}, {"tp": 2}) if layout == "tp2" else ({"expert_model_parallel_size": 2}, {"tp": 1, "ep": 2})
-    errors = {(r, name): max_err(logprobs, frontier_references["deepseek_v3"])
-              for r, rank in enumerate(run_spawned(_deepseek_worker, 2, frontier_checkpoints["deepseek_v3"], fields,
-                                                   **world))
-              for name, logprobs in rank.items()}
+    fields, world = (
+        ({"tp": 2}, {"tp": 2})
+        if layout == "tp2"
+        else ({"expert_model_parallel_size": 2}, {"tp": 1, "ep": 2})
+    )
+    errors = {
+        (r, name): max_err(logprobs, frontier_references["deepseek_v3"])
+        for r, rank in enumerate(
+            run_spawned(_deepseek_worker, 2, frontier_checkpoints["deepseek_v3"], fields, **world)
+        )
+        for name, logprobs in rank.items()
+    }
     assert max(errors.values()) <= LOGP_TOL, errors
-    record_parity("deepseek_v3", "megatron-bridge", max(errors.values()), layout=layout.upper().replace("2", "=2"))
+    record_parity(
+        "deepseek_v3",
+        "megatron-bridge",
+        max(errors.values()),
+        layout=layout.upper().replace("2", "=2"),
+    )
 
 
 def test_multi_token_prediction_is_refused_until_switched_off(world, tmp_path, frontier_references):
@@ -147,32 +172,50 @@ def test_multi_token_prediction_is_refused_until_switched_off(world, tmp_path, f
 
     path = str(tmp_path / "deepseek_mtp")
     make_hf_checkpoint("deepseek_v3", path, num_nextn_predict_layers=1)
-    with pytest.raises(ValueError, match=r"mtp_num_layers=1: multi-token prediction .*mtp_num_layers = None"):
+    with pytest.raises(
+        ValueError, match=r"mtp_num_layers=1: multi-token prediction .*mtp_num_layers = None"
+    ):
         megatron_bridge_tree_model(path)
     model = megatron_bridge_tree_model(path, mtp_num_layers=None).eval()
-    assert max_err(tree_logprobs(model, branching_sequences()), frontier_references["deepseek_v3"]) <= LOGP_TOL
+    assert (
+        max_err(tree_logprobs(model, branching_sequences()), frontier_references["deepseek_v3"])
+        <= LOGP_TOL
+    )
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_flop_model_counts_a_built_frontier_model(world, arch, frontier_checkpoints):
     """GPTShape.from_config of the bridge's config: the active matmul weights per token are the
-    built model's 2-D weights less the routed experts a token does not use (MLA's latent projections,
+    built model's 2-D weights less the routed experts a token does not use (MLA's latent
+    projections,
     the dense first layer, routers and shared experts included)."""
     from megatron_tree.core.flops import GPTShape
 
     model = megatron_bridge_tree_model(frontier_checkpoints[arch])
     shape = GPTShape.from_config(model.config, vocab=model.vocab_size)
-    unused = (shape.num_experts - shape.topk) * shape._mlp_params(shape.moe_ffn_hidden) * shape.num_moe_layers
-    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    unused = (
+        (shape.num_experts - shape.topk)
+        * shape._mlp_params(shape.moe_ffn_hidden)
+        * shape.num_moe_layers
+    )
+    matmul_weights = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n
+    )
     assert shape.num_moe_layers == 1 and bool(shape.kv_lora_rank) == (arch == "deepseek_v3")
     assert shape.linear_params_per_token == matmul_weights - unused
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
-    ({"n_group": 2, "topk_group": 2, "num_experts_per_tok": 2}, None),  # every group chosen: unlimited
-    ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "top-2 scores"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+        (
+            {"n_group": 2, "topk_group": 2, "num_experts_per_tok": 2},
+            None,
+        ),  # every group chosen: unlimited
+        ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "top-2 scores"),
+    ],
+)
 def test_sigmoid_routing_megatron_cannot_reproduce_is_refused(world, tmp_path, overrides, match):
     """HF routing that Megatron's sigmoid router computes differently is refused when the provider
     is made, not loaded with other routing."""

@@ -4,7 +4,8 @@
   per-sequence log-probs of branching tries against HuggingFace fp32, in bf16 for every backend and
   in fp32 with flex;
 * the flex kernel forward and backward against an fp64 brute force;
-* packed-vs-unpacked parameter gradients of a ``TreeGPTModel`` with flex, with and without recompute.
+* packed-vs-unpacked parameter gradients of a ``TreeGPTModel`` with flex, with and without
+recompute.
 
 Each test records its measured ``value`` and its ``bar`` with ``record_property`` (the runner prints
 them from the junit XML).
@@ -38,7 +39,10 @@ from megatron_tree.testing.tolerances import (
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)",
+    ),
 ]
 
 DEV = torch.device("cuda", 0)
@@ -78,7 +82,11 @@ def _tree_logprobs(model, micro_batches) -> dict:
     out = {}
     for mb in micro_batches:
         tree = mb["tree"].to(DEV)
-        logits = model(mb["input_ids"].to(DEV), mb["position_ids"].to(DEV), attention_mask=tree_attention_mask(tree))
+        logits = model(
+            mb["input_ids"].to(DEV),
+            mb["position_ids"].to(DEV),
+            attention_mask=tree_attention_mask(tree),
+        )
         out.update(packed_logprobs(logits, {"tree": tree}))
     return out
 
@@ -89,7 +97,11 @@ def _unpacked_logprobs(model, seqs, *, chain: bool) -> dict:
     out = {}
     for i, s in enumerate(seqs):
         s, n = s.to(DEV), len(s)
-        mask = tree_attention_mask(torch.full((n,), n, dtype=torch.int32, device=DEV)) if chain else None
+        mask = (
+            tree_attention_mask(torch.full((n,), n, dtype=torch.int32, device=DEV))
+            if chain
+            else None
+        )
         logits = model(s[None], torch.arange(n, device=DEV)[None], attention_mask=mask)
         out[i] = torch.log_softmax(logits[0].float(), -1)[:-1].gather(1, s[1:, None])[:, 0]
     return out
@@ -195,12 +207,16 @@ def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
     g = torch.Generator().manual_seed(7)
     weights = {i: torch.rand(len(s) - 1, generator=g).to(DEV) for i, s in enumerate(seqs)}
 
-    reference = build_gpt_model(small_gpt_config(init_method_std=0.15), tree=False, vocab_size=VOCAB)
+    reference = build_gpt_model(
+        small_gpt_config(init_method_std=0.15), tree=False, vocab_size=VOCAB
+    )
     reference = reference.to(DEV).train()
     _weighted_loss(_unpacked_logprobs(reference, seqs, chain=False), weights).backward()
 
     config = small_gpt_config(init_method_std=0.15, **recompute_fields(recompute))
-    tree_model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="flex").to(DEV).train()
+    tree_model = (
+        build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="flex").to(DEV).train()
+    )
     tree_model.load_state_dict(reference.state_dict())
     _weighted_loss(_tree_logprobs(tree_model, pack(seqs)), weights).backward()
 
@@ -234,8 +250,16 @@ def test_flex_window_sink_vs_block_sparse(case, record_property):
 
     def run(backend):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sink)]
-        out = tree_attention(leaves[0][rows], leaves[1], leaves[2], tree_attention_mask(tree, split), backend=backend,
-                             block_size=16, window_size=(7, 0), softmax_offset=leaves[3])
+        out = tree_attention(
+            leaves[0][rows],
+            leaves[1],
+            leaves[2],
+            tree_attention_mask(tree, split),
+            backend=backend,
+            block_size=16,
+            window_size=(7, 0),
+            softmax_offset=leaves[3],
+        )
         return [out.detach()] + list(torch.autograd.grad(out, leaves, grad_out))
 
     flex, exact = run("flex"), run("block_sparse")

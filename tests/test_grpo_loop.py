@@ -31,7 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 # A CPU suite, as test_bridge.py: on a CUDA machine Megatron would place rotary tables on the GPU.
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES=")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES="
+)
 
 STEPS = 3
 # Drift bound in machine epsilons of the training dtype: observed ~17 (fp32) and ~23 (fp64) after
@@ -48,9 +50,23 @@ FIELDS = ("reward", "loss", "kl", "tree_token_ratio", "train_seconds", "param_re
 def _run(tmp_path, *extra: str) -> dict:
     out = tmp_path / "grpo.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "grpo_loop.py"), "--small", "--steps", str(STEPS), "--control",
-         "--json", str(out), "--plot", str(tmp_path / "grpo.png"), *extra],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(ROOT / "examples" / "grpo_loop.py"),
+            "--small",
+            "--steps",
+            str(STEPS),
+            "--control",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "grpo.png"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step ") >= 3 * STEPS  # a progress line per step and run
@@ -69,14 +85,23 @@ def test_grpo_loop_tree_matches_unshared(tmp_path, dtype):
             for name in FIELDS:
                 assert isinstance(run[name], float) and run[name] == run[name], (name, run[name])
             assert set(run["seconds"]) == {"rollout", "pack", "logprobs", "train", "sync"}
-        assert tree["rollout_logprob_gap"] <= LOGPROB_GAP  # the generator holds the trainer's weights
-        assert base["reward"] == tree["reward"] and base["rollouts_identical"]  # one rollout, handed to both
+        assert (
+            tree["rollout_logprob_gap"] <= LOGPROB_GAP
+        )  # the generator holds the trainer's weights
+        assert (
+            base["reward"] == tree["reward"] and base["rollouts_identical"]
+        )  # one rollout, handed to both
         assert tree["tree_token_ratio"] < 0.5 and base["tree_token_ratio"] == 1.0
-        assert tree["seconds"]["sync"] > 0 and base["seconds"]["sync"] == 0  # only the sampling policy syncs
-        # The losses agree to rounding too (a relative 1e-4 is ~1e3 fp32 eps; the drift check is the sharp one).
+        assert (
+            tree["seconds"]["sync"] > 0 and base["seconds"]["sync"] == 0
+        )  # only the sampling policy syncs
+        # The losses agree to rounding too (a relative 1e-4 is ~1e3 fp32 eps; the drift check is the
+        # sharp one).
         assert abs(tree["loss"] - base["loss"]) <= 1e-4 * max(abs(base["loss"]), 1e-3)
         assert tree["param_rel_diff"] == base["param_rel_diff"] <= DRIFT_EPS * eps
-        assert control["control_rel_diff"] <= DRIFT_EPS * eps  # two unshared layouts: the same kind of noise
+        assert (
+            control["control_rel_diff"] <= DRIFT_EPS * eps
+        )  # two unshared layouts: the same kind of noise
         assert tree["param_change"] >= 1e-2  # training moved the parameters (~3e-2 per step here)
     assert steps[-1]["tree"]["param_change"] > steps[0]["tree"]["param_change"]
     summary = data["summary"]

@@ -1,4 +1,5 @@
-"""Gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense, Qwen3.5-MoE) with trees, through Megatron-Bridge.
+"""Gated delta-net hybrids (Qwen3-Next, Qwen3.5 dense, Qwen3.5-MoE) with trees, through
+Megatron-Bridge.
 
 Tiny random HF checkpoints (``HYBRID_TINY``: three gated delta-net layers then one attention layer)
 load through ``patch_megatron_bridge_for_tree_training``; every sequence of branching multi-turn
@@ -25,8 +26,8 @@ from megatron_tree.testing.models import (
     max_err,
     megatron_bridge_tree_model,
     pack,
-    record_parity,
     recompute_fields,
+    record_parity,
     recurrent_sequences,
     step_logprobs,
     tree_logprobs,
@@ -73,7 +74,9 @@ def test_hybrid_tree_logprobs_match_hf(world, arch, hybrid_checkpoints, hybrid_r
     assert isinstance(model, TreeGPTModel)
     kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
     assert kinds == ["TreeGatedDeltaNet"] * 3 + ["SelfAttention"]
-    assert all(isinstance(layer.self_attention, TreeGatedDeltaNet) for layer in model.decoder.layers[:3])
+    assert all(
+        isinstance(layer.self_attention, TreeGatedDeltaNet) for layer in model.decoder.layers[:3]
+    )
     err = max_err(tree_logprobs(model, recurrent_sequences()), hybrid_references[arch])
     assert err <= HF_HYBRID_LOGP_TOL
     record_parity(arch, "megatron-bridge", err)
@@ -91,7 +94,8 @@ def test_hybrid_tree_is_exact_in_float64(world, arch, hybrid_checkpoints):
 
 class _OneSequence(torch.nn.Module):
     """The model on one sequence alone (a one-chain tree), with the stock call signature
-    ``model(input_ids [1, L], position_ids, attention_mask=None)`` that the unpacked reference uses."""
+    ``model(input_ids [1, L], position_ids, attention_mask=None)`` that the unpacked reference
+    uses."""
 
     def __init__(self, model):
         super().__init__()
@@ -102,7 +106,9 @@ class _OneSequence(torch.nn.Module):
 
         n = input_ids.shape[1]
         mb = pack([input_ids[0]])[0]
-        out = self.model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+        out = self.model(
+            mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"])
+        )
         return out[:, :n]
 
 
@@ -122,8 +128,14 @@ def _step_vs_unpacked(path: str, fields: dict, **step_kwargs) -> tuple[float, fl
     reference = _OneSequence(_model(path, **fields))
     want = float(unpacked_reference_step(reference, batch, loss_fn))
     model = _model(path, **fields)
-    result = tree_forward_backward(model, batch, loss_fn, gather=LogProbs(), tp_group=ps.get_tensor_model_parallel_group(),
-                                   **step_kwargs)
+    result = tree_forward_backward(
+        model,
+        batch,
+        loss_fn,
+        gather=LogProbs(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        **step_kwargs,
+    )
     grads = [parameter_grads(m, prefix="model.") for m in (model, reference)]
     return float(result.loss), want, *grads
 
@@ -138,29 +150,48 @@ def _assert_step_close(got_loss, want_loss, got, want):
 @pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 def test_hybrid_step_gradients_equal_unpacked(world, recompute, hybrid_checkpoints):
     fields = recompute_fields(recompute, "gdn_norm_out")
-    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_5_text"], fields,
-                                          max_tokens_per_mb=128, block_size=16))
+    _assert_step_close(
+        *_step_vs_unpacked(
+            hybrid_checkpoints["qwen3_5_text"], fields, max_tokens_per_mb=128, block_size=16
+        )
+    )
 
 
 def test_hybrid_trunk_reuse_gradients_equal_unpacked(world, hybrid_checkpoints):
-    """Capacity 64 with 200+ tokens of prompt groups: trunk parts record each gated delta-net layer's
+    """Capacity 64 with 200+ tokens of prompt groups: trunk parts record each gated delta-net
+    layer's
     inputs, their branches recompute the recurrence along the trunk from them."""
     from megatron_tree.core.packing import build_packed_tree_batch
     from megatron_tree.testing.synthetic import rl_batch
 
-    packed = build_packed_tree_batch(rl_batch(recurrent_sequences(), response_start=5), max_tokens_per_mb=64,
-                                     block_size=16, pad_to_max=False, share_trunks=True)
+    packed = build_packed_tree_batch(
+        rl_batch(recurrent_sequences(), response_start=5),
+        max_tokens_per_mb=64,
+        block_size=16,
+        pad_to_max=False,
+        share_trunks=True,
+    )
     assert any(mb["rows"].records for mb in packed), "the batch must form a trunk group"
     # Qwen3-Next's bridge sets the global aux loss, which accumulates across steps (refused with
     # trees). Router losses are as if unpacked over the *batch* (tests/test_moe_aux_loss.py), not
     # per sequence as this reference runs, so they are off here.
     fields = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0}
-    _assert_step_close(*_step_vs_unpacked(hybrid_checkpoints["qwen3_next"], fields, max_tokens_per_mb=64,
-                                          block_size=16, share_trunks=True))
+    _assert_step_close(
+        *_step_vs_unpacked(
+            hybrid_checkpoints["qwen3_next"],
+            fields,
+            max_tokens_per_mb=64,
+            block_size=16,
+            share_trunks=True,
+        )
+    )
 
 
 def _tp2_worker(rank: int, paths: dict) -> dict:
-    return {arch: tree_logprobs(_model(path, tp=2).eval(), recurrent_sequences()) for arch, path in paths.items()}
+    return {
+        arch: tree_logprobs(_model(path, tp=2).eval(), recurrent_sequences())
+        for arch, path in paths.items()
+    }
 
 
 def test_hybrid_tensor_parallel_2_matches_hf(hybrid_checkpoints, hybrid_references):
@@ -170,7 +201,9 @@ def test_hybrid_tensor_parallel_2_matches_hf(hybrid_checkpoints, hybrid_referenc
 
 
 def _cp2_worker(rank: int, path: str) -> dict:
-    return step_logprobs(_model(path, cp=2), recurrent_sequences(), max_tokens_per_mb=64, block_size=16)
+    return step_logprobs(
+        _model(path, cp=2), recurrent_sequences(), max_tokens_per_mb=64, block_size=16
+    )
 
 
 def test_hybrid_context_parallel_2_matches_hf(hybrid_checkpoints, hybrid_references):
@@ -191,9 +224,12 @@ def test_flop_model_counts_a_built_hybrid(world, arch, hybrid_checkpoints):
     shape = GPTShape.from_config(model.config, vocab=model.vocab_size)
     assert shape.linear_layers == 3 and shape.attention_layers == 1
     routed = shape.num_experts - shape.topk if shape.num_experts else 0
-    unused = routed * shape._mlp_params(shape.moe_ffn_hidden or shape.ffn_hidden) * shape.num_moe_layers
-    matmul_weights = sum(p.numel() for n, p in model.named_parameters()
-                         if p.dim() == 2 and "embedding" not in n)
+    unused = (
+        routed * shape._mlp_params(shape.moe_ffn_hidden or shape.ffn_hidden) * shape.num_moe_layers
+    )
+    matmul_weights = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n
+    )
     assert shape.linear_params_per_token == matmul_weights - unused
     assert shape.recurrent_flops_per_token > 0
 
@@ -216,7 +252,9 @@ def test_stock_hybrid_modules_are_refused(world):
     with pytest.raises(ValueError, match="layer.mixer is a stock GatedDeltaNet"):
         check_tree_model(Stock())
     with pytest.raises(ValueError, match="stock GatedDeltaNet"):
-        tree_forward_backward(Stock(), {"input_ids": torch.ones(1, 4, dtype=torch.long)}, None, forward_only=True)
+        tree_forward_backward(
+            Stock(), {"input_ids": torch.ones(1, 4, dtype=torch.long)}, None, forward_only=True
+        )
 
 
 def test_mamba_hybrid_is_refused_by_name(world, tmp_path):
@@ -227,13 +265,27 @@ def test_mamba_hybrid_is_refused_by_name(world, tmp_path):
     from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
     from megatron_tree.patches import megatron_bridge_te
 
-    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
+    # Megatron-Bridge imports only with it where transformer-engine is missing
+    megatron_bridge_te.apply()
     from megatron.bridge import AutoBridge
 
     config = AutoConfig.for_model(
-        "nemotron_h", vocab_size=128, hidden_size=64, num_hidden_layers=4, hybrid_override_pattern="M*M-",
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, mamba_num_heads=4,
-        mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16)
+        "nemotron_h",
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=4,
+        hybrid_override_pattern="M*M-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=16,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with patch_megatron_bridge_for_tree_training():
         bridge = AutoBridge.from_hf_pretrained(str(tmp_path), dtype=torch.float32)

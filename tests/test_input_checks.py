@@ -16,7 +16,11 @@ from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.models import (
-    VOCAB, branching_sequences, build_gpt_model, small_gpt_config, trunk_sequences,
+    VOCAB,
+    branching_sequences,
+    build_gpt_model,
+    small_gpt_config,
+    trunk_sequences,
 )
 from megatron_tree.testing.reference import parameter_grads
 from megatron_tree.testing.synthetic import rl_batch
@@ -25,8 +29,14 @@ PACKING = dict(max_tokens_per_mb=64, block_size=16)
 
 
 def _model(critic: bool = False):
-    return build_gpt_model(small_gpt_config(init_method_std=0.15), tree=True, vocab_size=VOCAB,
-                           critic=critic, backend="block_sparse", block_size=16)
+    return build_gpt_model(
+        small_gpt_config(init_method_std=0.15),
+        tree=True,
+        vocab_size=VOCAB,
+        critic=critic,
+        backend="block_sparse",
+        block_size=16,
+    )
 
 
 def _ppo(outputs, mb):
@@ -53,18 +63,22 @@ def _runs_trunk_reuse(packed) -> bool:
     return any("part" in mb or getattr(mb.get("rows"), "group", None) is not None for mb in packed)
 
 
-@pytest.mark.parametrize("seqs,share_trunks",
-                         [(branching_sequences, False), (trunk_sequences, True)],
-                         ids=["trees", "trunk-reuse"])
+@pytest.mark.parametrize(
+    "seqs,share_trunks",
+    [(branching_sequences, False), (trunk_sequences, True)],
+    ids=["trees", "trunk-reuse"],
+)
 def test_nonfinite_inputs_at_zero_weight_tokens_reach_neither_loss_nor_grads(
-    world, seqs, share_trunks,
+    world,
+    seqs,
+    share_trunks,
 ):
     batch = rl_batch(seqs(), response_start=5)
     lengths = batch["attention_mask"].sum(1)
     assert batch["loss_mask"][0, 0] == 0 and batch["loss_mask"][1, lengths[1] - 1] == 0
     bad = {k: v.clone() for k, v in batch.items()}
-    bad["advantages"][0, 0] = float("nan")          # a prompt token
-    bad["old_logprobs"][1, lengths[1] - 1] = float("-inf")   # a sequence's (rolled) last entry
+    bad["advantages"][0, 0] = float("nan")  # a prompt token
+    bad["old_logprobs"][1, lengths[1] - 1] = float("-inf")  # a sequence's (rolled) last entry
     bad["advantages"][2, 1] = float("inf")
     zeroed = {k: v.clone() for k, v in batch.items()}
     zeroed["advantages"][0, 0] = 0
@@ -97,11 +111,14 @@ def test_nonfinite_returns_at_zero_weight_tokens_leave_the_critic_finite(world):
 # ------------------------------------------------------------ 2. loss_mask values
 
 
-@pytest.mark.parametrize("value,match", [
-    (-1.0, r"loss_mask .*must be >= 0.*got -1"),
-    (float("nan"), r"loss_mask .*NaN or inf"),
-    (float("inf"), r"loss_mask .*NaN or inf"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (-1.0, r"loss_mask .*must be >= 0.*got -1"),
+        (float("nan"), r"loss_mask .*NaN or inf"),
+        (float("inf"), r"loss_mask .*NaN or inf"),
+    ],
+)
 def test_negative_or_nonfinite_loss_mask_is_refused(world, value, match):
     batch = rl_batch(branching_sequences(), response_start=5)
     mask = batch["loss_mask"].clone()
@@ -135,8 +152,12 @@ def test_numpy_arrays_and_rectangular_lists_pack_like_tensors():
     arrays = {k: v.numpy() for k, v in batch.items()}
     _same_packing(build_packed_tree_batch(arrays, **PACKING), want)
     lists = {k: v.tolist() for k, v in batch.items()}
-    _same_packing(build_packed_tree_batch(lists, **PACKING), build_packed_tree_batch(
-        {k: torch.as_tensor(v.tolist()) for k, v in batch.items()}, **PACKING))
+    _same_packing(
+        build_packed_tree_batch(lists, **PACKING),
+        build_packed_tree_batch(
+            {k: torch.as_tensor(v.tolist()) for k, v in batch.items()}, **PACKING
+        ),
+    )
 
 
 def test_ragged_lists_and_non_arrays_are_refused_by_name():
@@ -178,8 +199,10 @@ def test_numpy_batch_steps_like_the_tensor_batch(world):
 def test_a_trailing_dim_on_a_per_token_input_is_blamed_on_the_input(world, key):
     batch = rl_batch(branching_sequences(), response_start=5)
     model = _model()
-    match = (rf"micro_batch\['{key}'\] has shape \(\d+, 1\).*"
-             r"\[B, L\] in the padded batch, \[T\] in tree layout.*squeeze")
+    match = (
+        rf"micro_batch\['{key}'\] has shape \(\d+, 1\).*"
+        r"\[B, L\] in the padded batch, \[T\] in tree layout.*squeeze"
+    )
     with pytest.raises(ValueError, match=match):
         tree_forward_backward(model, {**batch, key: batch[key][..., None]}, _ppo, **PACKING)
 
@@ -218,8 +241,18 @@ def test_packing_bool_flags_are_type_checked(flag):
         build_packed_tree_batch(batch, **PACKING, **{flag: "no"})
 
 
-@pytest.mark.parametrize("flag", ["forward_only", "collect_outputs", "dp_grad_average", "moe_stats",
-                                  "pad_to_max", "share_prefixes", "share_trunks"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "forward_only",
+        "collect_outputs",
+        "dp_grad_average",
+        "moe_stats",
+        "pad_to_max",
+        "share_prefixes",
+        "share_trunks",
+    ],
+)
 def test_step_bool_flags_are_type_checked(world, flag):
     batch = rl_batch(branching_sequences(), response_start=5)
     model = _model()
@@ -247,7 +280,9 @@ def test_logits_narrower_than_the_batch_vocabulary_are_refused():
     output width and the batch's largest id on the host."""
     head = LogProbs()
     shard = torch.zeros(1, 16, VOCAB // 2)
-    with pytest.raises(ValueError, match=f"cover {VOCAB // 2} vocabulary entries .*token id {VOCAB - 1}"):
+    with pytest.raises(
+        ValueError, match=f"cover {VOCAB // 2} vocabulary entries .*token id {VOCAB - 1}"
+    ):
         head.check_output(shard, None, VOCAB - 1)
     head.check_output(torch.zeros(1, 16, VOCAB), None, VOCAB - 1)  # the whole vocabulary: fine
 
@@ -257,10 +292,18 @@ def test_the_building_block_loop_on_a_part_names_the_rows_mask(world):
     part's rows, and the error says which mask does."""
     from megatron_tree.core.mask import tree_attention_mask
 
-    packed = build_packed_tree_batch(rl_batch(trunk_sequences()), share_trunks=True, pad_to_max=False, **PACKING)
+    packed = build_packed_tree_batch(
+        rl_batch(trunk_sequences()), share_trunks=True, pad_to_max=False, **PACKING
+    )
     part = next(mb for mb in packed if mb["rows"].group is not None and not mb["rows"].records)
-    with pytest.raises(ValueError, match=r"tree_attention_mask\(micro_batch\['rows'\], store=\.\.\.\)"):
-        _model()(part["input_ids"], part["position_ids"], attention_mask=tree_attention_mask(part["tree"]))
+    with pytest.raises(
+        ValueError, match=r"tree_attention_mask\(micro_batch\['rows'\], store=\.\.\.\)"
+    ):
+        _model()(
+            part["input_ids"],
+            part["position_ids"],
+            attention_mask=tree_attention_mask(part["tree"]),
+        )
     with pytest.raises(ValueError, match="pass store=KeyValueStore"):
         tree_attention_mask(part["rows"])
 
@@ -269,6 +312,8 @@ def test_a_model_without_tree_attention_is_refused_by_the_step(world):
     """The stock GPTModel (causal core attention) would attend across the tree's branches: the step
     names its first layer's core attention before anything runs; the tree model passes."""
     stock = build_gpt_model(small_gpt_config(), tree=False, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"decoder.layers.0.self_attention is a stock DotProductAttention"):
+    with pytest.raises(
+        ValueError, match=r"decoder.layers.0.self_attention is a stock DotProductAttention"
+    ):
         tree_forward_backward(stock, rl_batch(branching_sequences()), _ppo, **PACKING)
     _step(_model(), rl_batch(branching_sequences()))

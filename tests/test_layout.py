@@ -1,4 +1,5 @@
-"""The package's layout holds by construction: a pure-torch core, glue that imports Megatron, bridges
+"""The package's layout holds by construction: a pure-torch core, glue that imports Megatron,
+bridges
 that do not lean on the CPU test patch, and patches importable as ``megatron_tree.patches``."""
 
 from __future__ import annotations
@@ -14,24 +15,31 @@ HEAVY = ("megatron", "mbridge", "transformers", "megatron_tree.patches")
 
 
 def _imported_after(code: str) -> list[str]:
-    """Top-level packages of HEAVY present in sys.modules after running ``code`` in a fresh process."""
+    """Top-level packages of HEAVY present in sys.modules after running ``code`` in a fresh
+    process."""
     probe = (
-        f"import sys\n{code}\n"
-        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY[:3]!r} or m.startswith({HEAVY[3]!r}))\n"
-        "print('\\n'.join(heavy))"
+        f"import sys\n{code}\nheavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{HEAVY[:3]!r} or m.startswith({HEAVY[3]!r}))\nprint('\\n'.join(heavy))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     return out.stdout.split()
 
 
 def test_package_and_core_import_no_megatron():
-    core = sorted(f"megatron_tree.core.{p.stem}" for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    core = sorted(
+        f"megatron_tree.core.{p.stem}"
+        for p in (PACKAGE / "core").glob("*.py")
+        if p.stem != "__init__"
+    )
     code = "import megatron_tree\n" + "\n".join(f"import {m}" for m in core)
     assert _imported_after(code) == []
 
 
 def test_core_imports_only_torch_numpy_and_itself():
-    """Static check of every core module's imports (so a lazy import inside a function cannot slip in)."""
+    """Static check of every core module's imports (so a lazy import inside a function cannot slip
+    in)."""
     allowed = {"torch", "numpy", "__future__"} | set(sys.stdlib_module_names)
     for path in (PACKAGE / "core").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -47,7 +55,9 @@ def test_core_imports_only_torch_numpy_and_itself():
 
 def test_bridge_does_not_use_the_cpu_patch():
     loaded = _imported_after("import megatron_tree.bridges.mbridge, megatron_tree.mcore.step")
-    assert any(m.startswith("mbridge") for m in loaded) and any(m.startswith("megatron.core") for m in loaded)
+    assert any(m.startswith("mbridge") for m in loaded) and any(
+        m.startswith("megatron.core") for m in loaded
+    )
     assert "megatron_tree.patches.megatron_cpu" not in loaded
 
 

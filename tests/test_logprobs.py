@@ -7,11 +7,11 @@ take labels from the original sequences.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_tree.core.checks import set_debug_checks
 from megatron_tree.core.logprobs import (
     gather_packed_tree_logprobs,
     gather_packed_tree_logprobs_entropy,
@@ -22,9 +22,8 @@ from megatron_tree.core.results import (
     gather_packed_tree_vocab_stats,
     merge_packed_tree_results,
 )
-from megatron_tree.core.checks import set_debug_checks
-from megatron_tree.testing.dist import run_spawned
 from megatron_tree.core.tree import PackedTree
+from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.tolerances import FP32_LOGSOFTMAX_TOL, FP32_TP_LOGSOFTMAX_TOL, FP64_TOL
 
 VOCAB = 48  # divisible by 2 and 4 for the TP tests
@@ -77,8 +76,10 @@ def build_tree(seqs: list[list[int]], ids: list[int], pad_to: int | None = None)
     return PackedTree(
         input_ids=torch.tensor([tokens[v] for v in order] + [0] * (n - num_nodes)),
         position_ids=torch.tensor([depth[v] for v in order] + [0] * (n - num_nodes)),
-        subtree_end=torch.tensor([p + size[p] for p in range(num_nodes)]
-                                 + list(range(num_nodes + 1, n + 1)), dtype=torch.int32),
+        subtree_end=torch.tensor(
+            [p + size[p] for p in range(num_nodes)] + list(range(num_nodes + 1, n + 1)),
+            dtype=torch.int32,
+        ),
         parent_index=torch.tensor([parent_pos[v] for v in order] + [-1] * (n - num_nodes)),
         sequence_ids=torch.tensor(ids, dtype=torch.int64),
         cu_seqlens=torch.tensor([0] + [sum(lengths[: k + 1]) for k in range(len(lengths))]),
@@ -89,6 +90,7 @@ def build_tree(seqs: list[list[int]], ids: list[int], pad_to: int | None = None)
 
 def random_sequences(gen: torch.Generator, num_groups: int, vocab: int = VOCAB) -> list[list[int]]:
     """Prompt groups with branches, duplicates, prefixes of other sequences and length-1 seqs."""
+
     def rand(n):
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
@@ -111,14 +113,19 @@ def random_sequences(gen: torch.Generator, num_groups: int, vocab: int = VOCAB) 
     return seqs
 
 
-def reference(logits: torch.Tensor, tree: PackedTree, seqs, temperature: float = 1.0,
-              dtype: torch.dtype = torch.float64):
+def reference(
+    logits: torch.Tensor,
+    tree: PackedTree,
+    seqs,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+):
     """Per-sequence unpacked log_softmax in ``dtype``: (logprobs [T], entropy [T]) in tree order."""
     logits = logits.reshape(tree.padded_length, -1).to(dtype)
     lps, ents = [], []
     for i, b in enumerate(tree.sequence_ids.tolist()):
         seq = torch.tensor(seqs[b])
-        rows = logits[tree.token_index[int(tree.cu_seqlens[i]): int(tree.cu_seqlens[i + 1])]]
+        rows = logits[tree.token_index[int(tree.cu_seqlens[i]) : int(tree.cu_seqlens[i + 1])]]
         logp = torch.log_softmax(rows / temperature, dim=-1)  # [L, V]
         lps.append(torch.cat([logp[torch.arange(len(seq) - 1), seq[1:]], logp.new_zeros(1)]))
         ents.append(-(logp.exp() * logp).sum(-1))
@@ -147,12 +154,14 @@ def check_trie_invariant(tree: PackedTree) -> None:
 def _dummy(n: int) -> PackedTree:
     """An all-padding tree of length n, as packing appends to keep DP ranks in step."""
     return PackedTree(
-        input_ids=torch.zeros(n, dtype=torch.int64), position_ids=torch.zeros(n, dtype=torch.int64),
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        position_ids=torch.zeros(n, dtype=torch.int64),
         subtree_end=torch.arange(1, n + 1, dtype=torch.int32),
         parent_index=torch.full((n,), -1, dtype=torch.int64),
         sequence_ids=torch.zeros(0, dtype=torch.int64),
         cu_seqlens=torch.zeros(1, dtype=torch.int64),
-        token_index=torch.zeros(0, dtype=torch.int64), num_tree_tokens=0,
+        token_index=torch.zeros(0, dtype=torch.int64),
+        num_tree_tokens=0,
     )
 
 
@@ -178,8 +187,9 @@ EDGE_SEQS = [
 def test_matches_reference_fp32(seed, temperature):
     seqs, tree, logits = random_case(seed)
     check_trie_invariant(tree)
-    lp, ent = gather_packed_tree_logprobs_entropy(logits, tree, temperature=temperature,
-                                                  chunk_size=4)
+    lp, ent = gather_packed_tree_logprobs_entropy(
+        logits, tree, temperature=temperature, chunk_size=4
+    )
     ref_lp, ref_ent = reference(logits, tree, seqs, temperature)
     assert lp.dtype == torch.float32 and lp.shape == (tree.num_sequence_tokens,)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=FP32_LOGSOFTMAX_TOL)
@@ -200,8 +210,10 @@ def test_edge_cases_fp64():
     last = tree.cu_seqlens[1:] - 1
     assert torch.all(lp[last] == 0)
     # Identical sequences 0 and 2 get identical results.
-    seg = {b: slice(int(tree.cu_seqlens[i]), int(tree.cu_seqlens[i + 1]))
-           for i, b in enumerate(tree.sequence_ids.tolist())}
+    seg = {
+        b: slice(int(tree.cu_seqlens[i]), int(tree.cu_seqlens[i + 1]))
+        for i, b in enumerate(tree.sequence_ids.tolist())
+    }
     assert torch.equal(lp[seg[0]], lp[seg[2]])
     # Sequence 3 = [5, 6] is a prefix of 0: same log p(6 | 5), but its last entry is 0.
     assert lp[seg[3]][0] == lp[seg[0]][0] and lp[seg[3]][1] == 0 and lp[seg[0]][1] != 0
@@ -239,7 +251,7 @@ def test_vocab_stats_and_values():
         assert torch.equal(vmax[sl], rows.max(-1).values)
     values = torch.randn(tree.padded_length, 1, requires_grad=True)  # critic head [N, 1]
     out = gather_packed_tree_values(values, tree)
-    for i, b in enumerate(tree.sequence_ids.tolist()):
+    for i in range(len(tree.sequence_ids)):
         sl = slice(int(tree.cu_seqlens[i]), int(tree.cu_seqlens[i + 1]))
         assert torch.equal(out[sl], values[tree.sequence_token_index(i), 0])
     out.sum().backward()
@@ -318,7 +330,9 @@ def test_input_errors():
         set_debug_checks(False)
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got True"):
         gather_packed_tree_logprobs(logits, tree, temperature=True)
-    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got a tensor of shape"):
+    with pytest.raises(
+        ValueError, match="temperature must be a finite number > 0, got a tensor of shape"
+    ):
         gather_packed_tree_logprobs(logits, tree, temperature=torch.tensor([0.7, 0.8]))
     with pytest.raises(ValueError, match="floating"):
         gather_packed_tree_logprobs(logits.long(), tree)
@@ -328,7 +342,8 @@ def test_input_errors():
         gather_packed_tree_values(torch.zeros(tree.padded_length + 1), tree)
     with pytest.raises(ValueError, match="output_weight"):
         gather_packed_tree_logprobs_entropy_from_hidden(
-            torch.zeros(tree.padded_length, 8), torch.zeros(VOCAB, 9), tree)
+            torch.zeros(tree.padded_length, 8), torch.zeros(VOCAB, 9), tree
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,7 +380,7 @@ def test_gradients_match_reference(terms):
     # A row shared by k sequences sums k weighted terms, so entries reach ~5 at the roots; each is
     # a few fp32 operations on softmax terms: relative rounding ~3e-7 there, absolute ~1e-7 else.
     torch.testing.assert_close(mine_in.grad.double(), ref_in.grad, rtol=1e-6, atol=1e-6)
-    assert torch.all(mine_in.grad[tree.num_tree_tokens:] == 0)
+    assert torch.all(mine_in.grad[tree.num_tree_tokens :] == 0)
 
 
 def test_gradients_bf16():
@@ -404,7 +419,8 @@ def test_fused_hidden_matches_logits_path():
     weight.requires_grad_()
     w_lp, w_ent = _weights(tree, 3)
     lp, ent = gather_packed_tree_logprobs_entropy_from_hidden(
-        hidden[:, None], weight, tree, temperature=0.9, chunk_size=4)
+        hidden[:, None], weight, tree, temperature=0.9, chunk_size=4
+    )
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     h_ref = hidden.detach().clone().requires_grad_()
     w_ref = weight.detach().clone().requires_grad_()
@@ -428,8 +444,12 @@ def test_fused_hidden_matches_logits_path():
 
     exact = grads(lambda h, w: reference(h @ w.t(), tree, seqs, 0.9), torch.float64)
     plain = grads(lambda h, w: reference(h @ w.t(), tree, seqs, 0.9, torch.float32), torch.bfloat16)
-    mine = grads(lambda h, w: gather_packed_tree_logprobs_entropy_from_hidden(
-        h, w, tree, temperature=0.9, chunk_size=4), torch.bfloat16)
+    mine = grads(
+        lambda h, w: gather_packed_tree_logprobs_entropy_from_hidden(
+            h, w, tree, temperature=0.9, chunk_size=4
+        ),
+        torch.bfloat16,
+    )
     for m, p, e in zip(mine, plain, exact):  # values, hidden grad, weight grad
         assert (m - e).abs().max() <= 2 * (p - e).abs().max() + 1e-6
 
@@ -456,15 +476,17 @@ def _tp_worker(rank: int) -> dict:
 
     def run(x, group, temperature=0.8):
         x = x.clone().requires_grad_()
-        lp, ent = gather_packed_tree_logprobs_entropy(x, tree, temperature=temperature,
-                                                      tp_group=group, chunk_size=5)
+        lp, ent = gather_packed_tree_logprobs_entropy(
+            x, tree, temperature=temperature, tp_group=group, chunk_size=5
+        )
         ((lp.double() * w_lp).sum() + (ent.double() * w_ent).sum()).backward()
         return lp, ent, x.grad
 
     def run_fused(group, h, w):
         h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
         lp, ent = gather_packed_tree_logprobs_entropy_from_hidden(
-            h, w, tree, temperature=1.1, tp_group=group, chunk_size=7)
+            h, w, tree, temperature=1.1, tp_group=group, chunk_size=7
+        )
         ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
         return lp, ent, h.grad, w.grad
 
@@ -480,13 +502,17 @@ def _tp_worker(rank: int) -> dict:
             errors[(tp, name, "grad")] = (part[2] - full[2][:, cols]).abs().max().item()
         vmin, vmax = gather_packed_tree_vocab_stats(logits[:, cols], tree, tp_group=group)
         fmin, fmax = gather_packed_tree_vocab_stats(logits, tree)
-        errors[(tp, "fp32", "vocab_stats")] = max((vmin - fmin).abs().max().item(),
-                                                  (vmax - fmax).abs().max().item())
+        errors[(tp, "fp32", "vocab_stats")] = max(
+            (vmin - fmin).abs().max().item(), (vmax - fmax).abs().max().item()
+        )
         full = run_fused(None, hidden, weight)
         part = run_fused(group, hidden, weight[cols])
         errors[(tp, "fp64", "fused")] = max(
-            (part[0] - full[0]).abs().max().item(), (part[1] - full[1]).abs().max().item(),
-            (part[2] - full[2]).abs().max().item(), (part[3] - full[3][cols]).abs().max().item())
+            (part[0] - full[0]).abs().max().item(),
+            (part[1] - full[1]).abs().max().item(),
+            (part[2] - full[2]).abs().max().item(),
+            (part[3] - full[3][cols]).abs().max().item(),
+        )
     return errors
 
 
@@ -537,11 +563,15 @@ def _batch(seed=4, batch=9, num_groups=3):
 def test_merge_round_trip():
     seqs, input_ids, mask = _batch()
     batch, max_len = input_ids.shape
-    trees = [build_tree(seqs, [5, 0, 3, 8], pad_to=40), _dummy(8),
-             build_tree(seqs, [2, 7, 1, 6, 4], pad_to=48)]
+    trees = [
+        build_tree(seqs, [5, 0, 3, 8], pad_to=40),
+        _dummy(8),
+        build_tree(seqs, [2, 7, 1, 6, 4], pad_to=48),
+    ]
     # Per-position values of a token stream are functions of the token: the packed input_ids.
-    outputs = [(gather_packed_tree_values(t.input_ids.double() + 0.5, t), t)
-               for t in reversed(trees)]
+    outputs = [
+        (gather_packed_tree_values(t.input_ids.double() + 0.5, t), t) for t in reversed(trees)
+    ]
     merged = merge_packed_tree_results(outputs, batch, padding_value=-1.0, max_seq_len=max_len)
     assert torch.equal(merged, torch.where(mask, input_ids.double() + 0.5, -1.0))
     # Log-probs merged back equal the per-sequence reference in the [B, L] layout.
@@ -553,7 +583,7 @@ def test_merge_round_trip():
         results.append((gather_packed_tree_logprobs(logits, t), t))
         ref_lp, _ = reference(logits, t, seqs)
         for i, b in enumerate(t.sequence_ids.tolist()):
-            expected[b, : len(seqs[b])] = ref_lp[int(t.cu_seqlens[i]): int(t.cu_seqlens[i + 1])]
+            expected[b, : len(seqs[b])] = ref_lp[int(t.cu_seqlens[i]) : int(t.cu_seqlens[i + 1])]
     merged = merge_packed_tree_results(results, batch, max_seq_len=max_len)
     torch.testing.assert_close(merged, expected, rtol=0, atol=FP64_TOL)
     # Default length is the longest sequence; trailing dims are kept.
@@ -604,13 +634,18 @@ def test_merge_round_trip_through_packing():
     extra = torch.randn(batch, max_len, generator=gen)
     packed = build_packed_tree_batch(
         {"input_ids": input_ids, "attention_mask": mask.long(), "extra": extra},
-        max_tokens_per_mb=32, block_size=8,
+        max_tokens_per_mb=32,
+        block_size=8,
     )
     assert len(packed) > 1
     trees = [mb["tree"] for mb in packed]
     # The packed extra key ([T_mb], token_index order) merges back into the [B, L] layout.
-    merged = merge_packed_tree_results([(mb["extra"], mb["tree"]) for mb in reversed(packed)],
-                                       batch, max_seq_len=max_len, padding_value=7.0)
+    merged = merge_packed_tree_results(
+        [(mb["extra"], mb["tree"]) for mb in reversed(packed)],
+        batch,
+        max_seq_len=max_len,
+        padding_value=7.0,
+    )
     assert torch.equal(merged, torch.where(mask, extra, 7.0))
     # Log-probs of every micro-batch, merged, equal the per-sequence reference.
     expected = torch.zeros(batch, max_len, dtype=torch.float64)
@@ -622,6 +657,7 @@ def test_merge_round_trip_through_packing():
         ref_lp, _ = reference(logits, tree, seqs, 0.6)
         for i, b in enumerate(tree.sequence_ids.tolist()):
             expected[b, : len(seqs[b])] = ref_lp[
-                int(tree.cu_seqlens[i]): int(tree.cu_seqlens[i + 1])]
+                int(tree.cu_seqlens[i]) : int(tree.cu_seqlens[i + 1])
+            ]
     merged = merge_packed_tree_results(results, batch, max_seq_len=max_len)
     torch.testing.assert_close(merged, expected, rtol=0, atol=FP64_TOL)

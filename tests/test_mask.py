@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_tree.core.mask import (
     build_attention_mask_from_trie,
@@ -26,8 +27,11 @@ def dense_block_reduction(allowed: torch.Tensor, block: int) -> tuple[torch.Tens
 
 
 def random_tree(seed: int, n_seq: int, capacity: int, block: int):
-    packed = build_packed_tree_batch(pad_sequences(random_trie_sequences(seed, n_seq, capacity // 2)),
-                                     max_tokens_per_mb=capacity, block_size=block)
+    packed = build_packed_tree_batch(
+        pad_sequences(random_trie_sequences(seed, n_seq, capacity // 2)),
+        max_tokens_per_mb=capacity,
+        block_size=block,
+    )
     return packed[0]["tree"]
 
 
@@ -90,7 +94,9 @@ def test_padding_sees_only_itself():
 
 def test_errors():
     tree = random_tree(0, 2, 64, 16)
-    with pytest.raises(ValueError, match="block_size=24 must be a positive integer dividing the packed length 64"):
+    with pytest.raises(
+        ValueError, match="block_size=24 must be a positive integer dividing the packed length 64"
+    ):
         tree_block_layout(tree, 24)
     with pytest.raises(ValueError, match="subtree_end must be an integer tensor"):
         tree_mask_mod(torch.zeros(4))
@@ -125,7 +131,9 @@ def test_mask_png_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     from megatron_tree.visualize import save_tree_mask_png
 
-    path = save_tree_mask_png(random_tree(5, 6, 64, 16), tmp_path / "sub" / "mask.png", max_pixels=64)
+    path = save_tree_mask_png(
+        random_tree(5, 6, 64, 16), tmp_path / "sub" / "mask.png", max_pixels=64
+    )
     raw = path.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 1000
     width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")

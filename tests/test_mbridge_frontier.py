@@ -15,7 +15,10 @@ from megatron_tree.testing.models import branching_sequences, max_err, record_pa
 from megatron_tree.testing.tolerances import LOGP_TOL
 
 pytestmark = [
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
+    ),
     pytest.mark.usefixtures("world"),
 ]
 
@@ -23,7 +26,8 @@ pytestmark = [
 CASES = {  # name: (arch, HF config overrides)
     "deepseek_v3": ("deepseek_v3", {}),
     # GLM-4.5 with 2 shared experts in 2 expert groups (the real model has 1 and 1), so that the
-    # shared-expert size and group-limited routing mbridge's GLM-4.5 bridge leaves out are exercised.
+    # shared-expert size and group-limited routing mbridge's GLM-4.5 bridge leaves out are
+    # exercised.
     "glm4_moe": ("glm4_moe", {"n_shared_experts": 2, "n_group": 2, "topk_group": 1}),
 }
 
@@ -63,7 +67,8 @@ def _assert_exports_checkpoint(bridge, model, path: str) -> None:
 
 
 def test_deepseek_v3_through_mbridge_matches_hf(frontier):
-    """Tiny DeepSeek-V3 (MLA with YaRN from ``rope_type``, 4 experts in 2 groups choosing 1, a shared
+    """Tiny DeepSeek-V3 (MLA with YaRN from ``rope_type``, 4 experts in 2 groups choosing 1, a
+    shared
     expert, dense layer 0, no MTP) loads into a tree model with HF's log-probs."""
     from megatron.core.transformer.enums import AttnBackend
 
@@ -73,9 +78,15 @@ def test_deepseek_v3_through_mbridge_matches_hf(frontier):
     path, reference = frontier["deepseek_v3"]
     bridge, model = _load(path)
     assert isinstance(model, TreeGPTModel)
-    assert all(isinstance(layer.self_attention, TreeMLASelfAttention) for layer in model.decoder.layers)
+    assert all(
+        isinstance(layer.self_attention, TreeMLASelfAttention) for layer in model.decoder.layers
+    )
     config = bridge.config
-    assert (config.rope_type, config.original_max_position_embeddings, config.mtp_num_layers) == ("yarn", 16, None)
+    assert (config.rope_type, config.original_max_position_embeddings, config.mtp_num_layers) == (
+        "yarn",
+        16,
+        None,
+    )
     assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
     assert config.attention_backend == AttnBackend.auto  # mbridge asks for fused: NVTE_* clash
     err = max_err(tree_logprobs(model.eval(), branching_sequences()), reference)
@@ -110,26 +121,41 @@ def _hf_config(path: str, **changes):
 
 
 def test_deepseek_v3_config_reads_rope_scaling_as_hf(frontier):
-    """The legacy ``type`` key reads as ``rope_type``; HF's defaults fill what the config lacks; what
+    """The legacy ``type`` key reads as ``rope_type``; HF's defaults fill what the config lacks;
+    what
     Megatron's YaRN cannot express is refused, as is a routing Megatron's group score differs on."""
     from megatron_tree.patches.mbridge_deepseek import fixed_config_kwargs
 
     path = frontier["deepseek_v3"][0]
     legacy = {"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-    kwargs = fixed_config_kwargs(_hf_config(path, rope_scaling=legacy), {"max_position_embeddings": 4096,
-                                                                         "mtp_num_layers": 0})
+    kwargs = fixed_config_kwargs(
+        _hf_config(path, rope_scaling=legacy),
+        {"max_position_embeddings": 4096, "mtp_num_layers": 0},
+    )
     assert "max_position_embeddings" not in kwargs and kwargs["mtp_num_layers"] is None
-    assert (kwargs["rope_type"], kwargs["rotary_scaling_factor"], kwargs["original_max_position_embeddings"]) == (
-        "yarn", 40.0, 512)  # HF's fallback: max_position_embeddings
-    bare = fixed_config_kwargs(_hf_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}), {})
-    assert (bare["mscale"], bare["mscale_all_dim"]) == (1.0, 0.0)  # HF: g(1) cos/sin scale, no softmax scale
+    assert (
+        kwargs["rope_type"],
+        kwargs["rotary_scaling_factor"],
+        kwargs["original_max_position_embeddings"],
+    ) == ("yarn", 40.0, 512)  # HF's fallback: max_position_embeddings
+    bare = fixed_config_kwargs(
+        _hf_config(path, rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}), {}
+    )
+    assert (bare["mscale"], bare["mscale_all_dim"]) == (
+        1.0,
+        0.0,
+    )  # HF: g(1) cos/sin scale, no softmax scale
     assert fixed_config_kwargs(_hf_config(path, rope_scaling=None), {})["rope_type"] == "rope"
     with pytest.raises(ValueError, match="'linear'"):
-        fixed_config_kwargs(_hf_config(path, rope_scaling={"rope_type": "linear", "factor": 2.0}), {})
+        fixed_config_kwargs(
+            _hf_config(path, rope_scaling={"rope_type": "linear", "factor": 2.0}), {}
+        )
     with pytest.raises(ValueError, match="attention_factor"):
         fixed_config_kwargs(_hf_config(path, rope_scaling={**legacy, "attention_factor": 1.2}), {})
     with pytest.raises(ValueError, match="top-2"):
-        fixed_config_kwargs(_hf_config(path, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2), {})
+        fixed_config_kwargs(
+            _hf_config(path, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2), {}
+        )
 
 
 def test_deepseek_v3_patch_apply_undo_for_plain_bridges(frontier):
@@ -150,7 +176,8 @@ def test_deepseek_v3_patch_apply_undo_for_plain_bridges(frontier):
 
 
 def test_sigmoid_router_without_norm_topk_prob_is_refused(frontier):
-    """HF's sigmoid routers renormalize the top-k scores only with ``norm_topk_prob``; Megatron's always
+    """HF's sigmoid routers renormalize the top-k scores only with ``norm_topk_prob``; Megatron's
+    always
     does, so a tree bridge refuses ``norm_topk_prob=False`` instead of routing differently."""
     from mbridge import AutoBridge
 

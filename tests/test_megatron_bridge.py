@@ -1,4 +1,5 @@
-"""NVIDIA Megatron-Bridge + ``patch_megatron_bridge_for_tree_training``: HF checkpoints load into tree
+"""NVIDIA Megatron-Bridge + ``patch_megatron_bridge_for_tree_training``: HF checkpoints load into
+tree
 models that give every sequence of a branching trie the log-probs HuggingFace gives it alone, at
 TP=1 and TP=2. Runs in the Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``, Python
 3.12); skipped elsewhere, with the reason shown."""
@@ -26,6 +27,7 @@ pytestmark = [
     pytest.mark.usefixtures("world"),
 ]
 
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_megatron_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
     from megatron_tree.mcore.core_attention import TreeCoreAttention
@@ -33,7 +35,10 @@ def test_megatron_bridge_tree_logprobs_match_hf(arch, checkpoints, references):
 
     model = megatron_bridge_tree_model(checkpoints[arch], backend="block_sparse").eval()
     assert isinstance(model, TreeGPTModel)
-    assert all(isinstance(layer.self_attention.core_attention, TreeCoreAttention) for layer in model.decoder.layers)
+    assert all(
+        isinstance(layer.self_attention.core_attention, TreeCoreAttention)
+        for layer in model.decoder.layers
+    )
     err = max_err(tree_logprobs(model, branching_sequences()), references[arch])
     assert err <= LOGP_TOL
     record_parity(arch, "megatron-bridge", err)
@@ -46,7 +51,8 @@ def test_patch_restores_init_and_binds_instances(checkpoints):
     )
     from megatron_tree.patches import megatron_bridge_te
 
-    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
+    # Megatron-Bridge imports only with it where transformer-engine is missing
+    megatron_bridge_te.apply()
     from megatron.bridge import AutoBridge
 
     init = AutoBridge.__init__
@@ -60,7 +66,9 @@ def test_patch_restores_init_and_binds_instances(checkpoints):
     provider = inside.to_megatron_provider(load_weights=False)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
-    assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {"sdpa"}
+    assert {layer.self_attention.core_attention.backend for layer in model.decoder.layers} == {
+        "sdpa"
+    }
     with pytest.raises(ValueError, match="backend='nope'"):
         with patch_megatron_bridge_for_tree_training(backend="nope"):
             pass
@@ -70,7 +78,10 @@ def _tp2_worker(rank: int, checkpoints: dict) -> dict:
     out = {}
     for arch in ARCHS:
         model = megatron_bridge_tree_model(checkpoints[arch], tp=2).eval()
-        assert model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size == 2
+        assert (
+            model.decoder.layers[0].self_attention.core_attention.config.tensor_model_parallel_size
+            == 2
+        )
         out[arch] = tree_logprobs(model, branching_sequences())
     return out
 
@@ -105,13 +116,29 @@ def test_main_job_through_megatron_bridge(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "tree_vs_baseline.py"), "--small", "--bridge", "megatron-bridge",
-         "--parity-sequences", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(root / "examples" / "tree_vs_baseline.py"),
+            "--small",
+            "--bridge",
+            "megatron-bridge",
+            "--parity-sequences",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "through megatron-bridge" in proc.stdout
-    parity = float(re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", proc.stdout).group(1))
+    parity = float(
+        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", proc.stdout).group(1)
+    )
     assert parity <= LOGP_TOL
-    loss_gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", proc.stdout).group(1))
+    loss_gap = float(
+        re.search(r"tree vs baseline loss, relative difference\s+(\S+)", proc.stdout).group(1)
+    )
     assert loss_gap <= LOSS_RTOL

@@ -19,7 +19,9 @@ def _script():
 
 def test_recorded_results_become_one_row_per_family_and_bridge(tmp_path, monkeypatch):
     log = tmp_path / "parity.jsonl"
-    monkeypatch.delenv(PARITY_LOG_ENV, raising=False)  # (test_matrix.sh sets it for the real results)
+    monkeypatch.delenv(
+        PARITY_LOG_ENV, raising=False
+    )  # (test_matrix.sh sets it for the real results)
     record_parity("qwen3", "mbridge", 1e-6)  # no log set: nothing written
     assert not log.exists()
     monkeypatch.setenv(PARITY_LOG_ENV, str(log))
@@ -27,7 +29,9 @@ def test_recorded_results_become_one_row_per_family_and_bridge(tmp_path, monkeyp
     record_parity("deepseek_v3", "megatron-bridge", 3e-6, layout="TP=2")
     record_parity("qwen3", "mbridge", 1e-6)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["layout"] for r in rows] == ["TP=1", "TP=2", "TP=1"] and rows[0]["stack"]["megatron-core"]
+    assert [r["layout"] for r in rows] == ["TP=1", "TP=2", "TP=1"] and rows[0]["stack"][
+        "megatron-core"
+    ]
     table = _script().render(rows)
     lines = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(lines) == 2 and lines[0].startswith("| `qwen3`")  # families in the table's order

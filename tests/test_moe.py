@@ -1,4 +1,5 @@
-"""Mixture-of-experts models with trees: the spec rewrite leaves the MoE MLP alone, and the tree step
+"""Mixture-of-experts models with trees: the spec rewrite leaves the MoE MLP alone, and the tree
+step
 of a local-spec MoE GPT (4 experts, top-2, allgather and alltoall dispatchers) equals the unpacked
 per-sequence step at EP=1, EP=2 and EP=2 x TP=2 (sequence parallel, expert TP 1).
 
@@ -61,7 +62,9 @@ def _reference_logprobs(model, batch: dict) -> torch.Tensor:
     with torch.no_grad():
         for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
             seq = batch["input_ids"][i, :n]
-            logp = torch.log_softmax(model(seq[None], torch.arange(n)[None], attention_mask=None)[0].double(), -1)
+            logp = torch.log_softmax(
+                model(seq[None], torch.arange(n)[None], attention_mask=None)[0].double(), -1
+            )
             out[i, : n - 1] = logp[torch.arange(n - 1), seq[1:]].float()
     return out
 
@@ -72,8 +75,14 @@ def _tree_step(model, batch, **kwargs):
     from megatron_tree.mcore.step import tree_forward_backward
 
     packing = dict(max_tokens_per_mb=64, block_size=16) if isinstance(batch, dict) else {}
-    return tree_forward_backward(model, batch, _loss_fn, collect_outputs=True,
-                                 tp_group=ps.get_tensor_model_parallel_group(), **{**packing, **kwargs})
+    return tree_forward_backward(
+        model,
+        batch,
+        _loss_fn,
+        collect_outputs=True,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        **{**packing, **kwargs},
+    )
 
 
 def _logprob_err(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
@@ -98,7 +107,10 @@ def _structure(obj):
     if isinstance(obj, functools.partial):
         return ("partial", obj.func, _structure(obj.args), _structure(obj.keywords))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return (type(obj), tuple((f.name, _structure(getattr(obj, f.name))) for f in dataclasses.fields(obj)))
+        return (
+            type(obj),
+            tuple((f.name, _structure(getattr(obj, f.name))) for f in dataclasses.fields(obj)),
+        )
     if isinstance(obj, dict):
         return tuple(sorted((k, _structure(v)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
@@ -131,7 +143,9 @@ def _without_core_attention(layer_spec):
 
     subs = copy.deepcopy(layer_spec.submodules)
     subs.self_attention.submodules.core_attention = None
-    subs.self_attention.params = {k: v for k, v in subs.self_attention.params.items() if k != "attn_mask_type"}
+    subs.self_attention.params = {
+        k: v for k, v in subs.self_attention.params.items() if k != "attn_mask_type"
+    }
     subs.mlp = None  # compared by _mlp_structure
     return _structure(subs)
 
@@ -147,16 +161,29 @@ def test_spec_rewrite_leaves_the_moe_mlp_alone():
     from megatron_tree.mcore.core_attention import TreeCoreAttention
     from megatron_tree.mcore.spec import tree_attention_spec
 
-    config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-                               moe_layer_freq=[1, 0, 1, 1], moe_shared_expert_intermediate_size=32,
-                               moe_ffn_hidden_size=32)
-    for spec in (moe_layer_spec(config), get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)):
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=4,
+        moe_layer_freq=[1, 0, 1, 1],
+        moe_shared_expert_intermediate_size=32,
+        moe_ffn_hidden_size=32,
+    )
+    for spec in (
+        moe_layer_spec(config),
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0),
+    ):
         layers = getattr(spec, "layer_specs", [spec])
         rewritten = tree_attention_spec(spec)
         new_layers = getattr(rewritten, "layer_specs", [rewritten])
-        assert sum(_module_class(layer.submodules.mlp) is MoELayer for layer in layers) == len(layers) - (len(layers) > 1)
+        assert sum(_module_class(layer.submodules.mlp) is MoELayer for layer in layers) == len(
+            layers
+        ) - (len(layers) > 1)
         for old, new in zip(layers, new_layers):
-            assert new.submodules.self_attention.submodules.core_attention.module is TreeCoreAttention
+            assert (
+                new.submodules.self_attention.submodules.core_attention.module is TreeCoreAttention
+            )
             assert _mlp_structure(new.submodules.mlp) == _mlp_structure(old.submodules.mlp)
             assert _without_core_attention(new) == _without_core_attention(old)
 
@@ -183,18 +210,29 @@ def ep1(world, tmp_path_factory):
     batch = _batch()
     reference = build_gpt_model(small_moe_config(), tree=False, vocab_size=VOCAB)
     want_loss = unpacked_reference_step(reference, batch, _loss_fn)
-    out = {"loss": float(want_loss), "grads": parameter_grads(reference),
-           "logprobs": _reference_logprobs(reference, batch),
-           "state": str(tmp_path_factory.mktemp("moe") / "state.pt")}
+    out = {
+        "loss": float(want_loss),
+        "grads": parameter_grads(reference),
+        "logprobs": _reference_logprobs(reference, batch),
+        "state": str(tmp_path_factory.mktemp("moe") / "state.pt"),
+    }
     torch.save(reference.state_dict(), out["state"])
     for dispatcher in DISPATCHERS:
-        tree = build_gpt_model(small_moe_config(dispatcher=dispatcher), tree=True, vocab_size=VOCAB,
-                               backend="block_sparse", block_size=16)
+        tree = build_gpt_model(
+            small_moe_config(dispatcher=dispatcher),
+            tree=True,
+            vocab_size=VOCAB,
+            backend="block_sparse",
+            block_size=16,
+        )
         tree.load_state_dict(reference.state_dict())
         result = _tree_step(tree, batch)
-        out[dispatcher] = {"loss": float(result.loss), "grads": parameter_grads(tree),
-                           "trees": result.num_micro_batches,
-                           "logprobs": result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]}
+        out[dispatcher] = {
+            "loss": float(result.loss),
+            "grads": parameter_grads(tree),
+            "trees": result.num_micro_batches,
+            "logprobs": result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"],
+        }
     return out
 
 
@@ -203,7 +241,10 @@ def test_moe_tree_step_equals_unpacked(ep1, dispatcher):
     got = ep1[dispatcher]
     assert got["trees"] > 1  # several trees: the micro-batch normalization is exercised
     assert got["loss"] == pytest.approx(ep1["loss"], rel=LOSS_RTOL)
-    assert _logprob_err(got["logprobs"], ep1["logprobs"], _batch()["attention_mask"][:, 1:]) <= LOGP_TOL
+    assert (
+        _logprob_err(got["logprobs"], ep1["logprobs"], _batch()["attention_mask"][:, 1:])
+        <= LOGP_TOL
+    )
     errors = gradient_errors(got["grads"], ep1["grads"])
     assert any("local_experts" in n for n in errors) and any("router" in n for n in errors)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
@@ -228,11 +269,15 @@ def _finalize_grads(model) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
 
     if model.config.sequence_parallel:
         ddp_like = types.SimpleNamespace(module=model, ddp_config=DistributedDataParallelConfig())
-        _allreduce_non_tensor_model_parallel_grads([ddp_like], model.config, ps.get_tensor_model_parallel_group())
+        _allreduce_non_tensor_model_parallel_grads(
+            [ddp_like], model.config, ps.get_tensor_model_parallel_group()
+        )
     dp = ps.get_data_parallel_world_size()
     for p in model.parameters():
         expert = not getattr(p, "allreduce", True)
@@ -256,20 +301,35 @@ def _ep_worker(rank: int, state_path: str) -> dict:
     out = {"rows": rows, "layout": (tp, ep, dp)}
     for dispatcher in DISPATCHERS:
         config = small_moe_config(dispatcher=dispatcher, sequence_parallel=tp > 1)
-        model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+        model = build_gpt_model(
+            config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+        )
         per_rank = config.num_moe_experts // ep
-        names = {n: global_expert_name(n, ep_rank=ep_rank, num_local_experts=per_rank) for n in model.state_dict()}
-        model.load_state_dict({n: _shard(full[names[n]], t.shape, tp_rank) if torch.is_tensor(t) else t
-                               for n, t in model.state_dict().items()})
+        names = {
+            n: global_expert_name(n, ep_rank=ep_rank, num_local_experts=per_rank)
+            for n in model.state_dict()
+        }
+        model.load_state_dict(
+            {
+                n: _shard(full[names[n]], t.shape, tp_rank) if torch.is_tensor(t) else t
+                for n, t in model.state_dict().items()
+            }
+        )
         # The allgather dispatcher all-gathers equal-sized token blocks over the EP ranks, so every
         # EP rank needs trees of one length (pad_to_max); the alltoall dispatcher sends any sizes.
-        result = _tree_step(model, local, dp_group=ps.get_data_parallel_group(), parallel_size=tp,
-                            pad_to_max=dispatcher == "allgather")
+        result = _tree_step(
+            model,
+            local,
+            dp_group=ps.get_data_parallel_group(),
+            parallel_size=tp,
+            pad_to_max=dispatcher == "allgather",
+        )
         _finalize_grads(model)
         loss = result.loss.clone()
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         out[dispatcher] = {
-            "loss": float(loss), "trees": result.num_micro_batches,
+            "loss": float(loss),
+            "trees": result.num_micro_batches,
             "logprobs": result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"],
             "grads": {names[n]: (g, tp_rank) for n, g in parameter_grads(model).items()},
         }
@@ -283,10 +343,18 @@ def _check_against_ep1(ranks: list[dict], ep1: dict) -> None:
             got = r[dispatcher]
             for want in (ep1["logprobs"], ep1[dispatcher]["logprobs"]):
                 rows = r["rows"]
-                assert _logprob_err(got["logprobs"], want[rows], mask[rows]) <= LOGP_TOL, (r["layout"], dispatcher)
-            assert got["loss"] == pytest.approx(ep1["loss"], rel=LOSS_RTOL), (r["layout"], dispatcher)
+                assert _logprob_err(got["logprobs"], want[rows], mask[rows]) <= LOGP_TOL, (
+                    r["layout"],
+                    dispatcher,
+                )
+            assert got["loss"] == pytest.approx(ep1["loss"], rel=LOSS_RTOL), (
+                r["layout"],
+                dispatcher,
+            )
             for want in (ep1["grads"], ep1[dispatcher]["grads"]):
-                sharded = {n: _shard(want[n], g.shape, tp_rank) for n, (g, tp_rank) in got["grads"].items()}
+                sharded = {
+                    n: _shard(want[n], g.shape, tp_rank) for n, (g, tp_rank) in got["grads"].items()
+                }
                 errors = gradient_errors({n: g for n, (g, _) in got["grads"].items()}, sharded)
                 worst = max(errors.items(), key=lambda kv: kv[1])
                 assert worst[1] <= GRAD_RTOL, (r["layout"], dispatcher, worst)
@@ -311,7 +379,8 @@ def test_expert_parallel_2_with_tensor_parallel_2_equals_ep1(ep1):
     _check_against_ep1(ranks, ep1)
 
 
-# ----------------------------------------------------------------------------- per-expert token counts
+# ----------------------------------------------------------------------------- per-expert token
+# counts
 
 
 def test_expert_token_counter(world):
@@ -322,14 +391,18 @@ def test_expert_token_counter(world):
     from megatron_tree.mcore.moe_stats import ExpertTokenCounter
 
     config = small_moe_config(**recompute_fields("full"))
-    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    model = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     packed = build_packed_tree_batch(_batch(), max_tokens_per_mb=64, block_size=16)
     with ExpertTokenCounter(model) as forward_only:
         _tree_step(model, packed, forward_only=True)
     with ExpertTokenCounter(model) as train:
         _tree_step(model, packed)
     tokens = sum(tree.padded_length for tree in packed.trees)
-    assert sorted(forward_only.per_layer) == [f"decoder.layers.{i}.mlp.router" for i in range(config.num_layers)]
+    assert sorted(forward_only.per_layer) == [
+        f"decoder.layers.{i}.mlp.router" for i in range(config.num_layers)
+    ]
     for counts in forward_only.per_layer.values():
         assert counts.shape == (4,) and int(counts.sum()) == config.moe_router_topk * tokens
     assert all(torch.equal(train.per_layer[n], c) for n, c in forward_only.per_layer.items())
@@ -348,7 +421,7 @@ ROUTER_LOSSES = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 
 def _long_batch(which: str) -> dict:
-    """"history": one 240-token trie (a 150-token history, five continuations); "lone": one
+    """ "history": one 240-token trie (a 150-token history, five continuations); "lone": one
     140-token sequence; "both"."""
     seqs = long_context_sequences()
     picked = {"history": seqs[:-1], "lone": seqs[-1:], "both": seqs}[which]
@@ -356,9 +429,15 @@ def _long_batch(which: str) -> dict:
 
 
 def _logged_router_losses() -> dict[str, torch.Tensor]:
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
 
-    losses = {name: entry["values"].detach().clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    losses = {
+        name: entry["values"].detach().clone()
+        for name, entry in get_moe_layer_wise_logging_tracker().items()
+    }
     clear_aux_losses_tracker()
     return losses
 
@@ -378,8 +457,9 @@ def test_trunk_reuse_router_losses_equal_the_whole_group(world, recompute):
     micro-batches, routing statistics summed over them in a first no-grad pass. Loss, log-probs,
     every gradient and the logged load-balancing and z losses equal the group held in one tree."""
     config = small_moe_config(**ROUTER_LOSSES, **recompute_fields(recompute))
-    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse",
-                            block_size=16)
+    model = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     batch = _long_batch("history")
     whole, want, want_losses = _trunk_moe_step(model, batch, 256, share_trunks=False)
     assert len(whole.packed) == 1
@@ -387,16 +467,29 @@ def test_trunk_reuse_router_losses_equal_the_whole_group(world, recompute):
     rows = [mb["rows"] for mb in got_result.packed]
     assert sum(r.records for r in rows) == 3 and all(r.group == 0 for r in rows)
     assert float(got_result.loss) == pytest.approx(float(whole.loss), rel=LOSS_RTOL)
-    assert set(want_losses) == {"load_balancing_loss", "z_loss"} and set(got_losses) == set(want_losses)
+    assert set(want_losses) == {"load_balancing_loss", "z_loss"} and set(got_losses) == set(
+        want_losses
+    )
     for name, values in want_losses.items():
-        assert torch.allclose(got_losses[name], values, rtol=LOSS_RTOL, atol=0), (name, got_losses[name], values)
+        assert torch.allclose(got_losses[name], values, rtol=LOSS_RTOL, atol=0), (
+            name,
+            got_losses[name],
+            values,
+        )
     errors = gradient_errors(got, want)
-    assert any("router" in n for n in errors) and max(errors.values()) <= GRAD_RTOL, max(errors.items(),
-                                                                                         key=lambda kv: kv[1])
+    assert any("router" in n for n in errors) and max(errors.values()) <= GRAD_RTOL, max(
+        errors.items(), key=lambda kv: kv[1]
+    )
     mask = batch["attention_mask"][:, 1:]
     width = batch["input_ids"].shape[1]
-    assert _logprob_err(got_result.merged_outputs(max_seq_len=width)["logprobs"],
-                        whole.merged_outputs(max_seq_len=width)["logprobs"].float(), mask) <= LOGP_TOL
+    assert (
+        _logprob_err(
+            got_result.merged_outputs(max_seq_len=width)["logprobs"],
+            whole.merged_outputs(max_seq_len=width)["logprobs"].float(),
+            mask,
+        )
+        <= LOGP_TOL
+    )
 
 
 def _trunk_ep_worker(rank: int, state_path: str, dispatcher: str) -> dict:
@@ -408,21 +501,35 @@ def _trunk_ep_worker(rank: int, state_path: str, dispatcher: str) -> dict:
 
     ep_rank = ps.get_expert_model_parallel_rank()
     config = small_moe_config(dispatcher=dispatcher, **ROUTER_LOSSES)
-    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    model = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     per_rank = config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-    names = {n: global_expert_name(n, ep_rank=ep_rank, num_local_experts=per_rank) for n in model.state_dict()}
+    names = {
+        n: global_expert_name(n, ep_rank=ep_rank, num_local_experts=per_rank)
+        for n in model.state_dict()
+    }
     full = torch.load(state_path)
     model.load_state_dict({n: full[names[n]] for n in model.state_dict()})
     both = _long_batch("both")  # the same per-token inputs as the reference's; rows 0-5 the history
     rows = slice(0, 6) if ps.get_data_parallel_rank() == 0 else slice(6, 7)
     batch = {k: v[rows] for k, v in both.items()}
-    result = _tree_step(model, batch, max_tokens_per_mb=64, block_size=16, dp_group=ps.get_data_parallel_group(),
-                        pad_to_max=dispatcher == "allgather")
+    result = _tree_step(
+        model,
+        batch,
+        max_tokens_per_mb=64,
+        block_size=16,
+        dp_group=ps.get_data_parallel_group(),
+        pad_to_max=dispatcher == "allgather",
+    )
     _finalize_grads(model)
     loss = result.loss.clone()
     dist.all_reduce(loss, group=ps.get_data_parallel_group())
-    return {"loss": float(loss), "grads": {names[n]: g for n, g in parameter_grads(model).items()},
-            "trunk_parts": sum(mb["rows"].records for mb in result.packed)}
+    return {
+        "loss": float(loss),
+        "grads": {names[n]: g for n, g in parameter_grads(model).items()},
+        "trunk_parts": sum(mb["rows"].records for mb in result.packed),
+    }
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
@@ -430,7 +537,9 @@ def test_trunk_reuse_under_expert_parallel_2_equals_whole_groups(world, tmp_path
     """Reference: EP=1, both tries of the two ranks in one process, each held whole in one tree
     (capacity 256), so each tree's router losses are its trie's as one unpacked batch."""
     config = small_moe_config(dispatcher=dispatcher, **ROUTER_LOSSES)
-    reference = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    reference = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     torch.save(reference.state_dict(), tmp_path / "state.pt")
     whole, want, _ = _trunk_moe_step(reference, _long_batch("both"), 256, share_trunks=False)
     assert len(whole.packed) == 2
@@ -440,7 +549,9 @@ def test_trunk_reuse_under_expert_parallel_2_equals_whole_groups(world, tmp_path
         assert r["loss"] == pytest.approx(float(whole.loss), rel=LOSS_RTOL)
     got = {n: g for r in ranks for n, g in r["grads"].items()}  # each rank holds its experts' grads
     errors = gradient_errors(got, want)
-    assert set(errors) == set(want) and max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+    assert set(errors) == set(want) and max(errors.values()) <= GRAD_RTOL, max(
+        errors.items(), key=lambda kv: kv[1]
+    )
 
 
 def test_an_all_padding_tree_adds_no_router_loss(world):
@@ -450,12 +561,21 @@ def test_an_all_padding_tree_adds_no_router_loss(world):
     from megatron_tree.core.packing import build_packed_tree_batch
     from megatron_tree.core.tree import PackedTree
 
-    model = build_gpt_model(small_moe_config(**ROUTER_LOSSES), tree=True, vocab_size=VOCAB, backend="block_sparse",
-                            block_size=16)
-    packed = build_packed_tree_batch(_batch(), max_tokens_per_mb=64, block_size=16, share_trunks=False)
+    model = build_gpt_model(
+        small_moe_config(**ROUTER_LOSSES),
+        tree=True,
+        vocab_size=VOCAB,
+        backend="block_sparse",
+        block_size=16,
+    )
+    packed = build_packed_tree_batch(
+        _batch(), max_tokens_per_mb=64, block_size=16, share_trunks=False
+    )
     filler = micro_batch(PackedTree.all_padding(64))
     filler.update({k: v[:0] for k, v in packed[0].items() if k not in filler})
-    padded = PackedTreeBatch(list(packed) + [filler], packed.batch_size, packed.num_real_tokens, packed.max_token_id)
+    padded = PackedTreeBatch(
+        list(packed) + [filler], packed.batch_size, packed.num_real_tokens, packed.max_token_id
+    )
     model.zero_grad(set_to_none=True)
     want, want_grads = _tree_step(model, packed), parameter_grads(model)
     model.zero_grad(set_to_none=True)

@@ -62,13 +62,20 @@ def _tree(model, micro_batch, weighted: bool = True):
 
     tree = micro_batch["tree"]
     kwargs = {"padding_mask": token_multiplicity(tree)} if weighted else {}
-    return model(micro_batch["input_ids"], micro_batch["position_ids"], attention_mask=tree_attention_mask(tree), **kwargs)
+    return model(
+        micro_batch["input_ids"],
+        micro_batch["position_ids"],
+        attention_mask=tree_attention_mask(tree),
+        **kwargs,
+    )
 
 
 def _models(**overrides):
     config = small_moe_config(**{**COEFFS, **overrides})
     reference = build_gpt_model(config, tree=False, vocab_size=VOCAB)
-    tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    tree = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     tree.load_state_dict(reference.state_dict())
     return reference, tree
 
@@ -85,18 +92,26 @@ def test_router_losses_equal_the_unpacked_batch(world):
     got_losses, got_grads = _router_losses(tree, lambda m: _tree(m, micro_batch))
     assert set(want_losses) == {"load_balancing_loss", "z_loss"}
     for name, want in want_losses.items():
-        assert torch.allclose(got_losses[name], want, rtol=LOSS_RTOL, atol=0), (name, got_losses[name], want)
+        assert torch.allclose(got_losses[name], want, rtol=LOSS_RTOL, atol=0), (
+            name,
+            got_losses[name],
+            want,
+        )
     assert want_grads.keys() == got_grads.keys()
     router_grads = [n for n in want_grads if "router" in n]
     assert router_grads and all(float(want_grads[n].norm()) > 0 for n in router_grads)
     for name, want in want_grads.items():
         err = float((got_grads[name] - want).norm()) / max(float(want.norm()), 1e-12)
-        assert err <= GRAD_RTOL or float(want.norm()) < 1e-12 and float(got_grads[name].norm()) < 1e-12, (name, err)
+        assert err <= GRAD_RTOL or (
+            float(want.norm()) < 1e-12 and float(got_grads[name].norm()) < 1e-12
+        ), (name, err)
 
     # The same tree without the weights counts each shared token once (and padding): not the same.
     plain_losses, _ = _router_losses(tree, lambda m: _tree(m, micro_batch, weighted=False))
-    rel = ((plain_losses["load_balancing_loss"] - want_losses["load_balancing_loss"]).abs()
-           / want_losses["load_balancing_loss"]).max()
+    rel = (
+        (plain_losses["load_balancing_loss"] - want_losses["load_balancing_loss"]).abs()
+        / want_losses["load_balancing_loss"]
+    ).max()
     assert rel > 1e-3
 
 
@@ -107,27 +122,46 @@ def test_expert_bias_counts_equal_the_unpacked_batch(world, recompute):
     recompute Megatron counts in the backward's recomputation: once, too)."""
     seqs = branching_sequences()
     micro_batch = pack(seqs, max_tokens=512)[0]
-    fields = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
-                  **recompute_fields(recompute))
+    fields = dict(
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+        **recompute_fields(recompute),
+    )
     counts = {}
-    def one_at_a_time(model):  # every sequence alone, no padding; the counts add up over calls
-        return torch.cat([model(s[None], torch.arange(len(s))[None], attention_mask=None).flatten() for s in seqs])
 
-    for name, forward in (("unpacked", one_at_a_time), ("tree", lambda m: _tree(m, micro_batch)),
-                          ("plain tree", lambda m: _tree(m, micro_batch, weighted=False))):
+    def one_at_a_time(model):  # every sequence alone, no padding; the counts add up over calls
+        return torch.cat(
+            [
+                model(s[None], torch.arange(len(s))[None], attention_mask=None).flatten()
+                for s in seqs
+            ]
+        )
+
+    for name, forward in (
+        ("unpacked", one_at_a_time),
+        ("tree", lambda m: _tree(m, micro_batch)),
+        ("plain tree", lambda m: _tree(m, micro_batch, weighted=False)),
+    ):
         reference, tree = _models(**fields)
         model = reference if name == "unpacked" else tree
         _router_losses(model, forward)
-        counts[name] = torch.stack([layer.mlp.router.local_tokens_per_expert for layer in model.decoder.layers])
-    assert float(counts["unpacked"].sum()) == sum(len(s) for s in seqs) * 2 * 2  # tokens x top-2 x layers
+        counts[name] = torch.stack(
+            [layer.mlp.router.local_tokens_per_expert for layer in model.decoder.layers]
+        )
+    assert (
+        float(counts["unpacked"].sum()) == sum(len(s) for s in seqs) * 2 * 2
+    )  # tokens x top-2 x layers
     assert torch.equal(counts["tree"], counts["unpacked"])
     assert not torch.equal(counts["plain tree"], counts["unpacked"])
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
-    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor drops tokens"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
+        (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor drops tokens"),
+    ],
+)
 def test_unsupported_router_settings_raise(world, overrides, match):
     _, tree = _models(**overrides)
     micro_batch = pack(branching_sequences(), max_tokens=512)[0]
@@ -142,14 +176,18 @@ def test_step_reports_expert_tokens(world):
     from megatron_tree.mcore.step import tree_forward_backward
 
     config = small_moe_config(num_layers=2, **recompute_fields("full"))
-    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16)
+    model = build_gpt_model(
+        config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
+    )
     batch = pad_sequences(branching_sequences())
     width = batch["input_ids"].shape[1]
     lengths = batch["attention_mask"].sum(1)
     batch["loss_mask"] = (torch.arange(width)[None] < (lengths - 1)[:, None]).float()
     batch["old_logprobs"] = torch.full((len(lengths), width), -4.0)
     batch["advantages"] = torch.ones(len(lengths), width)
-    result = tree_forward_backward(model, batch, ppo_clipped_loss, max_tokens_per_mb=64, block_size=16, moe_stats=True)
+    result = tree_forward_backward(
+        model, batch, ppo_clipped_loss, max_tokens_per_mb=64, block_size=16, moe_stats=True
+    )
     padded = result.packed.num_padded_tokens  # every micro-batch's rows, a trunk part's included
     assert result.expert_tokens.shape == (config.num_moe_experts,)
     assert int(result.expert_tokens.sum()) == padded * config.moe_router_topk * config.num_layers

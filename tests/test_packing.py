@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from megatron_tree.core.flops import GPTShape, attention_pairs, cost_weights, train_flops
 from megatron_tree.core.mask import build_attention_mask_from_trie
@@ -93,8 +94,12 @@ def test_random_tries_match_brute_force(sequences, block_size, pad_to_max):
     batch = make_batch(sequences)
     capacity = block_size * (-(-max(map(len, sequences)) // block_size) + 2)
     packed = build_packed_tree_batch(
-        batch, max_tokens_per_mb=capacity, block_size=block_size, pad_to_max=pad_to_max,
-        share_trunks=False,  # whole trees, cut at branch points (trunk parts: test_trunk_packing.py)
+        batch,
+        max_tokens_per_mb=capacity,
+        block_size=block_size,
+        pad_to_max=pad_to_max,
+        # whole trees, cut at branch points (trunk parts: test_trunk_packing.py)
+        share_trunks=False,
     )
     check_packed(batch, packed, capacity)
     for mb in packed:
@@ -110,7 +115,13 @@ EDGE_CASES = {
     "prefix of another": [[1, 2, 3, 4, 5], [1, 2], [1, 2, 3], [1]],
     "many branches at one node": [[9, 9, 9, b] for b in range(20)],
     "deep multi-turn chain": [list(range(k * 7)) for k in range(1, 9)],
-    "branches at several depths": [[0, 1, 2, 3, 4, 5], [0, 1, 9], [0, 1, 2, 3, 8, 8, 8], [0, 7], [4]],
+    "branches at several depths": [
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 9],
+        [0, 1, 2, 3, 8, 8, 8],
+        [0, 7],
+        [4],
+    ],
     "odd lengths": [[1] * 13, [1] * 7 + [2] * 5, [3] * 11],
     "disjoint roots": [[1, 2], [3, 4], [5, 6, 7]],
 }
@@ -126,8 +137,10 @@ def test_edge_cases(name):
 
 def test_input_order_does_not_change_sharing():
     seqs = EDGE_CASES["branches at several depths"]
-    unique = {build_packed_tree_batch(make_batch(s), max_tokens_per_mb=32, block_size=8).num_tree_tokens
-              for s in (seqs, seqs[::-1], seqs[2:] + seqs[:2])}
+    unique = {
+        build_packed_tree_batch(make_batch(s), max_tokens_per_mb=32, block_size=8).num_tree_tokens
+        for s in (seqs, seqs[::-1], seqs[2:] + seqs[:2])
+    }
     assert unique == {len({tuple(s[: d + 1]) for s in seqs for d in range(len(s))})}
 
 
@@ -150,21 +163,36 @@ def test_groups_fill_few_trees_and_large_groups_split():
 
 @pytest.mark.parametrize("make", [grpo_batch, multi_turn_batch])
 def test_realistic_batches_round_trip(make):
-    batch = make(vocab_size=50, seed=3, **({"prompt_len": 64, "response_len": (8, 16)} if make is grpo_batch else {"system_len": 16, "task_len": 8, "observation_len": (2, 6), "action_len": (2, 8)}))
+    batch = make(
+        vocab_size=50,
+        seed=3,
+        **(
+            {"prompt_len": 64, "response_len": (8, 16)}
+            if make is grpo_batch
+            else {"system_len": 16, "task_len": 8, "observation_len": (2, 6), "action_len": (2, 8)}
+        ),
+    )
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=512, block_size=16)
     # Round trip of every sequence and extra (cheap checks; full mask checks run on small tries).
     for mb in packed:
         tree = mb["tree"]
         for i, sid in enumerate(tree.sequence_ids.tolist()):
             n = int(batch["attention_mask"][sid].sum())
-            assert torch.equal(tree.input_ids[tree.sequence_token_index(i)], batch["input_ids"][sid, :n])
-            assert torch.equal(mb["loss_mask"][tree.cu_seqlens[i] : tree.cu_seqlens[i + 1]], batch["loss_mask"][sid, :n])
+            assert torch.equal(
+                tree.input_ids[tree.sequence_token_index(i)], batch["input_ids"][sid, :n]
+            )
+            assert torch.equal(
+                mb["loss_mask"][tree.cu_seqlens[i] : tree.cu_seqlens[i + 1]],
+                batch["loss_mask"][sid, :n],
+            )
     assert packed.tree_token_ratio < 0.6
 
 
 def test_alignment_with_parallel_size():
     batch = make_batch([[1, 2, 3], [1, 2, 4, 5, 6, 7]])
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=24, block_size=4, parallel_size=6, pad_to_max=False)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=24, block_size=4, parallel_size=6, pad_to_max=False
+    )
     assert packed[0]["tree"].padded_length == 12  # 7 unique tokens -> next multiple of lcm(4, 6)
 
 
@@ -188,25 +216,108 @@ def _ok():
     [
         (None, {}, "max_tokens_per_mb is required"),
         (None, {"max_tokens_per_mb": 0}, "max_tokens_per_mb=0 must be a positive multiple"),
-        (None, {"max_tokens_per_mb": 100, "block_size": 8}, r"max_tokens_per_mb=100 .* lcm\(block_size=8"),
-        (None, {"max_tokens_per_mb": 32, "block_size": 16, "parallel_size": 6}, r"lcm\(block_size=16, parallel_size=6\) = 48; e.g. 48"),
-        (None, {"max_tokens_per_mb": 8, "block_size": 0}, "block_size must be an integer >= 1, got 0"),
-        (None, {"max_tokens_per_mb": 128.0}, r"max_tokens_per_mb must be an integer, got 128.0 \(float\)"),
-        (None, {"max_tokens_per_mb": True}, "max_tokens_per_mb must be an integer, got the bool True"),
-        (None, {"max_tokens_per_mb": 128, "block_size": 16.0}, r"block_size must be an integer, got 16.0"),
-        (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": -1}, "pad_token_id must be an integer >= 0, got -1"),
-        (None, {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": 9, "vocab_size": 9}, "pad_token_id=9 must be < vocab_size=9"),
-        (None, {"max_tokens_per_mb": 16, "block_size": 8, "vocab_size": 3}, r"input_ids'\] holds token id \d+, outside the vocabulary \[0, 3\)"),
-        (lambda b: b.update(input_ids=torch.ones(2, 20, dtype=torch.int64), attention_mask=torch.ones(2, 20), advantages=torch.ones(2, 20), old_logprobs=torch.ones(2, 20)), {"max_tokens_per_mb": 16, "block_size": 8, "share_trunks": False}, "sequence 0 has 20 tokens, more than max_tokens_per_mb=16.*share_trunks=True"),
-        (lambda b: b["attention_mask"].__setitem__((0, 0), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"rows \[0\] are not right-padded"),
-        (lambda b: b["attention_mask"].__setitem__((1, slice(None)), 0), {"max_tokens_per_mb": 16, "block_size": 8}, r"sequences \[1\] are empty"),
-        (lambda b: b.update(attention_mask=torch.ones(2, 4)), {"max_tokens_per_mb": 16, "block_size": 8}, "data\\['attention_mask'\\] has shape \\(2, 4\\)"),
-        (lambda b: b.update(advantages=torch.ones(3, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, "data\\['advantages'\\] must be a tensor shaped \\[B, L, ...\\]"),
-        (lambda b: b.update(input_ids=torch.zeros(0, 3, dtype=torch.int64), attention_mask=torch.zeros(0, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, "the batch is empty"),
-        (lambda b: b.pop("attention_mask"), {"max_tokens_per_mb": 16, "block_size": 8}, "must be a dict holding 'input_ids'"),
-        (lambda b: b["input_ids"].__setitem__((0, 0), -5), {"max_tokens_per_mb": 16, "block_size": 8}, "negative token ids"),
-        (lambda b: b.update(input_ids=b["input_ids"].float()), {"max_tokens_per_mb": 16, "block_size": 8}, "must hold integer token ids"),
-        (lambda b: b.update(position_ids=torch.zeros(2, 3)), {"max_tokens_per_mb": 16, "block_size": 8}, r"data\['position_ids'\] is reserved"),
+        (
+            None,
+            {"max_tokens_per_mb": 100, "block_size": 8},
+            r"max_tokens_per_mb=100 .* lcm\(block_size=8",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 32, "block_size": 16, "parallel_size": 6},
+            r"lcm\(block_size=16, parallel_size=6\) = 48; e.g. 48",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 8, "block_size": 0},
+            "block_size must be an integer >= 1, got 0",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 128.0},
+            r"max_tokens_per_mb must be an integer, got 128.0 \(float\)",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": True},
+            "max_tokens_per_mb must be an integer, got the bool True",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 128, "block_size": 16.0},
+            r"block_size must be an integer, got 16.0",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": -1},
+            "pad_token_id must be an integer >= 0, got -1",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 16, "block_size": 8, "pad_token_id": 9, "vocab_size": 9},
+            "pad_token_id=9 must be < vocab_size=9",
+        ),
+        (
+            None,
+            {"max_tokens_per_mb": 16, "block_size": 8, "vocab_size": 3},
+            r"input_ids'\] holds token id \d+, outside the vocabulary \[0, 3\)",
+        ),
+        (
+            lambda b: b.update(
+                input_ids=torch.ones(2, 20, dtype=torch.int64),
+                attention_mask=torch.ones(2, 20),
+                advantages=torch.ones(2, 20),
+                old_logprobs=torch.ones(2, 20),
+            ),
+            {"max_tokens_per_mb": 16, "block_size": 8, "share_trunks": False},
+            "sequence 0 has 20 tokens, more than max_tokens_per_mb=16.*share_trunks=True",
+        ),
+        (
+            lambda b: b["attention_mask"].__setitem__((0, 0), 0),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            r"rows \[0\] are not right-padded",
+        ),
+        (
+            lambda b: b["attention_mask"].__setitem__((1, slice(None)), 0),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            r"sequences \[1\] are empty",
+        ),
+        (
+            lambda b: b.update(attention_mask=torch.ones(2, 4)),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "data\\['attention_mask'\\] has shape \\(2, 4\\)",
+        ),
+        (
+            lambda b: b.update(advantages=torch.ones(3, 3)),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "data\\['advantages'\\] must be a tensor shaped \\[B, L, ...\\]",
+        ),
+        (
+            lambda b: b.update(
+                input_ids=torch.zeros(0, 3, dtype=torch.int64), attention_mask=torch.zeros(0, 3)
+            ),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "the batch is empty",
+        ),
+        (
+            lambda b: b.pop("attention_mask"),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "must be a dict holding 'input_ids'",
+        ),
+        (
+            lambda b: b["input_ids"].__setitem__((0, 0), -5),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "negative token ids",
+        ),
+        (
+            lambda b: b.update(input_ids=b["input_ids"].float()),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            "must hold integer token ids",
+        ),
+        (
+            lambda b: b.update(position_ids=torch.zeros(2, 3)),
+            {"max_tokens_per_mb": 16, "block_size": 8},
+            r"data\['position_ids'\] is reserved",
+        ),
     ],
 )
 def test_errors(mutate, kwargs, match):
@@ -227,12 +338,16 @@ def _dp_worker(rank: int) -> dict:
     seqs = [[g] * 40 for g in range(3)] if rank == 0 else [[5, 6, 7], [5, 6, 8]]
     batch = make_batch(seqs)
     batch["advantages"] = torch.ones(batch["input_ids"].shape)
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD
+    )
     return {
         "num": len(packed),
         "dummies": packed.num_dummy_trees,
         "shapes": [tuple(mb["input_ids"].shape) for mb in packed],
-        "dummy_masks": [build_attention_mask_from_trie(mb["tree"]) for mb in packed if mb["tree"].is_dummy],
+        "dummy_masks": [
+            build_attention_mask_from_trie(mb["tree"]) for mb in packed if mb["tree"].is_dummy
+        ],
         "dummy_extras": [mb["advantages"].shape for mb in packed if mb["tree"].is_dummy],
     }
 
@@ -253,7 +368,9 @@ def test_data_parallel_ranks_get_the_same_number_of_trees():
 @given(random_tries())
 def test_unshared_layout_is_one_causal_chain_per_sequence(sequences):
     batch = make_batch(sequences)
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=8, share_prefixes=False)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=64, block_size=8, share_prefixes=False
+    )
     assert packed.num_tree_tokens == packed.num_real_tokens == sum(map(len, sequences))
     for mb in packed:
         tree = mb["tree"]
@@ -275,7 +392,9 @@ def test_layout_tree_rejects_a_short_padded_length():
     from megatron_tree.core.packing import layout_tree
 
     rows = torch.tensor([[1, 2, 3]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"):
+    with pytest.raises(
+        ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"
+    ):
         layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=2)
     assert layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=4)[5] == 3
 
@@ -285,7 +404,9 @@ def test_attach_and_move_once():
     batch moves every tensor once (input_ids / position_ids stay views of the moved tree's)."""
     sequences = [[1, 2, 3, 4], [1, 2, 5], [7, 8], [1, 2, 3, 9, 9]]
     batch = make_batch(sequences)
-    values = torch.arange(batch["input_ids"].numel(), dtype=torch.float32).view(batch["input_ids"].shape)
+    values = torch.arange(batch["input_ids"].numel(), dtype=torch.float32).view(
+        batch["input_ids"].shape
+    )
     packed = build_packed_tree_batch({**batch, "v": values}, max_tokens_per_mb=8, block_size=8)
     assert len(packed) > 1
     attached = build_packed_tree_batch(batch, max_tokens_per_mb=8, block_size=8).attach("v", values)
@@ -298,7 +419,9 @@ def test_attach_and_move_once():
         assert torch.equal(mb["v"], want["v"]) and torch.equal(mb["w"], 2 * want["v"])
     with pytest.raises(ValueError, match=r"name='tree' is reserved"):
         attached.attach("tree", values)
-    with pytest.raises(ValueError, match=r"v2: a padded-layout tensor must be \[B, L, ...\] with B = 4"):
+    with pytest.raises(
+        ValueError, match=r"v2: a padded-layout tensor must be \[B, L, ...\] with B = 4"
+    ):
         attached.attach("v2", values[:3])
     with pytest.raises(ValueError, match=r"v3: micro-batch 0 needs a tensor \[T=\d+, ...\]"):
         attached.attach("v3", [mb["v"][:-1] for mb in attached])
@@ -307,13 +430,20 @@ def test_attach_and_move_once():
 
     moved = attached.to("meta")
     for mb in moved:
-        assert all(t.is_meta for t in (mb["v"], mb["w"], mb["tree"].subtree_end, mb["tree"].token_index))
+        assert all(
+            t.is_meta for t in (mb["v"], mb["w"], mb["tree"].subtree_end, mb["tree"].token_index)
+        )
         assert mb["input_ids"]._base is mb["tree"].input_ids
         assert mb["position_ids"]._base is mb["tree"].position_ids
-    assert (moved.batch_size, moved.num_tree_tokens, moved.max_token_id) == (4, attached.num_tree_tokens, 9)
+    assert (moved.batch_size, moved.num_tree_tokens, moved.max_token_id) == (
+        4,
+        attached.num_tree_tokens,
+        9,
+    )
 
 
-# ----------------------------------------------------------------------------- cuts at branch points
+# ----------------------------------------------------------------------------- cuts at branch
+# points
 
 
 def trie_size(sequences) -> int:
@@ -350,25 +480,70 @@ def plans(sequences, capacity, **kwargs):
     """Both plans, with trees cut at branch points (no trunk reuse unless asked for)."""
     batch = make_batch(sequences)
     kwargs = {"share_trunks": False, **kwargs}
-    return {m: build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=1, packing=m, **kwargs)
-            for m in ("runs", "trie")}
+    return {
+        m: build_packed_tree_batch(
+            batch, max_tokens_per_mb=capacity, block_size=1, packing=m, **kwargs
+        )
+        for m in ("runs", "trie")
+    }
 
 
-# Found by a random search: the cut plan alone needs one more tree (5, 84 vs 4, 91) or one more token
+# Found by a random search: the cut plan alone needs one more tree (5, 84 vs 4, 91) or one more
+# token
 # (3, 60 vs 3, 59) than the previous plan here; the packer must then keep the previous plan.
 WORSE_ALONE = [
-    ([[0, 0, 2, 1, 2, 2, 2, 0, 2], [0, 1, 0, 0, 2, 0, 0], [0, 1, 0, 0, 2, 0, 1, 0, 0, 0, 0, 2, 2, 1],
-      [0, 1, 0, 0, 2, 1], [0, 1, 0, 0, 2, 1, 1, 0, 0, 1, 1, 2, 2], [0, 1, 0, 0, 2, 1, 1, 0, 0, 1, 2, 1, 0, 1],
-      [0, 1, 2], [0, 1, 2, 0, 1, 2], [0, 1, 2, 1, 1, 1, 1], [0, 1, 2, 1, 1, 1, 2, 2, 0, 2, 1],
-      [2, 1, 2, 0, 2, 2, 2, 1, 1], [2, 1, 2, 2, 1, 2, 0, 0, 2], [2, 2, 0, 1, 0, 2, 0, 2, 1], [2, 2, 0, 2, 0, 0, 2, 0]], 11),
-    ([[0, 0, 0, 0, 1, 0, 1, 1], [0, 1, 0, 1], [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0],
-      [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1, 0, 0, 1, 1, 0],
-      [1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1], [1, 0, 0, 1, 1, 1, 1], [1, 1, 1], [1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 1, 1, 1]], 12),
+    (
+        [
+            [0, 0, 2, 1, 2, 2, 2, 0, 2],
+            [0, 1, 0, 0, 2, 0, 0],
+            [0, 1, 0, 0, 2, 0, 1, 0, 0, 0, 0, 2, 2, 1],
+            [0, 1, 0, 0, 2, 1],
+            [0, 1, 0, 0, 2, 1, 1, 0, 0, 1, 1, 2, 2],
+            [0, 1, 0, 0, 2, 1, 1, 0, 0, 1, 2, 1, 0, 1],
+            [0, 1, 2],
+            [0, 1, 2, 0, 1, 2],
+            [0, 1, 2, 1, 1, 1, 1],
+            [0, 1, 2, 1, 1, 1, 2, 2, 0, 2, 1],
+            [2, 1, 2, 0, 2, 2, 2, 1, 1],
+            [2, 1, 2, 2, 1, 2, 0, 0, 2],
+            [2, 2, 0, 1, 0, 2, 0, 2, 1],
+            [2, 2, 0, 2, 0, 0, 2, 0],
+        ],
+        11,
+    ),
+    (
+        [
+            [0, 0, 0, 0, 1, 0, 1, 1],
+            [0, 1, 0, 1],
+            [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0],
+            [1, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 0, 1, 0, 0, 0, 1, 1],
+            [1, 0, 0, 1, 0, 0, 1, 1, 0],
+            [1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1],
+            [1, 0, 0, 1, 1, 1, 1],
+            [1, 1, 1],
+            [1, 1, 1, 0, 1],
+            [1, 1, 1, 1, 1, 0, 1, 1, 1],
+        ],
+        12,
+    ),
 ]
 # The previous plan's runs [0,2,0,0,0,0,0] and [0,2,1,0,1] share a tree and [0, 2]: it holds
 # (3, 32), not the (3, 34) its runs add up to; the cut plan alone packs (3, 33) (capacity 13).
-RUNS_SHARE = ([[0, 2, 1, 0, 0, 0, 0, 0, 0], [0, 2, 1, 0, 1], [0, 0, 0, 0, 0, 0],
-               [0, 2, 1, 0, 0, 1, 0, 0, 0], [0], [0, 2, 0, 0, 0, 0, 0], [0], [0, 1, 0, 0], [0]], 4)
+RUNS_SHARE = (
+    [
+        [0, 2, 1, 0, 0, 0, 0, 0, 0],
+        [0, 2, 1, 0, 1],
+        [0, 0, 0, 0, 0, 0],
+        [0, 2, 1, 0, 0, 1, 0, 0, 0],
+        [0],
+        [0, 2, 0, 0, 0, 0, 0],
+        [0],
+        [0, 1, 0, 0],
+        [0],
+    ],
+    4,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -377,7 +552,8 @@ RUNS_SHARE = ([[0, 2, 1, 0, 0, 0, 0, 0, 0], [0, 2, 1, 0, 1], [0, 0, 0, 0, 0, 0],
 @example(*WORSE_ALONE[1])
 @example(*RUNS_SHARE)
 def test_cuts_at_branch_points_never_pack_worse_than_runs(sequences, slack):
-    """Valid tries, and never more trees, nor more tokens in as many trees, than the previous plan."""
+    """Valid tries, and never more trees, nor more tokens in as many trees, than the previous
+    plan."""
     capacity = max(map(len, sequences)) + slack
     packed = plans(sequences, capacity)
     check_packed(make_batch(sequences), packed["trie"], capacity)
@@ -408,7 +584,9 @@ def test_cuts_at_branch_points_near_the_brute_force_optimum():
             if sequences and rng.random() < 0.7:
                 parent = rng.choice(sequences)
                 base = parent[: rng.randint(0, len(parent))]
-            sequences.append(base + [rng.randrange(3) for _ in range(rng.randint(0 if base else 1, 8))])
+            sequences.append(
+                base + [rng.randrange(3) for _ in range(rng.randint(0 if base else 1, 8))]
+            )
         capacity = max(map(len, sequences)) + rng.randint(0, 6)
         best = optimum(sequences, capacity)
         for mode, packed in plans(sequences, capacity).items():
@@ -439,7 +617,10 @@ def test_agent_batch_packs_within_3_percent_of_one_trie(seed):
 
     batch = agent_batch(seed=seed)
     one = build_packed_tree_batch(batch, max_tokens_per_mb=128 * 1024).num_tree_tokens
-    packed = {m: build_packed_tree_batch(batch, max_tokens_per_mb=8192, packing=m) for m in ("runs", "trie")}
+    packed = {
+        m: build_packed_tree_batch(batch, max_tokens_per_mb=8192, packing=m)
+        for m in ("runs", "trie")
+    }
     assert len(packed["trie"]) == len(packed["runs"]) == 2
     assert packed["trie"].num_tree_tokens <= 1.03 * one < packed["runs"].num_tree_tokens
 
@@ -449,13 +630,21 @@ def test_agent_batch_packs_within_3_percent_of_one_trie(seed):
 def test_piece_bins_count_their_union_trie(sequences, slack):
     """The planner's token and pair counts per bin equal a brute-force trie of the bin's sequences,
     after packing, longest-cost-first assignment, and moves and swaps (pieces removed again)."""
-    from megatron_tree.core.partition import TrieCounts, balance_pieces, cut_tries, pack_pieces, refine
+    from megatron_tree.core.partition import (
+        TrieCounts,
+        balance_pieces,
+        cut_tries,
+        pack_pieces,
+        refine,
+    )
 
     capacity = max(map(len, sequences)) + slack
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
     ordered = [sequences[i] for i in order]
-    lcp = [0] + [next((d for d, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
-                 for p, q in zip(ordered, ordered[1:])]
+    lcp = [0] + [
+        next((d for d, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+        for p, q in zip(ordered, ordered[1:])
+    ]
     counts = TrieCounts(lcp, [len(s) for s in ordered])
     pieces = cut_tries(counts, max_tokens=capacity)
     assert sorted(i for p in pieces for i in range(p.first, p.end)) == list(range(len(sequences)))
@@ -465,14 +654,19 @@ def test_piece_bins_count_their_union_trie(sequences, slack):
         assert piece.base == (0 if not piece.ancestors else piece.ancestors[-1][1])
     weights = (1.0, 0.25)
     packed = pack_pieces(pieces, capacity)
-    for bins in (packed, balance_pieces(pieces, 2, weights, capacity),
-                 refine(pack_pieces(pieces, capacity), weights, rounds=20, capacity=capacity)):
+    for bins in (
+        packed,
+        balance_pieces(pieces, 2, weights, capacity),
+        refine(pack_pieces(pieces, capacity), weights, rounds=20, capacity=capacity),
+    ):
         assert sorted(p for b in bins for p in b.pieces) == sorted(pieces)
         for b in bins:
             members = [ordered[i] for first, end in b.runs() for i in range(first, end)]
             brute = (trie_size(members), trie_pairs(members))
             assert (b.tokens, b.pairs) == counts.union(b.runs()) == brute
-            assert b.tokens <= capacity and (b.tokens > 0) == bool(b.pieces)  # empty: fewer pieces than bins
+            assert b.tokens <= capacity and (b.tokens > 0) == bool(
+                b.pieces
+            )  # empty: fewer pieces than bins
 
 
 # ----------------------------------------------------------------------------- cost
@@ -507,19 +701,38 @@ def test_balance_cost_evens_out_trees():
     """Full trees of a multi-turn batch: moving and swapping pieces lowers the costliest tree."""
     from megatron_tree.testing.synthetic import multi_turn_batch
 
-    batch = multi_turn_batch(num_tasks=4, rollouts_per_task=4, turns=4, system_len=32, task_len=16,
-                             observation_len=(4, 12), action_len=(4, 16), vocab_size=50, seed=3)
-    plain, balanced = (build_packed_tree_batch(batch, max_tokens_per_mb=256, block_size=8, cost_model=SHAPE,
-                                               balance_cost=b) for b in (False, True))
+    batch = multi_turn_batch(
+        num_tasks=4,
+        rollouts_per_task=4,
+        turns=4,
+        system_len=32,
+        task_len=16,
+        observation_len=(4, 12),
+        action_len=(4, 16),
+        vocab_size=50,
+        seed=3,
+    )
+    plain, balanced = (
+        build_packed_tree_batch(
+            batch, max_tokens_per_mb=256, block_size=8, cost_model=SHAPE, balance_cost=b
+        )
+        for b in (False, True)
+    )
     assert len(balanced) == len(plain) == 6
     assert balanced.max_tree_cost < plain.max_tree_cost
-    assert balanced.max_tree_cost / balanced.min_tree_cost < 1.25 < plain.max_tree_cost / plain.min_tree_cost
+    assert (
+        balanced.max_tree_cost / balanced.min_tree_cost
+        < 1.25
+        < plain.max_tree_cost / plain.min_tree_cost
+    )
     seen = []
     for mb in balanced:  # a cheap round trip (the property test below checks small tries fully)
         tree = mb["tree"]
         for i, sid in enumerate(tree.sequence_ids.tolist()):
             n = int(batch["attention_mask"][sid].sum())
-            assert torch.equal(tree.input_ids[tree.sequence_token_index(i)], batch["input_ids"][sid, :n])
+            assert torch.equal(
+                tree.input_ids[tree.sequence_token_index(i)], batch["input_ids"][sid, :n]
+            )
         seen += tree.sequence_ids.tolist()
     assert sorted(seen) == list(range(batch["input_ids"].shape[0]))
 
@@ -563,9 +776,10 @@ def test_property_tests_draw_the_same_examples_on_every_run():
         pytest.skip("the opt-in 'wide' profile draws new random examples on every run")
     runs = [[], []]
     for drawn in runs:
+
         @settings(max_examples=20)
         @given(st.lists(st.integers(0, 10**9), min_size=3, max_size=3))
-        def prop(values):
+        def prop(values, drawn=drawn):
             drawn.append(values)
 
         prop()

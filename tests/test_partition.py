@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_tree import partition_for_data_parallel
 from megatron_tree.core.flops import GPTShape, cost_weights, train_flops
@@ -15,17 +16,24 @@ from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.testing.strategies import random_tries
 from megatron_tree.testing.synthetic import agent_batch, grpo_batch, pad_sequences
 
-SHAPE = GPTShape(hidden=4096, layers=36, heads=32, query_groups=8, ffn_hidden=12288, vocab=151936, head_dim=128)
+SHAPE = GPTShape(
+    hidden=4096, layers=36, heads=32, query_groups=8, ffn_hidden=12288, vocab=151936, head_dim=128
+)
 
 
 def rank_packs(batch: dict, ranks: list[torch.Tensor], capacity: int):
-    return [build_packed_tree_batch({k: v[r] for k, v in batch.items()}, max_tokens_per_mb=capacity) for r in ranks]
+    return [
+        build_packed_tree_batch({k: v[r] for k, v in batch.items()}, max_tokens_per_mb=capacity)
+        for r in ranks
+    ]
 
 
 def test_grpo_groups_stay_whole_and_ranks_balance():
     """GRPO 64 prompts x 8 samples over 8 ranks: each prompt on one rank, max/min cost <= 1.1, and
     far fewer tree tokens than the split by sample index."""
-    batch = grpo_batch(num_prompts=64, samples_per_prompt=8, prompt_len=128, response_len=(16, 48), vocab_size=1000)
+    batch = grpo_batch(
+        num_prompts=64, samples_per_prompt=8, prompt_len=128, response_len=(16, 48), vocab_size=1000
+    )
     ranks = partition_for_data_parallel(batch, 8, cost_model=SHAPE)
     assert len(ranks) == 8
     assert torch.equal(torch.cat(ranks).sort().values, torch.arange(512))
@@ -33,7 +41,9 @@ def test_grpo_groups_stay_whole_and_ranks_balance():
     for r, indices in enumerate(ranks):
         assert indices.dtype == torch.int64 and torch.equal(indices, indices.sort().values)
         for other in ranks[r + 1 :]:
-            assert not {prompt_of[i] for i in indices.tolist()} & {prompt_of[i] for i in other.tolist()}
+            assert not {prompt_of[i] for i in indices.tolist()} & {
+                prompt_of[i] for i in other.tolist()
+            }
     costs = [train_flops(p.trees, SHAPE) for p in rank_packs(batch, ranks, 1024)]
     assert max(costs) / min(costs) <= 1.1
     by_index = rank_packs(batch, list(torch.arange(512).chunk(8)), 1024)
@@ -78,8 +88,12 @@ def few_groups_batch(seed: int, num_groups: int, bos: bool) -> list[list[list[in
     groups = []
     for g in range(num_groups):
         prompt = [7] * bos + [100 + g] + [rng.randrange(50) for _ in range(rng.randint(8, 120))]
-        groups.append([prompt + [rng.randrange(50) for _ in range(rng.randint(4, 80))]
-                       for _ in range(rng.randint(2, 6))])
+        groups.append(
+            [
+                prompt + [rng.randrange(50) for _ in range(rng.randint(4, 80))]
+                for _ in range(rng.randint(2, 6))
+            ]
+        )
     return groups
 
 
@@ -88,8 +102,10 @@ def whole_groups_busiest(groups, dp_size: int, weights) -> float:
     (ties: the cheaper rank, then the first); the busiest rank's cost."""
     ranks = [[] for _ in range(dp_size)]
     for group in sorted(groups, key=lambda g: -trie_cost(g, weights)):
-        r = min(range(dp_size), key=lambda r: (trie_cost(ranks[r] + group, weights),
-                                               trie_cost(ranks[r], weights), r))
+        r = min(
+            range(dp_size),
+            key=lambda r: (trie_cost(ranks[r] + group, weights), trie_cost(ranks[r], weights), r),
+        )
         ranks[r] += group
     return max(trie_cost(rank, weights) for rank in ranks)
 
@@ -128,15 +144,23 @@ def test_every_sample_on_exactly_one_nonempty_rank(case, with_model):
     assert torch.equal(torch.cat(ranks).sort().values, torch.arange(len(sequences)))
     # Same answer from ids and lengths, and twice.
     lengths = batch["attention_mask"].sum(1)
-    again = partition_for_data_parallel(batch["input_ids"], dp_size, lengths=lengths, cost_model=SHAPE if with_model else None)
+    again = partition_for_data_parallel(
+        batch["input_ids"], dp_size, lengths=lengths, cost_model=SHAPE if with_model else None
+    )
     assert all(torch.equal(a, b) for a, b in zip(ranks, again))
     # Unless there are fewer leaves (sequences no other extends) than ranks, copies of a sequence
     # share a rank, and a sequence that others extend shares one with at least one of them.
-    leaves = {tuple(s) for s in sequences if not any(len(o) > len(s) and o[: len(s)] == s for o in sequences)}
+    leaves = {
+        tuple(s)
+        for s in sequences
+        if not any(len(o) > len(s) and o[: len(s)] == s for o in sequences)
+    }
     if len(leaves) >= dp_size:
         rank_of = {i: r for r, idx in enumerate(ranks) for i in idx.tolist()}
         for i, a in enumerate(sequences):
-            longer = {rank_of[j] for j, b in enumerate(sequences) if len(b) > len(a) and b[: len(a)] == a}
+            longer = {
+                rank_of[j] for j, b in enumerate(sequences) if len(b) > len(a) and b[: len(a)] == a
+            }
             copies = {rank_of[j] for j, b in enumerate(sequences) if b == a}
             assert copies == {rank_of[i]} and (not longer or rank_of[i] in longer), a
 

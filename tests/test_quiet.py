@@ -1,4 +1,6 @@
-"""megatron_tree.quiet hides known upstream warnings (counted, one summary line) and never unknown ones."""
+"""megatron_tree.quiet hides known upstream warnings (counted, one summary line) and never unknown
+ones."""
+
 import io
 import logging
 import sys
@@ -23,7 +25,9 @@ def _run(monkeypatch, verbose):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with known_upstream_warnings(prefix="[t]", stream=summary, filter_stdout=False) as noise:
+            with known_upstream_warnings(
+                prefix="[t]", stream=summary, filter_stdout=False
+            ) as noise:
                 warnings.warn(KNOWN_MSG, UserWarning)
                 warnings.warn("full scope is deprecated. Use empty cuda_graph_scope", UserWarning)
                 warnings.warn(UNKNOWN_MSG, UserWarning)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.core.recurrent import (
@@ -28,13 +29,14 @@ from megatron_tree.testing.tolerances import FP64_TOL
 
 
 def _tree(seqs, capacity=1024, block=16):
-    return build_packed_tree_batch(pad_sequences(seqs), max_tokens_per_mb=capacity, block_size=block,
-                                   share_trunks=False)[0]["tree"]
+    return build_packed_tree_batch(
+        pad_sequences(seqs), max_tokens_per_mb=capacity, block_size=block, share_trunks=False
+    )[0]["tree"]
 
 
 def _inputs(n, heads=3, dk=8, dv=5, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(n, heads, dk, generator=g, dtype=torch.float64)) * dk ** -0.5
+    q = l2norm(torch.randn(n, heads, dk, generator=g, dtype=torch.float64)) * dk**-0.5
     k = l2norm(torch.randn(n, heads, dk, generator=g, dtype=torch.float64))
     v = torch.randn(n, heads, dv, generator=g, dtype=torch.float64)
     gate = -torch.rand(n, heads, generator=g, dtype=torch.float64) * 2
@@ -55,7 +57,9 @@ def _check_tree(tree, chunk):
         want, _ = gated_delta_rule_reference(*(t[idx] for t in inputs))
         assert (out[idx] - want).abs().max() <= FP64_TOL
         seq = x[idx].permute(1, 2, 0)  # [b, D, L]
-        want_conv = torch.nn.functional.conv1d(seq, weight[:, None, :], bias, padding=3, groups=6)[..., : len(idx)]
+        want_conv = torch.nn.functional.conv1d(seq, weight[:, None, :], bias, padding=3, groups=6)[
+            ..., : len(idx)
+        ]
         assert (conv[idx] - want_conv.permute(2, 0, 1)).abs().max() <= FP64_TOL
     return plan
 
@@ -76,15 +80,20 @@ def test_chunked_rule_carries_initial_state():
     state = torch.randn(3, 8, 5, dtype=torch.float64)
     want, want_state = gated_delta_rule_reference(q, k, v, g, beta, state)
     for chunk in (1, 5, 16, 64):
-        got, got_state = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], state[None], chunk)
-        zero, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], None, chunk, final_state=False)
+        got, got_state = chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], state[None], chunk
+        )
+        zero, _ = chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], None, chunk, final_state=False
+        )
         assert (zero[0] - gated_delta_rule_reference(q, k, v, g, beta)[0]).abs().max() <= FP64_TOL
         assert (got[0] - want).abs().max() <= FP64_TOL
         assert (got_state[0] - want_state).abs().max() <= FP64_TOL
 
 
 def test_backward_matches_finite_differences():
-    """A prompt, two branches (one of them a one-token segment with a child) and a padding position."""
+    """A prompt, two branches (one of them a one-token segment with a child) and a padding
+    position."""
     seqs = [torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5]), torch.tensor([1, 2, 5, 6, 7])]
     tree = _tree(seqs, block=8)
     plan = RecurrentPlan(tree.subtree_end)
@@ -95,8 +104,15 @@ def test_backward_matches_finite_differences():
 def test_passes_per_layer_follow_levels_not_segments():
     """A GRPO trie (one prompt, 8 responses): two levels, O(1) passes however many responses; a
     multi-turn chain of t turns, each turn's sequence ending one token after it: t levels."""
-    grpo = build_packed_tree_batch(grpo_batch(num_prompts=1, samples_per_prompt=8, prompt_len=64, response_len=(16, 40), seed=3), max_tokens_per_mb=4096,
-                                   block_size=1, pad_to_max=False, share_trunks=False)[0]["tree"]
+    grpo = build_packed_tree_batch(
+        grpo_batch(
+            num_prompts=1, samples_per_prompt=8, prompt_len=64, response_len=(16, 40), seed=3
+        ),
+        max_tokens_per_mb=4096,
+        block_size=1,
+        pad_to_max=False,
+        share_trunks=False,
+    )[0]["tree"]
     plan = RecurrentPlan(grpo.subtree_end)
     assert plan.num_levels == 2 and plan.num_segments >= 9
     assert plan.num_passes <= 2 + 2 * 2  # each level: its length buckets (+ one for the padding)
@@ -107,7 +123,12 @@ def test_passes_per_layer_follow_levels_not_segments():
     turns = [torch.arange(1, 11)]
     for t in range(5):
         turns.append(torch.cat([turns[-1], torch.full((7,), 20 + t)]))
-    chain = build_packed_tree_batch(pad_sequences([torch.cat([t, torch.tensor([90 + i])]) for i, t in enumerate(turns)]),
-                                    max_tokens_per_mb=1024, block_size=1, pad_to_max=False, share_trunks=False)[0]["tree"]
+    chain = build_packed_tree_batch(
+        pad_sequences([torch.cat([t, torch.tensor([90 + i])]) for i, t in enumerate(turns)]),
+        max_tokens_per_mb=1024,
+        block_size=1,
+        pad_to_max=False,
+        share_trunks=False,
+    )[0]["tree"]
     plan = RecurrentPlan(chain.subtree_end)
     assert plan.num_levels == len(turns) and plan.num_segments == 2 * len(turns) - 1

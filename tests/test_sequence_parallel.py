@@ -15,7 +15,6 @@ backward for sequence parallelism, with Megatron's own function: the gradients o
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -50,8 +49,12 @@ CASES = ((False, "RMSNorm", "selective"), (True, "LayerNorm", "full"))
 
 def _config(*, sequence_parallel: bool, normalization: str, recompute: str = "none"):
     return small_gpt_config(
-        gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15, normalization=normalization,
-        tensor_model_parallel_size=TP, sequence_parallel=sequence_parallel,
+        gated_linear_unit=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
+        normalization=normalization,
+        tensor_model_parallel_size=TP,
+        sequence_parallel=sequence_parallel,
         **recompute_fields(recompute),
     )
 
@@ -76,37 +79,56 @@ def _sp_worker(rank: int) -> dict:
     for critic, normalization, recompute in CASES:
         batch = _batch()
         reference = build_gpt_model(
-            _config(sequence_parallel=False, normalization=normalization), tree=False, vocab_size=VOCAB,
+            _config(sequence_parallel=False, normalization=normalization),
+            tree=False,
+            vocab_size=VOCAB,
             critic=critic,
         )
         want_loss = unpacked_reference_step(reference, batch, _loss_fn(critic), critic=critic)
         tree = build_gpt_model(
-            _config(sequence_parallel=True, normalization=normalization, recompute=recompute), tree=True,
-            vocab_size=VOCAB, critic=critic, backend="sdpa",
+            _config(sequence_parallel=True, normalization=normalization, recompute=recompute),
+            tree=True,
+            vocab_size=VOCAB,
+            critic=critic,
+            backend="sdpa",
         )
         tree.load_state_dict(reference.state_dict())
         head = tree.output_layer
-        step = dict(gather=Values() if critic else LogProbs(), tp_group=ps.get_tensor_model_parallel_group())
+        step = dict(
+            gather=Values() if critic else LogProbs(), tp_group=ps.get_tensor_model_parallel_group()
+        )
         result = tree_forward_backward(
-            tree, batch, _loss_fn(critic), collect_outputs=True, **step,
+            tree,
+            batch,
+            _loss_fn(critic),
+            collect_outputs=True,
+            **step,
             # block_size=1 (the sdpa backend needs no tiles): only parallel_size=2 makes the packed
             # lengths even; several trees exercise the micro-batch normalization.
-            max_tokens_per_mb=64, block_size=1, parallel_size=TP,
+            max_tokens_per_mb=64,
+            block_size=1,
+            parallel_size=TP,
         )
         finalize_sequence_parallel_grads(tree)
         grads = parameter_grads(tree)
         # A batch packed without parallel_size has odd lengths, which the sequence split refuses
         # (before the forward) with a fix to apply.
-        unaligned = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=1, pad_to_max=False)
+        unaligned = build_packed_tree_batch(
+            batch, max_tokens_per_mb=64, block_size=1, pad_to_max=False
+        )
         refusal = None
         try:
             tree_forward_backward(tree, unaligned, _loss_fn(critic), **step)
         except ValueError as error:
             refusal = str(error)
         out[critic] = {
-            "loss": float(result.loss), "want_loss": float(want_loss),
-            "grads": grads, "want_grads": parameter_grads(reference),
-            "marked": sorted(n for n, p in tree.named_parameters() if getattr(p, "sequence_parallel", False)),
+            "loss": float(result.loss),
+            "want_loss": float(want_loss),
+            "grads": grads,
+            "want_grads": parameter_grads(reference),
+            "marked": sorted(
+                n for n, p in tree.named_parameters() if getattr(p, "sequence_parallel", False)
+            ),
             "head_sequence_parallel": isinstance(head, ValueHead) and head.sequence_parallel,
             "trees": [(t.num_tree_tokens, t.padded_length) for t in result.packed.trees],
             "outputs": result.tree_outputs,
@@ -129,7 +151,9 @@ def test_sequence_parallel_tp2_equals_unpacked():
             # whole gathered sequence on every rank) is not, or its gradient would count twice.
             norms = sorted(n for n in r["grads"] if "layernorm" in n)
             assert norms and r["marked"] == norms, r["marked"]
-            assert len(norms) == (2 if normalization == "LayerNorm" else 1) * 5  # 2 layers x 2 + final
+            assert (
+                len(norms) == (2 if normalization == "LayerNorm" else 1) * 5
+            )  # 2 layers x 2 + final
             assert r["head_sequence_parallel"] == critic
             # The sequence split needs even lengths: some tree has an odd number of tokens and was
             # padded by parallel_size, not by the block size (1).

@@ -14,10 +14,13 @@ from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.mcore.step import tree_forward_backward
-from megatron_tree.testing.models import long_context_sequences
+from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import (
     RECOMPUTE_MODES,
+    VOCAB,
+    branching_sequences,
     build_gpt_model,
+    long_context_sequences,
     recompute_fields,
     small_gpt_config,
 )
@@ -29,9 +32,6 @@ from megatron_tree.testing.reference import (
 )
 from megatron_tree.testing.synthetic import rl_batch
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOSS_RTOL
-
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import VOCAB, branching_sequences
 
 NUM_LAYERS = 4
 
@@ -55,8 +55,12 @@ def _config(recompute: str = "none", **overrides):
 def _build(kind: str, critic: bool, recompute: str = "none", state: dict | None = None):
     """kind: "tree" (tree attention + depth RoPE) or "reference" (stock GPTModel)."""
     model = build_gpt_model(
-        _config(recompute), tree=kind == "tree", vocab_size=VOCAB, critic=critic,
-        backend="block_sparse", block_size=16,
+        _config(recompute),
+        tree=kind == "tree",
+        vocab_size=VOCAB,
+        critic=critic,
+        backend="block_sparse",
+        block_size=16,
     )
     if state is not None:
         model.load_state_dict(state)
@@ -155,7 +159,9 @@ def _dropout_output(rank: int) -> torch.Tensor:
     q = torch.randn(tree.padded_length, 1, 2, 16, generator=g)
     kv = torch.randn(tree.padded_length, 1, 1, 16, generator=g)
     config = small_gpt_config(tensor_model_parallel_size=2, attention_dropout=0.5)
-    module = TreeCoreAttention(config, 1, AttnMaskType.arbitrary, "self", backend="block_sparse", block_size=16)
+    module = TreeCoreAttention(
+        config, 1, AttnMaskType.arbitrary, "self", backend="block_sparse", block_size=16
+    )
     return module.train()(q, kv, kv, tree_attention_mask(tree))
 
 
@@ -196,7 +202,12 @@ def _dp_worker(rank: int, state_path: str) -> dict:
         dist.all_reduce(g, op=dist.ReduceOp.AVG, group=dp_group)
     loss = result.loss.clone()
     dist.all_reduce(loss, group=dp_group)
-    return {"trees": result.num_micro_batches, "dummies": result.packed.num_dummy_trees, "loss": float(loss), "grads": grads}
+    return {
+        "trees": result.num_micro_batches,
+        "dummies": result.packed.num_dummy_trees,
+        "loss": float(loss),
+        "grads": grads,
+    }
 
 
 def test_data_parallel_2_with_uneven_trees_equals_unpacked(world, tmp_path):
@@ -235,12 +246,22 @@ def _pp_worker(rank: int, state_path: str, critic: bool, recompute: str) -> list
         model.load_state_dict(mine)
         model.zero_grad(set_to_none=True)
         result = _tree_step(model, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
-        grads = {stage_parameter_name(n, stage * per_stage): g
-                 for n, g in parameter_grads(model).items()}
+        grads = {
+            stage_parameter_name(n, stage * per_stage): g for n, g in parameter_grads(model).items()
+        }
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
-            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
-        out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
-                    "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
+            dist.all_reduce(
+                g,
+                op=dist.ReduceOp.AVG,
+                group=ps.get_data_parallel_group(with_context_parallel=True),
+            )
+        out.append(
+            {
+                "loss": None if result.loss is None else float(result.loss),
+                "grads": grads,
+                "trunk_parts": sum(mb["rows"].records for mb in result.packed),
+            }
+        )
     return out
 
 
@@ -267,10 +288,14 @@ def _check_pipeline(first: list[dict], last: list[dict], wants) -> None:
 
 # The actor runs with full recompute: 1F1B keeps several micro-batches in flight, and each
 # recomputation must use its own micro-batch's mask plan.
-@pytest.mark.parametrize("critic,recompute", [(False, "full"), (True, "none")], ids=["actor", "critic"])
+@pytest.mark.parametrize(
+    "critic,recompute", [(False, "full"), (True, "none")], ids=["actor", "critic"]
+)
 def test_pipeline_parallel_2_equals_unpacked(world, tmp_path, critic, recompute):
     wants = _pipeline_references(critic, tmp_path / "state.pt")
-    first, last = run_spawned(_pp_worker, 2, str(tmp_path / "state.pt"), critic, recompute, pp=2, tp=1)
+    first, last = run_spawned(
+        _pp_worker, 2, str(tmp_path / "state.pt"), critic, recompute, pp=2, tp=1
+    )
     _check_pipeline(first, last, wants)
 
 
@@ -294,8 +319,15 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
     chunks, names = [], {}
     for vp_stage in range(2):
         config = _config(virtual_pipeline_model_parallel_size=2)
-        model = build_gpt_model(config, tree=True, vocab_size=VOCAB, critic=critic, backend="block_sparse",
-                                block_size=16, vp_stage=vp_stage)
+        model = build_gpt_model(
+            config,
+            tree=True,
+            vocab_size=VOCAB,
+            critic=critic,
+            backend="block_sparse",
+            block_size=16,
+            vp_stage=vp_stage,
+        )
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         names.update({(vp_stage, n): stage_parameter_name(n, offset) for n in model.state_dict()})
         chunks.append(model)
@@ -307,12 +339,25 @@ def _vpp_worker(rank: int, state_path: str, critic: bool) -> list[dict]:
         # 3 trees (branching): not a multiple of PP, so the step adds a fill-in tree for the
         # interleaved schedule; the trunk batch's calls get theirs too.
         result = _tree_step(chunks, _pipeline_batch(name), critic, pad_to_max=True, **kwargs)
-        grads = {names[(c, n)]: g
-                 for c, chunk in enumerate(chunks) for n, g in parameter_grads(chunk).items()}
+        grads = {
+            names[(c, n)]: g
+            for c, chunk in enumerate(chunks)
+            for n, g in parameter_grads(chunk).items()
+        }
         for g in grads.values():  # Megatron DDP averages over the data x context parallel ranks
-            dist.all_reduce(g, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group(with_context_parallel=True))
-        out.append({"loss": None if result.loss is None else float(result.loss), "grads": grads,
-                    "trees": result.num_micro_batches, "trunk_parts": sum(mb["rows"].records for mb in result.packed)})
+            dist.all_reduce(
+                g,
+                op=dist.ReduceOp.AVG,
+                group=ps.get_data_parallel_group(with_context_parallel=True),
+            )
+        out.append(
+            {
+                "loss": None if result.loss is None else float(result.loss),
+                "grads": grads,
+                "trees": result.num_micro_batches,
+                "trunk_parts": sum(mb["rows"].records for mb in result.packed),
+            }
+        )
     return out
 
 
@@ -341,7 +386,9 @@ def test_pipeline_parallel_needs_constant_shapes(world):
     ps.get_pipeline_model_parallel_world_size = lambda *a, **k: 2
     try:
         with pytest.raises(ValueError, match="pad_to_max=False gives trees of different lengths"):
-            _tree_step(_build("tree", False), _batch(branching_sequences()), False, pad_to_max=False)
+            _tree_step(
+                _build("tree", False), _batch(branching_sequences()), False, pad_to_max=False
+            )
     finally:
         ps.get_pipeline_model_parallel_world_size = original
 
@@ -353,12 +400,20 @@ def test_step_errors(world):
         tree_forward_backward(tree, batch, None, max_tokens_per_mb=64, block_size=16)
     with pytest.raises(ValueError, match=r"loss_fn must return a per-token loss of shape \[\d+\]"):
         tree_forward_backward(
-            tree, batch, lambda outputs, mb: outputs["logprobs"].sum(), max_tokens_per_mb=64, block_size=16
+            tree,
+            batch,
+            lambda outputs, mb: outputs["logprobs"].sum(),
+            max_tokens_per_mb=64,
+            block_size=16,
         )
     with pytest.raises(ValueError, match="got 2 model chunks but the virtual pipeline size is 1"):
-        tree_forward_backward([tree, tree], batch, _loss_fn(False), max_tokens_per_mb=64, block_size=16)
+        tree_forward_backward(
+            [tree, tree], batch, _loss_fn(False), max_tokens_per_mb=64, block_size=16
+        )
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16)
-    with pytest.raises(ValueError, match=r"\['max_tokens_per_mb'\] apply to packing a padded batch"):
+    with pytest.raises(
+        ValueError, match=r"\['max_tokens_per_mb'\] apply to packing a padded batch"
+    ):
         tree_forward_backward(tree, packed, _loss_fn(False), max_tokens_per_mb=64)
 
 
@@ -370,17 +425,26 @@ def test_bad_inputs_fail_before_the_forward(world):
     batch = _batch(branching_sequences())
 
     def step(b, **kw):
-        return tree_forward_backward(model, b, _loss_fn(False), max_tokens_per_mb=64, block_size=16, **kw)
+        return tree_forward_backward(
+            model, b, _loss_fn(False), max_tokens_per_mb=64, block_size=16, **kw
+        )
 
-    with pytest.raises(ValueError, match=r"data\['loss_mask'\] must be a tensor shaped \[B, L, ...\]"):
+    with pytest.raises(
+        ValueError, match=r"data\['loss_mask'\] must be a tensor shaped \[B, L, ...\]"
+    ):
         step({**batch, "loss_mask": batch["loss_mask"][:, :-1]})
     too_big = batch["input_ids"].clone()
     too_big[3, 2] = VOCAB
-    with pytest.raises(ValueError, match=rf"token id {VOCAB} .* outside the model's vocabulary \[0, {VOCAB}\)"):
+    with pytest.raises(
+        ValueError, match=rf"token id {VOCAB} .* outside the model's vocabulary \[0, {VOCAB}\)"
+    ):
         step({**batch, "input_ids": too_big})
     with pytest.raises(ValueError, match=rf"token id {VOCAB} .*pad_token_id included"):
-        tree_forward_backward(model, build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16,
-                                                             pad_token_id=VOCAB), _loss_fn(False))
+        tree_forward_backward(
+            model,
+            build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16, pad_token_id=VOCAB),
+            _loss_fn(False),
+        )
     # A rolled loss mask is 0 at each sequence's last entry (it predicts no token); a 1 there is
     # what an unrolled mask looks like.
     unrolled = batch["loss_mask"].clone()
@@ -399,8 +463,9 @@ def test_pack_once_step_many_equals_padded_steps(world):
     [B, L] merge."""
     batch = _batch(branching_sequences())
     model = _build("tree", critic=False)
-    packed = build_packed_tree_batch({k: v for k, v in batch.items() if k != "old_logprobs"},
-                                     max_tokens_per_mb=64, block_size=16)
+    packed = build_packed_tree_batch(
+        {k: v for k, v in batch.items() if k != "old_logprobs"}, max_tokens_per_mb=64, block_size=16
+    )
     old = tree_forward_backward(model, packed, None, forward_only=True, collect_outputs=True)
     packed.attach("old_logprobs", [lp - 0.05 for lp in old.tree_outputs["logprobs"]])
     merged = old.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]
@@ -442,8 +507,10 @@ def test_megatron_divides_in_per_token_mode(world):
         model.config.calculate_per_token_loss = False
     assert seen == [int(batch["loss_mask"].sum())]
     _assert_grads_close(parameter_grads(model), parameter_grads(reference))
-    assert float(result.loss) == pytest.approx(float(unpacked_reference_step(
-        reference, batch, _loss_fn(False), backward=False)), rel=LOSS_RTOL)
+    assert float(result.loss) == pytest.approx(
+        float(unpacked_reference_step(reference, batch, _loss_fn(False), backward=False)),
+        rel=LOSS_RTOL,
+    )
 
 
 def test_unpacked_reference_is_independent_of_the_tree_code(world, monkeypatch):
@@ -459,8 +526,16 @@ def test_unpacked_reference_is_independent_of_the_tree_code(world, monkeypatch):
 
     for module, names in [
         (packing, ["build_packed_tree_batch", "layout_tree"]),
-        (mask, ["allowed", "build_attention_mask_from_trie", "tree_attention_mask", "block_sparse_plan",
-                "build_block_mask_from_trie"]),
+        (
+            mask,
+            [
+                "allowed",
+                "build_attention_mask_from_trie",
+                "tree_attention_mask",
+                "block_sparse_plan",
+                "build_block_mask_from_trie",
+            ],
+        ),
         (attention, ["tree_attention"]),
         (logprobs, ["gather_packed_tree_logprobs", "gather_packed_tree_logprobs_entropy"]),
         (results, ["gather_packed_tree_values", "merge_packed_tree_results"]),
@@ -510,10 +585,16 @@ def test_value_head_through_wrappers(world):
 def test_ppo_kl_term_by_hand():
     """k3 KL estimate against a hand computation: r = ref - logp, exp(r) - r - 1 per token."""
     logp = torch.tensor([-1.0, -2.0, -0.5])
-    mb = {"old_logprobs": logp.clone(), "advantages": torch.zeros(3), "ref_logprobs": torch.tensor([-1.5, -2.0, 0.0])}
+    mb = {
+        "old_logprobs": logp.clone(),
+        "advantages": torch.zeros(3),
+        "ref_logprobs": torch.tensor([-1.5, -2.0, 0.0]),
+    }
     got = ppo_clipped_loss({"logprobs": logp}, mb, kl_coef=0.5)
     r = torch.tensor([-0.5, 0.0, 0.5])
     want = 0.5 * torch.tensor([torch.exp(x) - x - 1 for x in r])
     assert torch.allclose(got, want)
     with pytest.raises(ValueError, match="attach them as 'ref_logprobs'"):
-        ppo_clipped_loss({"logprobs": logp}, {k: v for k, v in mb.items() if k != "ref_logprobs"}, kl_coef=0.5)
+        ppo_clipped_loss(
+            {"logprobs": logp}, {k: v for k, v in mb.items() if k != "ref_logprobs"}, kl_coef=0.5
+        )

@@ -23,7 +23,8 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_tree.core.mask import allowed, tree_attention_mask
 from megatron_tree.core.packing import build_packed_tree_batch
@@ -96,8 +97,11 @@ def trunk_plan(size: Counter, capacity: int, roots) -> tuple[list[int], list[int
     that fit) bin-packed first-fit-decreasing."""
     t = trunk_size(size, capacity, roots)
     parts = [capacity] * (t // capacity) + ([t % capacity] if t % capacity else [])
-    pieces = [n for p, n in size.items()
-              if p[0] in roots and n <= capacity and (len(p) == 1 or size[p[:-1]] > capacity)]
+    pieces = [
+        n
+        for p, n in size.items()
+        if p[0] in roots and n <= capacity and (len(p) == 1 or size[p[:-1]] > capacity)
+    ]
     return parts, ffd_loads(pieces, capacity)
 
 
@@ -108,9 +112,13 @@ def plan_rows(plan: tuple[list[int], list[int]], pad) -> int:
 def plain_pack(seqs, capacity: int, block_size: int, parallel_size: int, pad_to_max: bool = False):
     """``seqs`` packed without trunk reuse."""
     return build_packed_tree_batch(
-        pad_sequences([torch.tensor(s) for s in seqs]), max_tokens_per_mb=capacity,
-        block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max,
-        pad_token_id=PAD, share_trunks=False,
+        pad_sequences([torch.tensor(s) for s in seqs]),
+        max_tokens_per_mb=capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+        pad_token_id=PAD,
+        share_trunks=False,
     )
 
 
@@ -135,8 +143,11 @@ def cut_rows(seqs, capacity: int, pad) -> int:
     while stack:
         piece = stack.pop()
         nodes = nodes_of(piece)
-        forks = [v for v in nodes
-                 if len({s[len(v)] for s in piece if len(s) > len(v) and s[: len(v)] == v}) > 1]
+        forks = [
+            v
+            for v in nodes
+            if len({s[len(v)] for s in piece if len(s) > len(v) and s[: len(v)] == v}) > 1
+        ]
         if len(nodes) <= capacity or not forks:
             pieces.append((-len(nodes), piece[0], nodes))
             continue
@@ -147,8 +158,9 @@ def cut_rows(seqs, capacity: int, pad) -> int:
         stack += split
     bins: list[set] = []
     for _, _, nodes in sorted(pieces, key=lambda p: p[:2]):
-        fits = [(len(nodes - b), i) for i, b in enumerate(bins)
-                if len(nodes - b) <= capacity - len(b)]
+        fits = [
+            (len(nodes - b), i) for i, b in enumerate(bins) if len(nodes - b) <= capacity - len(b)
+        ]
         if fits:
             bins[min(fits)[1]] |= nodes
         else:
@@ -156,8 +168,9 @@ def cut_rows(seqs, capacity: int, pad) -> int:
     return sum(pad(len(b)) for b in bins)
 
 
-def expected_choice(seqs, size: Counter, capacity: int, pad, plain_rows
-                    ) -> tuple[dict[int, tuple[int, int | None]], set[int]]:
+def expected_choice(
+    seqs, size: Counter, capacity: int, pad, plain_rows
+) -> tuple[dict[int, tuple[int, int | None]], set[int]]:
     """({root token: (trunk plan rows, rows without trunk reuse or None)} of every trie larger
     than the capacity, the roots of the tries that must run with trunk reuse). A trie does when its
     trunk plan computes fewer rows than the packer computes for it alone without trunk reuse
@@ -200,13 +213,26 @@ def walk_tree(tree) -> tuple[list[tuple[int, ...]], list[set[int]]]:
 
 def pack(batch, capacity, *, block_size=16, parallel_size=1, pad_to_max=False, **kwargs):
     return build_packed_tree_batch(
-        batch, max_tokens_per_mb=capacity, block_size=block_size, parallel_size=parallel_size,
-        pad_to_max=pad_to_max, pad_token_id=PAD, share_trunks=True, **kwargs,
+        batch,
+        max_tokens_per_mb=capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+        pad_token_id=PAD,
+        share_trunks=True,
+        **kwargs,
     )
 
 
-def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 16,
-                      parallel_size: int = 1, pad_to_max: bool = False) -> dict:
+def check_trunk_batch(
+    batch: dict,
+    packed,
+    capacity: int,
+    *,
+    block_size: int = 16,
+    parallel_size: int = 1,
+    pad_to_max: bool = False,
+) -> dict:
     """Every property of a trunk-reuse packing a brute-force reference can state; returns counts of
     what the batch exercised."""
     align = math.lcm(block_size, parallel_size)
@@ -214,8 +240,12 @@ def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 1
     size = subtree_sizes(seqs)
     pad = row_padding(capacity, align, pad_to_max)
     costs, chosen = expected_choice(
-        seqs, size, capacity, pad,
-        lambda m: plain_pack(m, capacity, block_size, parallel_size, pad_to_max).num_padded_tokens)
+        seqs,
+        size,
+        capacity,
+        pad,
+        lambda m: plain_pack(m, capacity, block_size, parallel_size, pad_to_max).num_padded_tokens,
+    )
     fallback = set(costs) - chosen
     extras = [k for k in batch if k not in ("input_ids", "attention_mask")]
 
@@ -246,8 +276,9 @@ def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 1
             if pad_to_max:
                 assert tree.padded_length == capacity
             ordinary_tokens += tree.num_tree_tokens
-    assert sorted(seen) == list(range(len(seqs))) and set(seen.values()) <= {1}, \
+    assert sorted(seen) == list(range(len(seqs))) and set(seen.values()) <= {1}, (
         f"sequences not packed exactly once: {dict(seen)}"
+    )
 
     # A group's parts run one after another, in order, trunk parts first.
     for g, where in places.items():
@@ -276,8 +307,9 @@ def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 1
         assert set(prefixes) == nodes_of(seqs[s] for s in group_sids)
         roots = {seqs[s][0] for s in group_sids}
         assert roots <= chosen, f"tries {roots - chosen} run with trunk reuse but must not"
-        assert group_sids == sorted(s for s in range(len(seqs)) if seqs[s][0] in roots), \
+        assert group_sids == sorted(s for s in range(len(seqs)) if seqs[s][0] in roots), (
             "a trie split over groups"
+        )
         grouped_roots += sorted(roots)
         group_trunks.append(trunk_size(size, capacity, roots))
         multi_trie_groups += len(roots) > 1
@@ -324,8 +356,8 @@ def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 1
         trunk_prefixes = {prefixes[x] for x in trunk_pos}
         expected = {prefixes[x] for x in range(u) if size[prefixes[x]] > capacity}
         assert trunk_prefixes == expected, (
-            f"trunk differs: extra {sorted(trunk_prefixes - expected)[:3]}, "
-            f"missing {sorted(expected - trunk_prefixes)[:3]}"
+            f"trunk differs: extra {sorted(trunk_prefixes - expected)[:3]}, missing "
+            f"{sorted(expected - trunk_prefixes)[:3]}"
         )
         # Branches hold whole subtrees hanging below trunk nodes (or roots).
         parent = G.parent_index.tolist()
@@ -376,15 +408,22 @@ def check_trunk_batch(batch: dict, packed, capacity: int, *, block_size: int = 1
     if len({s[0] for s in seqs}) == 1 and costs:
         # One large trie: the packing computes the rows of the plan it took (when cut, those of
         # the packing without trunk reuse).
-        (trunk, cut), = costs.values()
+        ((trunk, cut),) = costs.values()
         if chosen:
             assert packed.num_padded_tokens == trunk
         else:
-            assert packed.num_padded_tokens == plain_rows(seqs, capacity, block_size,
-                                                          parallel_size, pad_to_max)
-    return {"groups": len(groups), "in_trunk": in_trunk, "fallback": len(fallback),
-            "multi_trie_groups": multi_trie_groups, "chains": chains, "costs": costs,
-            "ordinary": sum(mb["rows"].group is None for mb in packed)}
+            assert packed.num_padded_tokens == plain_rows(
+                seqs, capacity, block_size, parallel_size, pad_to_max
+            )
+    return {
+        "groups": len(groups),
+        "in_trunk": in_trunk,
+        "fallback": len(fallback),
+        "multi_trie_groups": multi_trie_groups,
+        "chains": chains,
+        "costs": costs,
+        "ordinary": sum(mb["rows"].group is None for mb in packed),
+    }
 
 
 def check_masks(parts: list[TreeRows], ancestors: list[set[int]]) -> None:
@@ -411,14 +450,14 @@ def check_masks(parts: list[TreeRows], ancestors: list[set[int]]) -> None:
         q = mask.plan.query_positions
         assert q.tolist() == [context.index(x) for x in pos]
         got = allowed(ends.to(torch.int64), q[:, None], torch.arange(len(context))[None, :])
-        expected = torch.tensor([[k in ancestors[x] for k in context] for x in pos],
-                                dtype=torch.bool)
+        expected = torch.tensor(
+            [[k in ancestors[x] for k in context] for x in pos], dtype=torch.bool
+        )
         if not torch.equal(got, expected):
             r, j = torch.nonzero(got != expected)[0].tolist()
             raise AssertionError(
-                f"part {p.index}: row {r} (G position {pos[r]}) vs key {j} "
-                f"(G position {context[j]}): mask says {bool(got[r, j])}, "
-                f"G says {bool(expected[r, j])}"
+                f"part {p.index}: row {r} (G position {pos[r]}) vs key {j} (G position "
+                f"{context[j]}): mask says {bool(got[r, j])}, G says {bool(expected[r, j])}"
             )
         assert mask.plan.reach == p.reach
         # Keys/values: a trunk part records its own, every part gets [stored ; own] in context
@@ -445,8 +484,10 @@ def check_masks(parts: list[TreeRows], ancestors: list[set[int]]) -> None:
 
 def unpad(batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     lengths = batch["attention_mask"].sum(1).tolist()
-    return ([batch["input_ids"][i, :n] for i, n in enumerate(lengths)],
-            [batch["loss_mask"][i, :n] for i, n in enumerate(lengths)])
+    return (
+        [batch["input_ids"][i, :n] for i, n in enumerate(lengths)],
+        [batch["loss_mask"][i, :n] for i, n in enumerate(lengths)],
+    )
 
 
 def agent_like_batch(seed: int = 0) -> dict:
@@ -455,9 +496,17 @@ def agent_like_batch(seed: int = 0) -> dict:
     sequence and a few short unrelated sequences packed the ordinary way."""
     seqs, masks = [], []
     for s, first in ((seed, 1), (seed + 100, 2)):
-        b = multi_turn_batch(num_tasks=4, rollouts_per_task=4, turns=(1, 2), system_len=8,
-                             task_len=4, observation_len=(2, 4), action_len=(2, 5), vocab_size=5,
-                             seed=s)
+        b = multi_turn_batch(
+            num_tasks=4,
+            rollouts_per_task=4,
+            turns=(1, 2),
+            system_len=8,
+            task_len=4,
+            observation_len=(2, 4),
+            action_len=(2, 5),
+            vocab_size=5,
+            seed=s,
+        )
         b["input_ids"][:, 0] = first  # a distinct root token per trie
         ss, mm = unpad(b)
         seqs += ss
@@ -475,7 +524,8 @@ def agent_like_batch(seed: int = 0) -> dict:
     return pad_sequences(seqs, masks)
 
 
-# Per (capacity, pad_to_max): {root: (trunk plan rows, brute-force cut rows)} of the two multi-turn tries
+# Per (capacity, pad_to_max): {root: (trunk plan rows, brute-force cut rows)} of the two multi-turn
+# tries
 # (equal rows: cut; with pad_to_max every part is a micro-batch of the capacity too), and whether
 # the strict system-prompt prefix (root 1) then ends in a trunk part.
 AGENT_COSTS = {
@@ -491,16 +541,24 @@ AGENT_COSTS = {
 
 
 @pytest.mark.parametrize("pad_to_max", [False, True])
-@pytest.mark.parametrize("capacity, block_size, parallel_size",
-                         [(32, 16, 1), (48, 8, 3), (64, 16, 1), (128, 16, 1)])
+@pytest.mark.parametrize(
+    "capacity, block_size, parallel_size", [(32, 16, 1), (48, 8, 3), (64, 16, 1), (128, 16, 1)]
+)
 def test_agent_batch(capacity, block_size, parallel_size, pad_to_max):
     batch = agent_like_batch()
     seqs = original_sequences(batch)
     assert max(map(len, seqs)) <= capacity
-    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
-                  pad_to_max=pad_to_max)
-    stats = check_trunk_batch(batch, packed, capacity, block_size=block_size,
-                              parallel_size=parallel_size, pad_to_max=pad_to_max)
+    packed = pack(
+        batch, capacity, block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max
+    )
+    stats = check_trunk_batch(
+        batch,
+        packed,
+        capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+    )
     size = subtree_sizes(seqs)
     prefix = seqs[-6]  # the strict system-prompt prefix of the first trie (root token 1)
     assert len(prefix) == 6 and prefix[0] == 1 and size[prefix] > capacity
@@ -514,9 +572,14 @@ def test_agent_batch(capacity, block_size, parallel_size, pad_to_max):
     assert stats["multi_trie_groups"] == (len(chosen) > 1)
     assert (stats["in_trunk"] >= 1) == prefix_in_trunk
     # Without trunk reuse: no parts at all (and the same sequences).
-    plain = build_packed_tree_batch(batch, max_tokens_per_mb=capacity, block_size=block_size,
-                                    parallel_size=parallel_size, pad_to_max=pad_to_max,
-                                    share_trunks=False)
+    plain = build_packed_tree_batch(
+        batch,
+        max_tokens_per_mb=capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+        share_trunks=False,
+    )
     assert not any(mb["rows"].group is not None for mb in plain)
     sids = sorted(sid for mb in plain for sid in mb["tree"].sequence_ids.tolist())
     assert sids == list(range(len(seqs)))
@@ -525,14 +588,16 @@ def test_agent_batch(capacity, block_size, parallel_size, pad_to_max):
 
 def test_share_trunks_needs_shared_prefixes():
     batch = agent_like_batch()
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=32, block_size=16, share_trunks=True,
-                                     share_prefixes=False)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=32, block_size=16, share_trunks=True, share_prefixes=False
+    )
     assert not any(mb["rows"].group is not None for mb in packed)
     # A sequence longer than the capacity then cannot run as a chain either.
     long = pad_sequences([torch.arange(1, 41)])
     with pytest.raises(ValueError, match="share_trunks"):
-        build_packed_tree_batch(long, max_tokens_per_mb=32, block_size=16, share_trunks=True,
-                                share_prefixes=False)
+        build_packed_tree_batch(
+            long, max_tokens_per_mb=32, block_size=16, share_trunks=True, share_prefixes=False
+        )
 
 
 def test_sequence_ending_in_trunk_takes_loss_in_trunk():
@@ -547,7 +612,11 @@ def test_sequence_ending_in_trunk_takes_loss_in_trunk():
     stats = check_trunk_batch(batch, packed, 32)
     assert stats["costs"] == {1: (80, 128)}
     assert {k: v for k, v in stats.items() if k != "costs"} == {
-        "groups": 1, "in_trunk": 2, "fallback": 0, "multi_trie_groups": 0, "chains": 0,
+        "groups": 1,
+        "in_trunk": 2,
+        "fallback": 0,
+        "multi_trie_groups": 0,
+        "chains": 0,
         "ordinary": 0,
     }
     trunk = next(mb for mb in packed if mb["rows"].index == 0)
@@ -581,8 +650,9 @@ def test_trunk_larger_than_capacity_runs_as_a_chain(pad_to_max):
     assert trunk_size(size, 32, {0}) == 46 and trunk_size(size, 32, {9}) == 10
     packed = pack(batch, 32, pad_to_max=pad_to_max)
     stats = check_trunk_batch(batch, packed, 32, pad_to_max=pad_to_max)
-    assert stats["costs"] == ({0: (224, 288), 9: (96, 96)} if pad_to_max else
-                              {0: (192, 288), 9: (64, 96)})
+    assert stats["costs"] == (
+        {0: (224, 288), 9: (96, 96)} if pad_to_max else {0: (192, 288), 9: (64, 96)}
+    )
     assert stats["groups"] == 2 - pad_to_max and stats["fallback"] == pad_to_max
     assert stats["chains"] == 1
     # Nothing repeated, but for the cut trie's stem (once in each of its three micro-batches).
@@ -630,8 +700,13 @@ def test_choice_compares_with_the_cut_the_packer_makes():
     the root (16 rows) and branches [17], [16 + 16] (64 rows), 80 rows. Cut at the root, the three
     pieces (18, 17, 17 nodes with the root) pair with none: 96 rows; so trunk reuse is chosen. But
     packed without trunk reuse the trie is two contiguous runs of 24 and 28 nodes: 64 rows."""
-    seqs = [[1, 2, 3], [1, 2, 4] + [5] * 14, [1, 6] + [7] * 5, [1, 6] + [8] * 10,
-            [1, 9] + [10] * 15]
+    seqs = [
+        [1, 2, 3],
+        [1, 2, 4] + [5] * 14,
+        [1, 6] + [7] * 5,
+        [1, 6] + [8] * 10,
+        [1, 9] + [10] * 15,
+    ]
     size = subtree_sizes(seqs)
     pad = row_padding(32, 16, False)
     assert plan_rows(trunk_plan(size, 32, {1}), pad) == 80 and cut_rows(seqs, 32, pad) == 96
@@ -648,11 +723,14 @@ def test_grpo_prompt_group():
     one branch: 2 micro-batches of exactly the trie's 206 unique tokens."""
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(20, 1000, (110,), generator=g)
-    seqs = [torch.cat([prompt, torch.tensor([1 + r]), torch.randint(20, 1000, (11,), generator=g)])
-            for r in range(8)]
+    seqs = [
+        torch.cat([prompt, torch.tensor([1 + r]), torch.randint(20, 1000, (11,), generator=g)])
+        for r in range(8)
+    ]
     batch = pad_sequences(seqs, [torch.cat([torch.zeros(110), torch.ones(12)])] * 8)
-    plain = build_packed_tree_batch(batch, max_tokens_per_mb=124, block_size=1, pad_to_max=False,
-                                    share_trunks=False)
+    plain = build_packed_tree_batch(
+        batch, max_tokens_per_mb=124, block_size=1, pad_to_max=False, share_trunks=False
+    )
     assert len(plain) == 8 and plain.num_padded_tokens == 976
     packed = pack(batch, 124, block_size=1)
     assert len(packed) == 2
@@ -719,8 +797,9 @@ def test_sequence_longer_than_capacity():
 # ---------------------------------------------------------------------------------------------
 
 
-def random_trie(rng: random.Random, root: int, vocab: int, capacity: int, longest: int
-                ) -> list[list[int]]:
+def random_trie(
+    rng: random.Random, root: int, vocab: int, capacity: int, longest: int
+) -> list[list[int]]:
     """A random stem with sequences grown from earlier ones: branches, strict prefixes,
     duplicates, at most ``longest`` tokens each."""
     stem = [root] + [rng.randrange(vocab) for _ in range(rng.randint(0, capacity // 2))]
@@ -758,10 +837,17 @@ def test_random_batches_match_brute_force(seed, layout, pad_to_max):
     batch = pad_sequences([torch.tensor(s) for s in seqs])
     g = torch.Generator().manual_seed(seed % 2**31)
     batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=g)
-    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
-                  pad_to_max=pad_to_max)
-    check_trunk_batch(batch, packed, capacity, block_size=block_size, parallel_size=parallel_size,
-                      pad_to_max=pad_to_max)
+    packed = pack(
+        batch, capacity, block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max
+    )
+    check_trunk_batch(
+        batch,
+        packed,
+        capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -776,11 +862,18 @@ def test_one_trie_takes_the_plan_with_fewer_rows(seed, layout, pad_to_max):
     while len(subtree_sizes(seqs)) <= capacity:
         seqs += random_trie(rng, 1, rng.randint(2, 5), capacity, capacity)
     batch = pad_sequences([torch.tensor(s) for s in seqs])
-    packed = pack(batch, capacity, block_size=block_size, parallel_size=parallel_size,
-                  pad_to_max=pad_to_max)
-    stats = check_trunk_batch(batch, packed, capacity, block_size=block_size,
-                              parallel_size=parallel_size, pad_to_max=pad_to_max)
-    (trunk, cut), = stats["costs"].values()
+    packed = pack(
+        batch, capacity, block_size=block_size, parallel_size=parallel_size, pad_to_max=pad_to_max
+    )
+    stats = check_trunk_batch(
+        batch,
+        packed,
+        capacity,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+    )
+    ((trunk, cut),) = stats["costs"].values()
     assert stats["groups"] == int(trunk < cut)
     if trunk < cut:
         assert packed.num_padded_tokens == trunk

@@ -1,4 +1,5 @@
-"""Trunk reuse in the training step: loss, every gradient and the outputs equal the unpacked reference.
+"""Trunk reuse in the training step: loss, every gradient and the outputs equal the unpacked
+reference.
 
 The batch (``trunk_sequences``) has prompt groups larger than the 64-token micro-batch: a trunk
 holding a system prompt and two tasks, branches attached at the trunk's root and at its leaves, a
@@ -42,15 +43,23 @@ from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 CAPACITY = 64
 
 
-def _build(tree: bool, critic: bool, recompute: str = "none", state: dict | None = None, **overrides):
+def _build(
+    tree: bool, critic: bool, recompute: str = "none", state: dict | None = None, **overrides
+):
     from megatron.core import parallel_state as ps
 
     config = small_gpt_config(
-        num_layers=3, gated_linear_unit=False, add_qkv_bias=True, init_method_std=0.15,
+        num_layers=3,
+        gated_linear_unit=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        **recompute_fields(recompute), **overrides,
+        **recompute_fields(recompute),
+        **overrides,
     )
-    model = build_gpt_model(config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16)
+    model = build_gpt_model(
+        config, tree=tree, vocab_size=VOCAB, critic=critic, backend="block_sparse", block_size=16
+    )
     if state is not None:
         model.load_state_dict(state)
     return model
@@ -63,8 +72,9 @@ def _loss_fn(critic: bool):
 
 
 def _packed(batch: dict):
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
-                                     share_trunks=True)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False, share_trunks=True
+    )
     parts = [mb["rows"] for mb in packed if mb["rows"].group is not None]
     assert {p.group for p in parts} == {0, 1} and any(mb["rows"].group is None for mb in packed)
     return packed
@@ -73,8 +83,9 @@ def _packed(batch: dict):
 def _chain_packed(batch: dict):
     """The long-context batch: the 150-token history as a chain of three trunk parts with its
     branches, and the 140-token sequence as a chain of its own (two trunk parts, one branch)."""
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
-                                     share_trunks=True)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False, share_trunks=True
+    )
     trunk_parts = {}
     for mb in packed:
         rows = mb["rows"]
@@ -97,16 +108,27 @@ def _step(model, batch, critic: bool, **kwargs):
     from megatron.core import parallel_state as ps
 
     kwargs.setdefault("tp_group", ps.get_tensor_model_parallel_group())
-    return tree_forward_backward(model, batch, _loss_fn(critic), gather=Values() if critic else LogProbs(),
-                                 **kwargs)
+    return tree_forward_backward(
+        model, batch, _loss_fn(critic), gather=Values() if critic else LogProbs(), **kwargs
+    )
 
 
-def _compare(critic: bool, recompute: str, sequence_parallel: bool = False, chains: bool = False, **step_kwargs):
+def _compare(
+    critic: bool,
+    recompute: str,
+    sequence_parallel: bool = False,
+    chains: bool = False,
+    **step_kwargs,
+):
     batch = rl_batch(long_context_sequences() if chains else trunk_sequences(), response_start=5)
     reference = _build(False, critic)
     want_outputs: dict = {}
-    want_loss = unpacked_reference_step(reference, batch, _loss_fn(critic), critic=critic, outputs=want_outputs)
-    model = _build(True, critic, recompute, state=reference.state_dict(), sequence_parallel=sequence_parallel)
+    want_loss = unpacked_reference_step(
+        reference, batch, _loss_fn(critic), critic=critic, outputs=want_outputs
+    )
+    model = _build(
+        True, critic, recompute, state=reference.state_dict(), sequence_parallel=sequence_parallel
+    )
     packed = _chain_packed(batch) if chains else _packed(batch)
     result = _step(model, packed, critic, collect_outputs=True, **step_kwargs)
     if sequence_parallel:
@@ -143,8 +165,9 @@ def test_recomputed_trunks_equal_unpacked(world, critic, chains):
     """recompute_trunks=True on one stage (the path pipeline parallelism takes: a no-grad trunk
     pass, the branches, then the trunk parts recomputed last part first through Megatron's
     schedule): the same loss, gradients and outputs as the unpacked batch."""
-    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, "none", chains=chains,
-                                                                    recompute_trunks=True)
+    got_loss, want_loss, got, want, result, want_outputs = _compare(
+        critic, "none", chains=chains, recompute_trunks=True
+    )
     _assert_close(got_loss, want_loss, got, want)
     _assert_outputs_close(result, want_outputs)
 
@@ -155,9 +178,11 @@ def test_trunk_chains_equal_unpacked(world, critic, recompute):
     """A shared history longer than a micro-batch and a sequence longer than one run as chains of
     trunk parts (each attending to the parts before it), here in the one-stage loop with every trunk
     part kept alive until the group's end (recompute_trunks=False; the default recomputes chains:
-    test_recomputed_trunks_equal_unpacked): still the unpacked batch's loss, gradients and outputs."""
-    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute, chains=True,
-                                                                    recompute_trunks=False)
+    test_recomputed_trunks_equal_unpacked): still the unpacked batch's loss, gradients and
+    outputs."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(
+        critic, recompute, chains=True, recompute_trunks=False
+    )
     _assert_close(got_loss, want_loss, got, want)
     _assert_outputs_close(result, want_outputs)
 
@@ -166,14 +191,16 @@ def test_trunk_is_computed_once(world):
     batch = rl_batch(trunk_sequences(), response_start=5)
     prefixes = {tuple(s[: i + 1].tolist()) for s in trunk_sequences() for i in range(len(s))}
     shared = _packed(batch)
-    cut = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False,
-                                  share_trunks=False)
+    cut = build_packed_tree_batch(
+        batch, max_tokens_per_mb=CAPACITY, block_size=16, pad_to_max=False, share_trunks=False
+    )
     assert shared.num_tree_tokens == len(prefixes) < cut.num_tree_tokens
     assert shared.tree_token_ratio == pytest.approx(len(prefixes) / shared.num_real_tokens)
 
 
 def test_forward_only_outputs_and_pack_once(world):
-    """Old log-probs from a forward-only pass, attached to the packed batch, then a training step."""
+    """Old log-probs from a forward-only pass, attached to the packed batch, then a training
+    step."""
     batch = rl_batch(trunk_sequences(), response_start=5)
     reference = _build(False, False)
     want_outputs: dict = {}
@@ -192,8 +219,9 @@ def test_forward_only_outputs_and_pack_once(world):
         batch["old_logprobs"][i, : out["logprobs"].shape[0]] = out["logprobs"].float()
     reference.zero_grad()
     want = unpacked_reference_step(reference, batch, _loss_fn(False))
-    _assert_close(float(result.loss), float(want), parameter_grads(model),
-                  parameter_grads(reference))
+    _assert_close(
+        float(result.loss), float(want), parameter_grads(model), parameter_grads(reference)
+    )
 
 
 def test_refusals(world):
@@ -201,19 +229,30 @@ def test_refusals(world):
     with pytest.raises(ValueError, match="route_key='advantages' needs routers that replay"):
         _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="advantages")
     dense = types.SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
-    assert not _recompute_trunks(dense, None, False, False) and _recompute_trunks(dense, None, True, False)
+    assert not _recompute_trunks(dense, None, False, False) and _recompute_trunks(
+        dense, None, True, False
+    )
     assert _recompute_trunks(dense, True, False, False)
     with pytest.raises(ValueError, match="recompute_trunks=False needs one pipeline stage"):
         _recompute_trunks(dense, False, True, False)
     with pytest.raises(ValueError, match="dropout 0.1"):
-        _recompute_trunks(types.SimpleNamespace(hidden_dropout=0.1, attention_dropout=0.0), True, False, False)
-    packed = build_packed_tree_batch(rl_batch(trunk_sequences()), max_tokens_per_mb=CAPACITY, block_size=16,
-                                     pad_to_max=False, share_trunks=True)
+        _recompute_trunks(
+            types.SimpleNamespace(hidden_dropout=0.1, attention_dropout=0.0), True, False, False
+        )
+    packed = build_packed_tree_batch(
+        rl_batch(trunk_sequences()),
+        max_tokens_per_mb=CAPACITY,
+        block_size=16,
+        pad_to_max=False,
+        share_trunks=True,
+    )
     mbs = list(packed)
     first = next(i for i, mb in enumerate(mbs) if mb["rows"].group is not None)
-    assert check_trunk_parts(mbs) and not check_trunk_parts([mb for mb in mbs if mb["rows"].group is None])
+    assert check_trunk_parts(mbs) and not check_trunk_parts(
+        [mb for mb in mbs if mb["rows"].group is None]
+    )
     with pytest.raises(ValueError, match="trunk parts first"):
-        check_trunk_parts(mbs[first + 1:])
+        check_trunk_parts(mbs[first + 1 :])
     with pytest.raises(ValueError, match="ends before"):
         check_trunk_parts(mbs[: first + 2])
 
@@ -221,11 +260,14 @@ def test_refusals(world):
 def _tp_worker(rank: int, sequence_parallel: bool) -> dict:
     out = {}
     for critic, recompute in [(False, "full"), (True, "none")]:
-        got_loss, want_loss, got, want, _, _ = _compare(critic, recompute, sequence_parallel=sequence_parallel)
+        got_loss, want_loss, got, want, _, _ = _compare(
+            critic, recompute, sequence_parallel=sequence_parallel
+        )
         out[(critic, recompute)] = (got_loss, want_loss, got, want)
     # tp_group=None means Megatron's TP group (it once read one vocabulary shard as the whole).
-    got_loss, want_loss, got, want, _, _ = _compare(False, "none", sequence_parallel=sequence_parallel,
-                                                    tp_group=None)
+    got_loss, want_loss, got, want, _, _ = _compare(
+        False, "none", sequence_parallel=sequence_parallel, tp_group=None
+    )
     out["default tp_group"] = (got_loss, want_loss, got, want)
     return out
 
@@ -233,7 +275,7 @@ def _tp_worker(rank: int, sequence_parallel: bool) -> dict:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_tensor_parallel_2_trunk_reuse_equals_unpacked(sequence_parallel):
     for rank_result in run_spawned(_tp_worker, 2, sequence_parallel):
-        for key, value in rank_result.items():
+        for value in rank_result.values():
             _assert_close(*value)
 
 
@@ -243,17 +285,31 @@ def test_a_trunk_that_does_not_pay_is_not_used():
     trunk pays when parts pad to the alignment (32 + 5 x 48 rows against 5 x 64 cut), not when every
     micro-batch pads to the capacity (6 x 64 against 5 x 64)."""
     g = torch.Generator().manual_seed(3)
-    seqs = [torch.cat([torch.tensor([1]), torch.randint(2, VOCAB, (n,), generator=g)]) for n in (40, 50, 33, 61, 45)]
+    seqs = [
+        torch.cat([torch.tensor([1]), torch.randint(2, VOCAB, (n,), generator=g)])
+        for n in (40, 50, 33, 61, 45)
+    ]
     batch = rl_batch(seqs)
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True
+    )
     assert len(packed) > 1 and not any(mb["rows"].group is not None for mb in packed)
     # The same trie below a 30-token shared prompt pays: trunk and branches.
     prompt = torch.randint(2, VOCAB, (30,), generator=g)
     seqs = [torch.cat([prompt, s[: 64 - 30]]) for s in seqs]
-    packed = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True,
-                                     pad_to_max=False)
-    assert [mb["rows"].index for mb in packed] == list(range(len(packed))) and packed.num_padded_tokens == 272
-    padded = build_packed_tree_batch(rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True)
+    packed = build_packed_tree_batch(
+        rl_batch(seqs),
+        max_tokens_per_mb=CAPACITY,
+        block_size=16,
+        share_trunks=True,
+        pad_to_max=False,
+    )
+    assert [mb["rows"].index for mb in packed] == list(
+        range(len(packed))
+    ) and packed.num_padded_tokens == 272
+    padded = build_packed_tree_batch(
+        rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True
+    )
     assert all(mb["rows"].group is None for mb in padded) and padded.num_padded_tokens == 5 * 64
 
 
@@ -284,7 +340,9 @@ def test_gradient_sync_waits_for_the_trunk_backward(world):
             p.grad /= num_tokens
 
     # The embedding's gradient hook fires once per backward that reaches the model's first layer.
-    model.embedding.word_embeddings.weight.register_hook(lambda g: state["backwards"].append(state["inside"]))
+    model.embedding.word_embeddings.weight.register_hook(
+        lambda g: state["backwards"].append(state["inside"])
+    )
     model.config.no_sync_func, model.config.finalize_model_grads_func = no_sync, finalize
     model.config.calculate_per_token_loss = True
     try:
@@ -297,5 +355,7 @@ def test_gradient_sync_waits_for_the_trunk_backward(world):
     branches = sum(mb["rows"].group is not None and not mb["rows"].is_trunk for mb in packed)
     trunks = sum(mb["rows"].group is not None and mb["rows"].is_trunk for mb in packed)
     assert state["backwards"] == [True] * (plain + branches + trunks - 1) + [False]
-    assert packed[-1]["rows"].group is not None and state["tokens"] == [int(batch["loss_mask"].sum())]
+    assert packed[-1]["rows"].group is not None and state["tokens"] == [
+        int(batch["loss_mask"].sum())
+    ]
     _assert_close(0.0, 0.0, parameter_grads(model), parameter_grads(reference))

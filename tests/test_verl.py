@@ -15,52 +15,73 @@ from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
-# On the verl stacks (MEGATRON_TREE_BRIDGE=verl or verl-megatron-bridge) a missing verl is a failure,
+# On the verl stacks (MEGATRON_TREE_BRIDGE=verl or verl-megatron-bridge) a missing verl is a
+# failure,
 # not a skip; on verl-megatron-bridge a missing Megatron-Bridge too.
 ON_VERL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") in ("verl", "verl-megatron-bridge")
 ON_VERL_MEGATRON_BRIDGE_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "verl-megatron-bridge"
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("verl") is None and not ON_VERL_STACK,
-                       reason="verl is not installed (the verl stack: MEGATRON_TREE_BRIDGE=verl)"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("verl") is None and not ON_VERL_STACK,
+        reason="verl is not installed (the verl stack: MEGATRON_TREE_BRIDGE=verl)",
+    ),
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
+    ),
 ]
-
 
 
 def _check_gradients(tree: dict, stock: dict) -> None:
     """The engines' DDP gradient buffers (``main_grad``, after verl's step: clipped by the same
     factor in both), read inside ``engine.train_mode()``: leaving it zeroes them."""
     assert set(tree) == set(stock)
-    assert all(float(g.abs().max()) > 0 for g in stock.values()), "a zero gradient: nothing compared"
+    assert all(float(g.abs().max()) > 0 for g in stock.values()), (
+        "a zero gradient: nothing compared"
+    )
     errors = gradient_errors(tree, stock)
     assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
 
 
-def _actor_run(path: str, vendor: str | None, padded: dict, seqs: list, **engine_kwargs) -> tuple[object, dict]:
+def _actor_run(
+    path: str, vendor: str | None, padded: dict, seqs: list, **engine_kwargs
+) -> tuple[object, dict]:
     """verl's ``infer_batch`` (log-probs, entropy) then ``train_batch`` (its ppo_loss) through the
     engine of ``vendor`` (None: verl's own) on the rollout batch ``padded``."""
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
+
+    from megatron_tree.testing import verl as harness
 
     engine, _ = harness.build_engine(path, vendor=vendor, **engine_kwargs)
     data = harness.engine_batch(padded, calculate_entropy=True)
     with engine.eval_mode():
         model_output = engine.infer_batch(data)["model_output"]
     old = no_padding_2_padding(model_output["log_probs"], data).detach().float()
-    advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * padded["response_mask"]
-    train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages),
-                                 global_batch_size=len(seqs), calculate_entropy=False)
-    config = McoreActorConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
-                              ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    advantages = (
+        torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * padded["response_mask"]
+    )
+    train = harness.engine_batch(
+        dict(padded, old_log_probs=old, advantages=advantages),
+        global_batch_size=len(seqs),
+        calculate_entropy=False,
+    )
+    config = McoreActorConfig(
+        strategy="megatron",
+        rollout_n=2,
+        ppo_mini_batch_size=len(seqs),
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+    )
     with engine.train_mode():
         result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
         grads = parameter_grads(engine.module[0], main_grad=True, require_all=True)
     return engine, {
-        "engine": type(engine).__name__, "model": type(engine.module[0].module).__name__,
+        "engine": type(engine).__name__,
+        "model": type(engine.module[0].module).__name__,
         "log_probs": [t.clone() for t in model_output["log_probs"].unbind()],
         "entropy": [t.clone() for t in model_output["entropy"].unbind()],
         "loss": float(sum(result["loss"])),
@@ -75,7 +96,9 @@ def _check_actor(tree: dict, stock: dict) -> None:
     for i in range(len(stock["log_probs"])):
         # The last entry predicts nothing (verl's loss mask excludes it); verl's BSHD path fills its
         # label from the micro-batch's padding, the tree (like verl's THD path) from the sequence.
-        assert float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
+        assert (
+            float((tree["log_probs"][i][:-1] - stock["log_probs"][i][:-1]).abs().max()) <= LOGP_TOL
+        )
         assert float((tree["entropy"][i] - stock["entropy"][i]).abs().max()) <= LOGP_TOL
     assert tree["loss"] == pytest.approx(stock["loss"], rel=LOSS_RTOL)
     _check_gradients(tree["grads"], stock["grads"])
@@ -88,13 +111,18 @@ def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
     harness.setup_cpu()
     from verl.workers.engine import EngineRegistry
 
-    # Found through the "verl.plugins" entry point (installed with megatron_tree), nothing imported by hand.
+    # Found through the "verl.plugins" entry point (installed with megatron_tree), nothing imported
+    # by hand.
     out = {"registered": sorted(map(str, EngineRegistry._engines["language_model"]["megatron"]))}
     padded, seqs = harness.rollout_batch(_vocab(path))
     for vendor in (None, "megatron_tree"):
-        engine, out[vendor or "stock"] = _actor_run(path, vendor, padded, seqs, vanilla_mbridge=vanilla_mbridge)
+        engine, out[vendor or "stock"] = _actor_run(
+            path, vendor, padded, seqs, vanilla_mbridge=vanilla_mbridge
+        )
     replay = harness.engine_batch(padded, enable_routing_replay=True)
-    with engine.eval_mode():  # the tree engine (the loop's last): routing replay is refused, not ignored
+    with (
+        engine.eval_mode()
+    ):  # the tree engine (the loop's last): routing replay is refused, not ignored
         try:
             engine.infer_batch(replay)
             out["replay"] = "ran"
@@ -117,7 +145,9 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     make_hf_checkpoint("qwen3", path)
     out = run_spawned(_engines_worker, 1, path, megatron=False)[0]
     assert "('cuda', 'megatron_tree')" in out["registered"]
-    assert out["replay"].startswith("routing replay (router_replay) is not supported by the verl tree engine")
+    assert out["replay"].startswith(
+        "routing replay (router_replay) is not supported by the verl tree engine"
+    )
     stock, tree = out["stock"], out["megatron_tree"]
     assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
     assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
@@ -138,9 +168,11 @@ def _has(module: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(not (_has("megatron.bridge") and _has("verl")) and not ON_VERL_MEGATRON_BRIDGE_STACK,
-                    reason="Megatron-Bridge and verl are not both installed (verl's default model-building path; "
-                           "the stack: MEGATRON_TREE_BRIDGE=verl-megatron-bridge)")
+@pytest.mark.skipif(
+    not (_has("megatron.bridge") and _has("verl")) and not ON_VERL_MEGATRON_BRIDGE_STACK,
+    reason="Megatron-Bridge and verl are not both installed (verl's default model-building path; "
+    "the stack: MEGATRON_TREE_BRIDGE=verl-megatron-bridge)",
+)
 def test_tree_engine_through_megatron_bridge(tmp_path):
     """verl's default model-building path (``vanilla_mbridge=False``: Megatron-Bridge's
     ``AutoBridge.from_hf_pretrained`` + ``to_megatron_provider``): the tree engine builds a
@@ -152,7 +184,11 @@ def test_tree_engine_through_megatron_bridge(tmp_path):
     make_hf_checkpoint("qwen3", path)
     out = run_spawned(_engines_worker, 1, path, False, megatron=False)[0]
     stock, tree = out["stock"], out["megatron_tree"]
-    assert stock["bridge"] == tree["bridge"] == "megatron.bridge.models.conversion.auto_bridge.AutoBridge"
+    assert (
+        stock["bridge"]
+        == tree["bridge"]
+        == "megatron.bridge.models.conversion.auto_bridge.AutoBridge"
+    )
     assert (stock["engine"], stock["model"]) == ("MegatronEngineWithLMHead", "GPTModel")
     assert (tree["engine"], tree["model"]) == ("TreeMegatronEngineWithLMHead", "TreeGPTModel")
     _check_actor(tree, stock)
@@ -168,8 +204,10 @@ def _trunk_worker(rank: int, path: str) -> dict:
     # 2 prompts of 20-27 tokens x 4 samples, micro-batches of 16 rows: no prompt group fits one, and
     # no sequence either (each runs as a chain of parts); the prompts are trunks computed once.
     padded, seqs = harness.rollout_batch(_vocab(path), prompts=2, samples=4, prompt_tokens=(20, 28))
-    return {vendor or "stock": _actor_run(path, vendor, padded, seqs, tree_max_tokens=16)[1]
-            for vendor in (None, "megatron_tree")}
+    return {
+        vendor or "stock": _actor_run(path, vendor, padded, seqs, tree_max_tokens=16)[1]
+        for vendor in (None, "megatron_tree")
+    }
 
 
 def test_tree_engine_with_trunk_reuse_equals_verls_engine(tmp_path):
@@ -198,24 +236,37 @@ def _critic_worker(rank: int, path: str, trunks: bool) -> dict:
 
     out = {}
     for vendor in (None, "megatron_tree"):
-        # With trunks: prompts of 20-27 tokens x 4 samples in micro-batches of 16 rows (trunk reuse).
-        engine, model_config = harness.build_engine(path, vendor=vendor, model_type="value_model",
-                                                    tree_max_tokens=16 if trunks else 128)
-        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size, **(
-            dict(prompts=2, samples=4, prompt_tokens=(20, 28)) if trunks else {}))
+        # With trunks: prompts of 20-27 tokens x 4 samples in micro-batches of 16 rows (trunk
+        # reuse).
+        engine, model_config = harness.build_engine(
+            path, vendor=vendor, model_type="value_model", tree_max_tokens=16 if trunks else 128
+        )
+        padded, seqs = harness.rollout_batch(
+            model_config.hf_config.vocab_size,
+            **(dict(prompts=2, samples=4, prompt_tokens=(20, 28)) if trunks else {}),
+        )
         with engine.eval_mode():
             values = engine.infer_batch(harness.engine_batch(padded))["model_output"]["values"]
         g = torch.Generator().manual_seed(2)
         mask = padded["response_mask"]
-        extra = {"values": torch.randn(mask.shape, generator=g) * mask, "returns": torch.randn(mask.shape, generator=g) * mask}
+        extra = {
+            "values": torch.randn(mask.shape, generator=g) * mask,
+            "returns": torch.randn(mask.shape, generator=g) * mask,
+        }
         train = harness.engine_batch(dict(padded, **extra), global_batch_size=len(seqs))
-        config = McoreCriticConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
-                                   ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+        config = McoreCriticConfig(
+            strategy="megatron",
+            rollout_n=2,
+            ppo_mini_batch_size=len(seqs),
+            ppo_micro_batch_size_per_gpu=2,
+            use_dynamic_bsz=False,
+        )
         with engine.train_mode():
             result = engine.train_batch(train, loss_function=partial(value_loss, config=config))
             grads = parameter_grads(engine.module[0], main_grad=True, require_all=True)
         out[vendor or "stock"] = {
-            "engine": type(engine).__name__, "values": [t.clone() for t in values.unbind()],
+            "engine": type(engine).__name__,
+            "values": [t.clone() for t in values.unbind()],
             "loss": float(sum(result["loss"])),
             "grads": grads,
             "stats": getattr(engine, "tree_stats", None),
@@ -233,7 +284,10 @@ def test_tree_critic_equals_verls_critic(tmp_path, trunks):
     make_hf_checkpoint("qwen3", path)
     out = run_spawned(_critic_worker, 1, path, trunks, megatron=False)[0]
     stock, tree = out["stock"], out["megatron_tree"]
-    assert (stock["engine"], tree["engine"]) == ("MegatronEngineWithValueHead", "TreeMegatronEngineWithValueHead")
+    assert (stock["engine"], tree["engine"]) == (
+        "MegatronEngineWithValueHead",
+        "TreeMegatronEngineWithValueHead",
+    )
     assert tree["stats"]["trunk_groups"] == (2 if trunks else 0), tree["stats"]
     for want, got in zip(stock["values"], tree["values"]):
         assert got.shape == want.shape and float((got - want).abs().max()) <= LOGP_TOL
@@ -256,7 +310,10 @@ def _example_worker(rank: int) -> dict:
 def test_verl_grpo_example_runs_with_trees():
     summary = run_spawned(_example_worker, 1, megatron=False)[0]
     assert summary["engine"] == "TreeMegatronEngineWithLMHead"
-    assert summary["tokens_computed"] < summary["tokens_unpacked"] and summary["loss"] == summary["loss"]  # not NaN
+    assert (
+        summary["tokens_computed"] < summary["tokens_unpacked"]
+        and summary["loss"] == summary["loss"]
+    )  # not NaN
 
 
 def _data_parallel_worker(rank: int, path: str) -> dict:
@@ -274,20 +331,35 @@ def _data_parallel_worker(rank: int, path: str) -> dict:
         # Capacity 64: rank 0's batch fits one tree, rank 1's needs two, so rank 0 runs an
         # all-padding tree (an empty verl micro-batch) to keep the ranks' schedules aligned.
         engine, model_config = harness.build_engine(path, vendor=vendor, tree_max_tokens=64)
-        padded, seqs = harness.rollout_batch(model_config.hf_config.vocab_size, prompts=3 + rank, seed=rank)
+        padded, seqs = harness.rollout_batch(
+            model_config.hf_config.vocab_size, prompts=3 + rank, seed=rank
+        )
         data = harness.engine_batch(padded)
         with engine.eval_mode():
             log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
         old = no_padding_2_padding(log_probs, data).detach().float()
-        advantages = torch.randn(old.shape, generator=torch.Generator().manual_seed(3 + rank)) * padded["response_mask"]
-        train = harness.engine_batch(dict(padded, old_log_probs=old, advantages=advantages), global_batch_size=len(seqs))
-        config = McoreActorConfig(strategy="megatron", rollout_n=2, ppo_mini_batch_size=len(seqs),
-                                  ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+        advantages = (
+            torch.randn(old.shape, generator=torch.Generator().manual_seed(3 + rank))
+            * padded["response_mask"]
+        )
+        train = harness.engine_batch(
+            dict(padded, old_log_probs=old, advantages=advantages), global_batch_size=len(seqs)
+        )
+        config = McoreActorConfig(
+            strategy="megatron",
+            rollout_n=2,
+            ppo_mini_batch_size=len(seqs),
+            ppo_micro_batch_size_per_gpu=2,
+            use_dynamic_bsz=False,
+        )
         with engine.train_mode():
             engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
             grads = parameter_grads(engine.module[0], main_grad=True, require_all=True)
-        out[vendor or "stock"] = {"log_probs": [t.clone() for t in log_probs.unbind()], "grads": grads,
-                                  "stats": getattr(engine, "tree_stats", None)}
+        out[vendor or "stock"] = {
+            "log_probs": [t.clone() for t in log_probs.unbind()],
+            "grads": grads,
+            "stats": getattr(engine, "tree_stats", None),
+        }
     return out
 
 
@@ -297,7 +369,10 @@ def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
     ranks = run_spawned(_data_parallel_worker, 2, path, megatron=False)
-    assert [r["megatron_tree"]["stats"]["micro_batches"] for r in ranks] == [2, 2]  # rank 0: one tree + one all-padding
+    assert [r["megatron_tree"]["stats"]["micro_batches"] for r in ranks] == [
+        2,
+        2,
+    ]  # rank 0: one tree + one all-padding
     for r in ranks:
         stock, tree = r["stock"], r["megatron_tree"]
         for want, got in zip(stock["log_probs"], tree["log_probs"]):
@@ -312,14 +387,17 @@ def test_a_failed_plugin_import_refuses_instead_of_falling_back():
     import sys
 
     code = (
-        "import sys; sys.modules['megatron_tree.integrations.verl'] = None\n"  # the adapter's import fails
-        "import verl\n"
-        "from verl.workers.engine import EngineRegistry\n"
-        "cls = EngineRegistry._engines['language_model']['megatron'][('cpu', 'megatron_tree')]\n"
-        "try:\n    cls()\nexcept ValueError as error:\n    print('REFUSED', error)\n"
+        # the adapter's import fails
+        "import sys; sys.modules['megatron_tree.integrations.verl'] = None\nimport verl\nfrom "
+        "verl.workers.engine import EngineRegistry\ncls = "
+        "EngineRegistry._engines['language_model']['megatron'][('cpu', 'megatron_tree')]\ntry:\n   "
+        " cls()\nexcept ValueError as error:\n    print('REFUSED', error)\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "REFUSED VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to import" in run.stdout, run.stderr[-2000:]
+    assert (
+        "REFUSED VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to "
+        "import" in run.stdout
+    ), run.stderr[-2000:]
     assert "could not be registered" in run.stderr
 
 
@@ -334,8 +412,11 @@ def _verls_balance(trainer, batch, metrics, logging_prefix="global_seqlen", keep
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
     lengths = batch.batch["attention_mask"].sum(-1)
-    parts = get_seqlen_balanced_partitions(calculate_workload(lengths), k_partitions=trainer._get_dp_size(None, "actor"),
-                                           equal_size=True)
+    parts = get_seqlen_balanced_partitions(
+        calculate_workload(lengths),
+        k_partitions=trainer._get_dp_size(None, "actor"),
+        equal_size=True,
+    )
     batch.reorder(torch.tensor([i for part in parts for i in part]))
 
 
@@ -352,39 +433,71 @@ def test_trainer_balancing_keeps_prompt_groups_on_one_rank(caplog):
 
     g = torch.Generator().manual_seed(0)
     prompts, samples, width = 8, 4, 64
-    input_ids, mask, uids = torch.zeros(prompts * samples, width, dtype=torch.long), torch.zeros(prompts * samples, width), []
+    input_ids, mask, uids = (
+        torch.zeros(prompts * samples, width, dtype=torch.long),
+        torch.zeros(prompts * samples, width),
+        [],
+    )
     for p in range(prompts):
-        prompt = torch.randint(1, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g)
+        prompt = torch.randint(
+            1, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g
+        )
         for s in range(samples):
-            seq = torch.cat([prompt, torch.randint(1, 1000, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g)])
+            seq = torch.cat(
+                [
+                    prompt,
+                    torch.randint(
+                        1, 1000, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g
+                    ),
+                ]
+            )
             input_ids[p * samples + s, : len(seq)], mask[p * samples + s, : len(seq)] = seq, 1
             uids.append(f"prompt-{p}")
     order = torch.randperm(prompts * samples, generator=g)  # verl's batch is not grouped in order
 
     def batch_of(n=prompts * samples, uid=None):
-        uid = np.array(uids, dtype=object)[order.numpy()][:n] if uid is None else np.array(uid, dtype=object)
-        return DataProto.from_dict({"input_ids": input_ids[order][:n].clone(), "attention_mask": mask[order][:n].clone()},
-                                   non_tensors={"uid": uid})
+        uid = (
+            np.array(uids, dtype=object)[order.numpy()][:n]
+            if uid is None
+            else np.array(uid, dtype=object)
+        )
+        return DataProto.from_dict(
+            {"input_ids": input_ids[order][:n].clone(), "attention_mask": mask[order][:n].clone()},
+            non_tensors={"uid": uid},
+        )
 
     tree_balance = tree_balance_batch(_verls_balance)
     for dp_size in (2, 4):
-        trainer = types.SimpleNamespace(actor_rollout_wg=None, _get_dp_size=lambda wg, role: dp_size)
+        trainer = types.SimpleNamespace(
+            actor_rollout_wg=None, _get_dp_size=lambda wg, role, dp_size=dp_size: dp_size
+        )
         result = {}
         for name, balance in (("verl", _verls_balance), ("tree", tree_balance)):
             batch, metrics = batch_of(), {}
             balance(trainer, batch, metrics)
-            chunks = [range(r * len(batch) // dp_size, (r + 1) * len(batch) // dp_size) for r in range(dp_size)]
+            chunks = [
+                range(r * len(batch) // dp_size, (r + 1) * len(batch) // dp_size)
+                for r in range(dp_size)
+            ]
             ids, m = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
-            result[name] = {"groups": [{batch.non_tensor_batch["uid"][i] for i in c} for c in chunks],
-                            "tokens": [_trie_nodes([ids[i][m[i]].tolist() for i in c]) for c in chunks],
-                            "metrics": metrics}
+            result[name] = {
+                "groups": [{batch.non_tensor_batch["uid"][i] for i in c} for c in chunks],
+                "tokens": [_trie_nodes([ids[i][m[i]].tolist() for i in c]) for c in chunks],
+                "metrics": metrics,
+            }
         tree, verl = result["tree"], result["verl"]
         assert sum(len(groups) for groups in tree["groups"]) == prompts  # each group on one rank
         assert sum(len(groups) for groups in verl["groups"]) > prompts  # verl splits groups
-        assert max(tree["tokens"]) < max(verl["tokens"]) and sum(tree["tokens"]) < sum(verl["tokens"])
+        assert max(tree["tokens"]) < max(verl["tokens"]) and sum(tree["tokens"]) < sum(
+            verl["tokens"]
+        )
         assert tree["metrics"]["global_seqlen/tree_tokens_max_rank"] == max(tree["tokens"])
-        print(f"dp={dp_size}: tree tokens per rank {tree['tokens']} (verl's balancing: {verl['tokens']})")
-    # 3 samples in one group, 5 in another: no equal chunks with groups whole -> verl's, and a warning.
+        print(
+            f"dp={dp_size}: tree tokens per rank {tree['tokens']} (verl's balancing: "
+            f"{verl['tokens']})"
+        )
+    # 3 samples in one group, 5 in another: no equal chunks with groups whole -> verl's, and a
+    # warning.
     trainer = types.SimpleNamespace(actor_rollout_wg=None, _get_dp_size=lambda wg, role: 2)
     uneven, expected = batch_of(8, ["a"] * 3 + ["b"] * 5), batch_of(8, ["a"] * 3 + ["b"] * 5)
     with caplog.at_level("WARNING"):

@@ -29,7 +29,6 @@ from megatron_tree.core.mask import (
     tree_depth,
 )
 from megatron_tree.testing.models import VOCAB, branching_sequences, pack
-
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import FP64_TOL, GRAD_RTOL, LOGP_TOL
 
@@ -50,13 +49,20 @@ def long_branching_sequences(seed: int = 0) -> list[torch.Tensor]:
     seqs = [torch.cat([prompt, rand(n)]) for n in (30, 22, 9, 41, 3)]
     turn1 = rand(16)
     turn2 = torch.cat([turn1, rand(25)])
-    seqs += [turn2, torch.cat([turn2, rand(18)]), torch.cat([turn2, rand(31)]), torch.cat([turn1[:6], rand(27)])]
+    seqs += [
+        turn2,
+        torch.cat([turn2, rand(18)]),
+        torch.cat([turn2, rand(31)]),
+        torch.cat([turn1[:6], rand(27)]),
+    ]
     seqs += [prompt[:11].clone(), seqs[3].clone()]
     return seqs
 
 
 def _tree(seqs=None, block_size: int = 16):
-    return pack(long_branching_sequences() if seqs is None else seqs, block_size=block_size, max_tokens=1024)[0]["tree"]
+    return pack(
+        long_branching_sequences() if seqs is None else seqs, block_size=block_size, max_tokens=1024
+    )[0]["tree"]
 
 
 def _visible(tree, window: int | None) -> torch.Tensor:
@@ -72,7 +78,8 @@ def _visible(tree, window: int | None) -> torch.Tensor:
 
 
 def _brute(q, k, v, visible, sink):
-    """q [nq, 1, np, hn], k / v [N, 1, ng, hn], visible bool [nq, N], sink [np] or None -> [nq, 1, np*hn]."""
+    """q [nq, 1, np, hn], k / v [N, 1, ng, hn], visible bool [nq, N], sink [np] or None -> [nq, 1,
+    np*hn]."""
     nq, _, heads, dim = q.shape
     rep = heads // k.shape[2]
     kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -91,14 +98,22 @@ def _qkv(n, seed=0, grad=True):
 
 
 def _sink(kind: str):
-    return {"none": None, "zeros": torch.zeros(4, dtype=torch.float64),
-            "learned": torch.tensor([1.5, -0.5, 0.0, 3.0], dtype=torch.float64, requires_grad=True)}[kind]
+    return {
+        "none": None,
+        "zeros": torch.zeros(4, dtype=torch.float64),
+        "learned": torch.tensor([1.5, -0.5, 0.0, 3.0], dtype=torch.float64, requires_grad=True),
+    }[kind]
 
 
 # ----------------------------------------------------------------------------- the mask
 
+
 def test_depth_from_subtree_end_equals_position_ids():
-    for seqs, max_tokens in [(long_branching_sequences(), 1024), (branching_sequences(), 512), (branching_sequences(), 64)]:
+    for seqs, max_tokens in [
+        (long_branching_sequences(), 1024),
+        (branching_sequences(), 512),
+        (branching_sequences(), 64),
+    ]:
         for mb in pack(seqs, max_tokens=max_tokens):
             tree = mb["tree"]
             assert torch.equal(tree_depth(tree), tree.position_ids.to(torch.int64))
@@ -119,10 +134,13 @@ def test_block_layout_skips_blocks_out_of_the_window(block_size):
     tiles that full attention needs."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, VOCAB, (48,), generator=g)
-    grpo = [torch.cat([prompt, torch.randint(1, VOCAB, (n,), generator=g)]) for n in (150, 200, 170, 181)]
+    grpo = [
+        torch.cat([prompt, torch.randint(1, VOCAB, (n,), generator=g)])
+        for n in (150, 200, 170, 181)
+    ]
     for tree in (_tree(block_size=block_size), _tree(grpo, block_size=block_size)):
         n = tree.padded_length
-        tiles = lambda m: m.view(n // block_size, block_size, n // block_size, block_size)  # noqa: E731
+        tiles = lambda m, n=n: m.view(n // block_size, block_size, n // block_size, block_size)  # noqa: E731
         for window in (None, 7, 0):
             visible = tiles(_visible(tree, window))
             any_allowed, all_allowed = tree_block_layout(tree, block_size, window=window)
@@ -132,8 +150,10 @@ def test_block_layout_skips_blocks_out_of_the_window(block_size):
     print(f"TILES block {block_size}: {listed}")
     assert listed[7] < listed[None] / 3, listed
     # The block-sparse plan gathers only the listed key blocks (plus its group padding).
-    gathered = {w: sum(kv.numel() for _, kv, _ in block_sparse_plan(tree.subtree_end, block_size, window=w))
-                for w in (None, 7)}
+    gathered = {
+        w: sum(kv.numel() for _, kv, _ in block_sparse_plan(tree.subtree_end, block_size, window=w))
+        for w in (None, 7)
+    }
     assert gathered[7] < gathered[None] / 2, gathered
 
 
@@ -150,35 +170,59 @@ def test_depth_window_convention_and_errors():
 
 # ----------------------------------------------------------------------------- attention
 
+
 @pytest.mark.parametrize("backend", ["sdpa", "block_sparse"])
-@pytest.mark.parametrize("window,sink", [(7, "none"), (0, "zeros"), (7, "learned"), (None, "learned"), (3, "zeros")])
+@pytest.mark.parametrize(
+    "window,sink", [(7, "none"), (0, "zeros"), (7, "learned"), (None, "learned"), (3, "zeros")]
+)
 @pytest.mark.parametrize("form", ["tree_mask", "subtree_end", "dense"])
 def test_backends_match_brute_force_forward_backward(backend, window, sink, form):
     tree = _tree()
-    mask = {"tree_mask": tree_attention_mask(tree), "subtree_end": tree.subtree_end,
-            "dense": build_attention_mask_from_trie(tree)}[form]
+    mask = {
+        "tree_mask": tree_attention_mask(tree),
+        "subtree_end": tree.subtree_end,
+        "dense": build_attention_mask_from_trie(tree),
+    }[form]
     q, k, v = _qkv(tree.padded_length)
     offset = _sink(sink)
     inputs = [q, k, v] + ([offset] if sink == "learned" else [])
     want = _brute(q, k, v, _visible(tree, window), offset)
     want_grads = torch.autograd.grad(want.square().sum(), inputs)
-    got = tree_attention(q, k, v, mask, backend=backend, block_size=16,
-                         window_size=None if window is None else (window, 0), softmax_offset=offset)
+    got = tree_attention(
+        q,
+        k,
+        v,
+        mask,
+        backend=backend,
+        block_size=16,
+        window_size=None if window is None else (window, 0),
+        softmax_offset=offset,
+    )
     grads = torch.autograd.grad(got.square().sum(), inputs)
     assert (got - want).abs().max() <= FP64_TOL
     for g, w in zip(grads, want_grads):
         assert (g - w).abs().max() <= FP64_TOL
 
 
-@pytest.mark.parametrize("window,sink", [(7, "none"), (0, "zeros"), (7, "learned"), (None, "learned")])
+@pytest.mark.parametrize(
+    "window,sink", [(7, "none"), (0, "zeros"), (7, "learned"), (None, "learned")]
+)
 def test_flex_forward_matches_brute_force_on_cpu(window, sink):
     tree = _tree()
     q, k, v = _qkv(tree.padded_length, grad=False)
     offset = None if _sink(sink) is None else _sink(sink).detach()
     want = _brute(q, k, v, _visible(tree, window), offset)
     for block_size in (16, 8):
-        got = tree_attention(q, k, v, tree_attention_mask(tree), backend="flex", block_size=block_size,
-                             window_size=None if window is None else (window, 0), softmax_offset=offset)
+        got = tree_attention(
+            q,
+            k,
+            v,
+            tree_attention_mask(tree),
+            backend="flex",
+            block_size=block_size,
+            window_size=None if window is None else (window, 0),
+            softmax_offset=offset,
+        )
         assert (got - want).abs().max() <= FP64_TOL
 
 
@@ -193,8 +237,16 @@ def test_context_parallel_rows_match_brute_force(backend, cp, unit):
     for rank in range(cp):
         split = context_parallel_split(tree, cp, rank, unit=unit)
         rows = split.local_positions
-        got = tree_attention(q[rows], k, v, tree_attention_mask(tree, split), backend=backend,
-                             block_size=16, window_size=WINDOW, softmax_offset=offset)
+        got = tree_attention(
+            q[rows],
+            k,
+            v,
+            tree_attention_mask(tree, split),
+            backend=backend,
+            block_size=16,
+            window_size=WINDOW,
+            softmax_offset=offset,
+        )
         assert (got - want[rows]).abs().max() <= FP64_TOL
 
 
@@ -205,7 +257,9 @@ def test_windows_share_one_plan_each():
     mask = tree_attention_mask(tree)
     for _ in range(3):
         for window_size in (WINDOW, None):
-            tree_attention(q, k, v, mask, backend="block_sparse", block_size=16, window_size=window_size)
+            tree_attention(
+                q, k, v, mask, backend="block_sparse", block_size=16, window_size=window_size
+            )
     assert sorted(key[-1] is None for key in mask.plan._forms) == [False, True]
 
 
@@ -220,11 +274,14 @@ def test_attention_argument_errors():
 
 # ----------------------------------------------------------------------------- the model
 
+
 def _config(softmax_type: str, **overrides):
     from megatron_tree.testing.models import small_gpt_config
 
     # Layers 1 and 3 use the window, layer 2 attends fully (Megatron: layer % freq != 0 is local).
-    fields = dict(num_layers=3, window_size=WINDOW, window_attn_skip_freq=2, softmax_type=softmax_type)
+    fields = dict(
+        num_layers=3, window_size=WINDOW, window_attn_skip_freq=2, softmax_type=softmax_type
+    )
     return small_gpt_config(**{**fields, **overrides})
 
 
@@ -235,10 +292,16 @@ def _models(softmax_type: str, backend: str):
     tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend=backend, block_size=16)
     stock = build_gpt_model(config, tree=False, vocab_size=VOCAB)
     if softmax_type == "learnable":
-        with torch.no_grad():  # Megatron's init (std 0.02) leaves the sinks near 0: make them matter
+        with (
+            torch.no_grad()
+        ):  # Megatron's init (std 0.02) leaves the sinks near 0: make them matter
             for i, layer in enumerate(tree.decoder.layers):
-                layer.self_attention.core_attention.softmax_offset.copy_(torch.tensor([1.0, -1.0, 0.5, 2.0]) + 0.1 * i)
-    stock.load_state_dict(tree.state_dict())  # strict: the tree model's state dict is the stock one's
+                layer.self_attention.core_attention.softmax_offset.copy_(
+                    torch.tensor([1.0, -1.0, 0.5, 2.0]) + 0.1 * i
+                )
+    stock.load_state_dict(
+        tree.state_dict()
+    )  # strict: the tree model's state dict is the stock one's
     return tree, stock
 
 
@@ -247,15 +310,23 @@ def _logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)[:-1].gather(1, ids[1:, None])[:, 0]
 
 
-@pytest.mark.parametrize("softmax_type,backend", [
-    ("vanilla", "block_sparse"), ("off-by-one", "block_sparse"), ("learnable", "block_sparse"),
-    ("learnable", "sdpa"), ("off-by-one", "sdpa"),
-])
+@pytest.mark.parametrize(
+    "softmax_type,backend",
+    [
+        ("vanilla", "block_sparse"),
+        ("off-by-one", "block_sparse"),
+        ("learnable", "block_sparse"),
+        ("learnable", "sdpa"),
+        ("off-by-one", "sdpa"),
+    ],
+)
 def test_tree_model_matches_stock_model_per_sequence(world, softmax_type, backend):
     seqs = long_branching_sequences()
     weights = torch.linspace(0.5, 1.5, len(seqs))  # a different weight per sequence
     tree_model, stock = _models(softmax_type, backend)
-    assert [layer.self_attention.core_attention.window_size for layer in tree_model.decoder.layers] == [WINDOW, None, WINDOW]
+    assert [
+        layer.self_attention.core_attention.window_size for layer in tree_model.decoder.layers
+    ] == [WINDOW, None, WINDOW]
 
     want, loss = {}, 0.0
     for i, s in enumerate(seqs):
@@ -266,7 +337,9 @@ def test_tree_model_matches_stock_model_per_sequence(world, softmax_type, backen
 
     (mb,) = pack(seqs, max_tokens=1024)
     tree = mb["tree"]
-    logits = tree_model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))[0]
+    logits = tree_model(
+        mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree)
+    )[0]
     logp = torch.log_softmax(logits.float(), -1)
     got, loss = {}, 0.0
     for j in range(tree.num_sequences):
@@ -276,13 +349,19 @@ def test_tree_model_matches_stock_model_per_sequence(world, softmax_type, backen
     loss.backward()
 
     err = max(float((got[i] - want[i]).abs().max()) for i in want)
-    rel = gradient_errors(parameter_grads(tree_model, require_all=True),
-                          parameter_grads(stock, require_all=True))
-    print(f"PARITY {softmax_type} {backend} window={WINDOW} logprob_err={err:.2e} grad_rel={max(rel.values()):.2e}")
+    rel = gradient_errors(
+        parameter_grads(tree_model, require_all=True), parameter_grads(stock, require_all=True)
+    )
+    print(
+        f"PARITY {softmax_type} {backend} window={WINDOW} logprob_err={err:.2e} "
+        f"grad_rel={max(rel.values()):.2e}"
+    )
     assert err <= LOGP_TOL
     assert max(rel.values()) <= GRAD_RTOL, rel
     if softmax_type == "learnable":
-        assert all(n in rel for n in ("decoder.layers.0.self_attention.core_attention.softmax_offset",))
+        assert all(
+            n in rel for n in ("decoder.layers.0.self_attention.core_attention.softmax_offset",)
+        )
 
 
 def test_flex_model_forward_matches_stock_model(world):
@@ -291,10 +370,15 @@ def test_flex_model_forward_matches_stock_model(world):
     (mb,) = pack(seqs, max_tokens=1024)
     tree = mb["tree"]
     with torch.no_grad():
-        logits = tree_model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))[0]
+        logits = tree_model(
+            mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree)
+        )[0]
         for j in range(tree.num_sequences):
             idx, i = tree.sequence_token_index(j), int(tree.sequence_ids[j])
-            want = _logprobs(stock(seqs[i][None], torch.arange(len(seqs[i]))[None], attention_mask=None)[0], seqs[i])
+            want = _logprobs(
+                stock(seqs[i][None], torch.arange(len(seqs[i]))[None], attention_mask=None)[0],
+                seqs[i],
+            )
             assert (_logprobs(logits[idx], tree.input_ids[idx]) - want).abs().max() <= LOGP_TOL
 
 
@@ -304,13 +388,25 @@ def test_softmax_offset_parameter_and_errors(world):
     from megatron_tree.mcore.core_attention import TreeCoreAttention
 
     module = TreeCoreAttention(_config("learnable"), 1, AttnMaskType.arbitrary, "self")
-    assert isinstance(module.softmax_offset, torch.nn.Parameter) and module.softmax_offset.shape == (4,)
+    assert isinstance(
+        module.softmax_offset, torch.nn.Parameter
+    ) and module.softmax_offset.shape == (4,)
     assert list(module.state_dict()) == ["softmax_offset"]
     sharded = module.sharded_state_dict(prefix="layer.")
-    assert list(sharded) == ["layer.softmax_offset"] and sharded["layer.softmax_offset"].axis_fragmentations[0] == 1
+    assert (
+        list(sharded) == ["layer.softmax_offset"]
+        and sharded["layer.softmax_offset"].axis_fragmentations[0] == 1
+    )
     zeros = TreeCoreAttention(_config("off-by-one"), 1, AttnMaskType.arbitrary, "self")
     assert torch.equal(zeros.softmax_offset, torch.zeros(4)) and list(zeros.state_dict()) == []
-    with pytest.raises(ValueError, match=r"layer 1: config.window_size=\(7, 3\).*use window_size=\(7, 0\)"):
+    with pytest.raises(
+        ValueError, match=r"layer 1: config.window_size=\(7, 3\).*use window_size=\(7, 0\)"
+    ):
         TreeCoreAttention(_config("vanilla", window_size=(7, 3)), 1, AttnMaskType.arbitrary, "self")
     # window_attn_skip_freq=2: layer 2 is a full-attention layer, so its window is never read.
-    assert TreeCoreAttention(_config("vanilla", window_size=(7, 3)), 2, AttnMaskType.arbitrary, "self").window_size is None
+    assert (
+        TreeCoreAttention(
+            _config("vanilla", window_size=(7, 3)), 2, AttnMaskType.arbitrary, "self"
+        ).window_size
+        is None
+    )

@@ -44,7 +44,8 @@ import inspect
 import logging
 import re
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from mbridge.core import bridge as bridge_module
 from megatron.core.models.gpt import gpt_layer_specs
@@ -53,11 +54,11 @@ from megatron.core.transformer.enums import AttnBackend
 
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
-from ._hook import InitHook
+from ..mcore.spec import tree_attention_spec
 from ..patches import mbridge_compat, mbridge_deepseek
 from ..patches._scoped import swapped
+from ._hook import InitHook
 from .routing import sigmoid_router_fields
-from ..mcore.spec import tree_attention_spec
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
     attention = dict(type(bridge)._ATTENTION_MAPPING)
     mlp = dict(type(bridge)._MLP_MAPPING)
     other = dict(type(bridge)._OTHER_MAPPING)
-    input_norm = attention.get("self_attention.linear_qkv.layer_norm_weight", attention.get("input_layernorm.weight"))
+    input_norm = attention.get(
+        "self_attention.linear_qkv.layer_norm_weight", attention.get("input_layernorm.weight")
+    )
     # Dense TE specs fuse the pre-MLP norm into linear_fc1; MoE specs keep a separate
     # pre_mlp_layernorm, which mbridge's MoE bridges already map (as the local spec names it).
     pre_mlp_norm = mlp.get("mlp.linear_fc1.layer_norm_weight", mlp.get("pre_mlp_layernorm"))
@@ -99,7 +102,8 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
         raise ValueError(
             f"{type(bridge).__name__} has no fused-norm weight mapping to derive the local spec's "
             "norm names from; tree training through mbridge without transformer-engine supports "
-            "GPT bridges with RMSNorm/LayerNorm layers (Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, ...)"
+            "GPT bridges with RMSNorm/LayerNorm layers (Qwen2, Qwen3, Llama, Qwen3-MoE, "
+            "DeepSeek-V3, ...)"
         )
     for local, fused in _MLA_NORMS.items():
         if fused in attention and local not in attention:
@@ -119,7 +123,8 @@ def _extend_weight_maps_for_local_spec(bridge: Any) -> None:
     bridge._weight_name_mapping_mcore_to_hf = mcore_to_hf
 
 
-# The local spec's SequentialMLP experts: decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc{1,2}.weight
+# The local spec's SequentialMLP experts:
+# decoder.layers.{l}.mlp.experts.local_experts.{i}.linear_fc{1,2}.weight
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
@@ -145,12 +150,18 @@ def _match_hf_router(bridge: Any) -> None:
     config, hf_config = bridge.config, bridge.hf_config
     extra = {}
     norm_topk_prob = getattr(hf_config, "norm_topk_prob", None)
-    if (norm_topk_prob is not None and config.moe_router_score_function == "softmax"
-            and config.moe_router_pre_softmax != (not norm_topk_prob)):
+    if (
+        norm_topk_prob is not None
+        and config.moe_router_score_function == "softmax"
+        and config.moe_router_pre_softmax != (not norm_topk_prob)
+    ):
         extra["moe_router_pre_softmax"] = not norm_topk_prob
-    if (config.moe_shared_expert_intermediate_size and not config.moe_shared_expert_gate
-            and "shared_experts.gate_weight" in type(bridge)._MLP_MAPPING
-            and getattr(hf_config, "shared_expert_intermediate_size", None)):
+    if (
+        config.moe_shared_expert_intermediate_size
+        and not config.moe_shared_expert_gate
+        and "shared_experts.gate_weight" in type(bridge)._MLP_MAPPING
+        and getattr(hf_config, "shared_expert_intermediate_size", None)
+    ):
         extra["moe_shared_expert_gate"] = True
     if config.moe_router_score_function == "sigmoid":
         extra.update(_match_hf_sigmoid_router(bridge))
@@ -173,7 +184,10 @@ def _match_hf_sigmoid_router(bridge: Any) -> dict:
     fields = sigmoid_router_fields(hf_config, where=type(bridge).__name__)
     extra = {k: v for k, v in fields.items() if getattr(config, k) != v}
     shared = getattr(hf_config, "n_shared_experts", None)
-    if shared and config.moe_shared_expert_intermediate_size != hf_config.moe_intermediate_size * shared:
+    if (
+        shared
+        and config.moe_shared_expert_intermediate_size != hf_config.moe_intermediate_size * shared
+    ):
         extra["moe_shared_expert_intermediate_size"] = hf_config.moe_intermediate_size * shared
     return extra
 
@@ -189,14 +203,17 @@ def _bind_local_moe(bridge: Any) -> None:
     """
     # Grouped GEMM needs transformer-engine or the grouped_gemm package; persist_layer_norm is
     # apex-only (the torch norms assert it off); the shared-expert overlap creates a CUDA stream.
-    bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, moe_shared_expert_overlap=False)
+    bridge.set_extra_args(
+        moe_grouped_gemm=False, persist_layer_norm=False, moe_shared_expert_overlap=False
+    )
     mpu = bridge.mpu
     if mpu.etp_size != mpu.tp_size:
         raise ValueError(
-            f"expert_tensor_parallel_size={mpu.etp_size} differs from tensor_model_parallel_size="
-            f"{mpu.tp_size}: without transformer-engine, tree training through mbridge loads experts "
-            "as the local spec's SequentialMLP, split like the dense layers; initialize "
-            "parallel_state with expert_tensor_parallel_size equal to the tensor-parallel size"
+            f"expert_tensor_parallel_size={mpu.etp_size} differs from "
+            f"tensor_model_parallel_size={mpu.tp_size}: without transformer-engine, tree training "
+            "through mbridge loads experts as the local spec's SequentialMLP, split like the "
+            "dense layers; initialize parallel_state with expert_tensor_parallel_size equal to "
+            "the tensor-parallel size"
         )
     original = bridge._weight_name_mapping_mcore_local_to_global
 
@@ -253,7 +270,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     original_provider = bridge._model_provider
 
     # megatron-core versions differ in whether the block spec takes vp_stage; ask once.
-    has_vp_stage = "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
+    has_vp_stage = (
+        "vp_stage" in inspect.signature(gpt_layer_specs.get_gpt_decoder_block_spec).parameters
+    )
 
     def get_transformer_layer_spec(vp_stage=None):
         if use_te:
@@ -328,7 +347,9 @@ def patch_bridge_for_tree_training(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    with _HOOK.block(bridge_module.Bridge, {"backend": backend, "block_size": block_size} if enable else None):
+    with _HOOK.block(
+        bridge_module.Bridge, {"backend": backend, "block_size": block_size} if enable else None
+    ):
         yield
 
 

@@ -37,7 +37,8 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -67,8 +68,12 @@ def _megatron_bridge() -> tuple[Any, type]:
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
-    for name, kind in (("TreeGatedDeltaNet", "column"), ("LocalNorm", "replicated"),
-                       ("TreeCoreAttention", "column"), ("ExpertRowParallelLinear", "row")):
+    for name, kind in (
+        ("TreeGatedDeltaNet", "column"),
+        ("LocalNorm", "replicated"),
+        ("TreeCoreAttention", "column"),
+        ("ExpertRowParallelLinear", "row"),
+    ):
         AutoMapping.register_module_type(name, kind)
     return gpt_provider, AutoBridge
 
@@ -77,14 +82,23 @@ def te_layer_specs() -> set:
     """Megatron-Bridge's transformer-engine layer specs (a provider's default), which fail to build
     without transformer-engine; :func:`make_tree_provider` swaps them for the local spec."""
     gpt_provider, _ = _megatron_bridge()
-    return {gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec,
-            gpt_provider.transformer_engine_full_layer_spec}
+    return {
+        gpt_provider.default_layer_spec,
+        gpt_provider.transformer_engine_layer_spec,
+        gpt_provider.transformer_engine_full_layer_spec,
+    }
 
 
 # Provider flags that need transformer-engine or apex (finalize() or the torch norms raise).
-_TE_ONLY_FLAGS = ("apply_rope_fusion", "persist_layer_norm", "masked_softmax_fusion",
-                  "gradient_accumulation_fusion", "sequence_parallel", "moe_permute_fusion",
-                  "moe_grouped_gemm")
+_TE_ONLY_FLAGS = (
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "masked_softmax_fusion",
+    "gradient_accumulation_fusion",
+    "sequence_parallel",
+    "moe_permute_fusion",
+    "moe_grouped_gemm",
+)
 
 
 def _hybrid_te_spec() -> Any:
@@ -114,14 +128,17 @@ def _check_tree_model(model: Any) -> None:
     check_tree_model(model)
 
 
-def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int = 128, hf_config: Any = None) -> Any:
+def make_tree_provider(
+    provider: Any, *, backend: str = "auto", block_size: int = 128, hf_config: Any = None
+) -> Any:
     """Make a Megatron-Bridge ``GPTModelProvider`` build tree models (in place, idempotent).
 
     With the checkpoint's ``hf_config`` (what the bound bridges pass), a sigmoid router is checked
     to be one Megatron reproduces (:func:`megatron_tree.bridges.routing.sigmoid_router_fields`).
 
     Raises:
-        ValueError: not a GPT provider; at ``provide()``, multi-token prediction (``mtp_num_layers``,
+        ValueError: not a GPT provider; at ``provide()``, multi-token prediction
+        (``mtp_num_layers``,
             not a tree operation: set it to None first).
     """
     if getattr(provider, _BOUND_ATTR, None) is not None:
@@ -129,14 +146,20 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
     gpt_provider, _ = _megatron_bridge()
     if not isinstance(provider, gpt_provider.GPTModelProvider):
         raise ValueError(
-            f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT models "
-            "(attention, MoE and gated delta-net hybrids); Mamba hybrids such as Nemotron-H build a "
-            "HybridModel, which is not supported with trees yet"
+            f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT "
+            "models (attention, MoE and gated delta-net hybrids); Mamba hybrids such as "
+            "Nemotron-H build a HybridModel, which is not supported with trees yet"
         )
-    if hf_config is not None and provider.num_moe_experts and provider.moe_router_score_function == "sigmoid":
+    if (
+        hf_config is not None
+        and provider.num_moe_experts
+        and provider.moe_router_score_function == "sigmoid"
+    ):
         for name, value in sigmoid_router_fields(hf_config, where=type(provider).__name__).items():
             setattr(provider, name, value)
-    if provider.mtp_num_layers == 0:  # Kimi-K2's provider: 0 means none, but megatron-core 0.16 runs MTP
+    if (
+        provider.mtp_num_layers == 0
+    ):  # Kimi-K2's provider: 0 means none, but megatron-core 0.16 runs MTP
         provider.mtp_num_layers = None
     if provider.attention_backend == AttnBackend.local:
         provider.attention_backend = AttnBackend.auto  # local would overwrite core_attention
@@ -153,8 +176,9 @@ def make_tree_provider(provider: Any, *, backend: str = "auto", block_size: int 
             megatron_bridge_experts.apply()
 
     def tree_layer_spec(config, vp_stage=None):
-        return tree_attention_spec(_resolve_spec(base_spec, config, vp_stage), backend=backend,
-                                   block_size=block_size)
+        return tree_attention_spec(
+            _resolve_spec(base_spec, config, vp_stage), backend=backend, block_size=block_size
+        )
 
     original_provide = provider.provide
 
@@ -185,8 +209,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     @functools.wraps(original)
     def to_megatron_provider(*args, **kwargs):
         hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
-        return make_tree_provider(original(*args, **kwargs), backend=backend, block_size=block_size,
-                                  hf_config=hf_config)
+        return make_tree_provider(
+            original(*args, **kwargs), backend=backend, block_size=block_size, hf_config=hf_config
+        )
 
     bridge.to_megatron_provider = to_megatron_provider
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size})
@@ -196,7 +221,8 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
 def patch_megatron_bridge_for_tree_training(
     enable: bool = True, *, backend: str = "auto", block_size: int = 128
 ) -> Iterator[None]:
-    """``AutoBridge`` instances created inside this block build tree-attention models with depth RoPE.
+    """``AutoBridge`` instances created inside this block build tree-attention models with depth
+    RoPE.
 
     Usage::
 
@@ -217,7 +243,9 @@ def patch_megatron_bridge_for_tree_training(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     _, auto_bridge = _megatron_bridge()
-    with _HOOK.block(auto_bridge, {"backend": backend, "block_size": block_size} if enable else None):
+    with _HOOK.block(
+        auto_bridge, {"backend": backend, "block_size": block_size} if enable else None
+    ):
         yield
 
 

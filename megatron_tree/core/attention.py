@@ -66,7 +66,9 @@ def _dense_form(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
         dense = attention_mask[:, 0]
     else:
-        raise ValueError(f"dense tree attention_mask must be [N, N] or [b, 1, N, N], got shape {shape}")
+        raise ValueError(
+            f"dense tree attention_mask must be [N, N] or [b, 1, N, N], got shape {shape}"
+        )
     if dense.shape[-2:] != (sq, sk):
         raise ValueError(
             f"dense tree attention_mask has shape {shape} but the packed sequence has {sq} query "
@@ -75,13 +77,14 @@ def _dense_form(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     return dense
 
 
-def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
-             ) -> tuple[TreeMaskPlan | None, torch.Tensor | None]:
+def _plan_of(
+    attention_mask: torch.Tensor | None, sq: int, sk: int
+) -> tuple[TreeMaskPlan | None, torch.Tensor | None]:
     """Validated mask: (plan, None) for the encodings, (None, dense [r, N, N]) for a dense mask."""
     if attention_mask is None:
         raise ValueError(
-            "tree attention needs the tree mask: pass attention_mask=tree_attention_mask(tree) "
-            "(or PackedTree.subtree_end, or a dense bool mask)"
+            "tree attention needs the tree mask: pass attention_mask=tree_attention_mask(tree) (or "
+            "PackedTree.subtree_end, or a dense bool mask)"
         )
     plan = attention_mask.plan if isinstance(attention_mask, TreeMask) else None
     if sq != sk and (plan is None or plan.query_positions is None):
@@ -93,23 +96,23 @@ def _plan_of(attention_mask: torch.Tensor | None, sq: int, sk: int
         return None, _dense_form(attention_mask, sq, sk)
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
         raise ValueError(
-            f"tree attention_mask must be an integer subtree_end or a bool mask, got dtype "
+            "tree attention_mask must be an integer subtree_end or a bool mask, got dtype "
             f"{attention_mask.dtype}"
         )
     shape = tuple(attention_mask.shape)
     if attention_mask.dim() not in (1, 2) or shape[-1] != sk:
         raise ValueError(
-            f"subtree_end attention_mask has shape {shape} but the attention has {sk} keys; build the "
-            "mask of the rows the model runs: tree_attention_mask(micro_batch['rows'], store=...) (a "
-            "trunk-reuse part or a context-parallel share computes some rows of its tree; "
-            "tree_forward_backward does this), or tree_attention_mask(tree) for a whole tree"
+            f"subtree_end attention_mask has shape {shape} but the attention has {sk} keys; build "
+            "the mask of the rows the model runs: tree_attention_mask(micro_batch['rows'], "
+            "store=...) (a trunk-reuse part or a context-parallel share computes some rows of its "
+            "tree; tree_forward_backward does this), or tree_attention_mask(tree) for a whole tree"
         )
     if plan is not None:
         if plan.num_queries != sq:
             raise ValueError(
                 f"the tree mask is for {plan.num_queries} query rows, got {sq}: pass the model the "
-                "rows' own inputs (micro_batch['input_ids'] / ['position_ids'], i.e. rows.local(...) "
-                "of the tree's) with the mask of those rows"
+                "rows' own inputs (micro_batch['input_ids'] / ['position_ids'], i.e. "
+                "rows.local(...) of the tree's) with the mask of those rows"
             )
         return plan, None
     return TreeMaskPlan(attention_mask.reshape(-1, sq)), None
@@ -141,7 +144,8 @@ def tree_attention(
         softmax_scale: defaults to 1 / sqrt(hn).
         dropout_p: attention-probability dropout (already 0 when not training).
         block_size: tile size of the ``flex`` and ``block_sparse`` backends.
-        compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA only.
+        compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA
+        only.
         window_size: Megatron's sliding window ``(left, 0)`` over depth (see the module docstring),
             or None; ``(-1, 0)`` is no window.
         softmax_offset: float [np], the sink logit of each query head (zeros for Megatron's
@@ -158,12 +162,14 @@ def tree_attention(
     sk, _, num_groups, _ = key.shape
     value_dim = value.shape[-1]
     if num_heads % num_groups:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_groups} key/value groups")
+        raise ValueError(
+            f"{num_heads} query heads are not a multiple of {num_groups} key/value groups"
+        )
     window = depth_window(window_size)
     if softmax_offset is not None and tuple(softmax_offset.shape) != (num_heads,):
         raise ValueError(
-            f"softmax_offset has shape {tuple(softmax_offset.shape)}, expected ({num_heads},): one sink "
-            "logit per query head of this rank"
+            f"softmax_offset has shape {tuple(softmax_offset.shape)}, expected ({num_heads},): one "
+            "sink logit per query head of this rank"
         )
     plan, dense = _plan_of(attention_mask, sq, sk)
     mask_rows = (dense if plan is None else plan.subtree_end).shape[0]
@@ -173,24 +179,42 @@ def tree_attention(
     if backend == "auto":
         backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
     if backend == "flex" and dropout_p > 0.0:
-        raise ValueError("the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'")
-    if plan is None and (backend != "sdpa" or window is not None):  # sdpa uses a dense mask as given
+        raise ValueError(
+            "the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'"
+        )
+    if plan is None and (
+        backend != "sdpa" or window is not None
+    ):  # sdpa uses a dense mask as given
         plan = TreeMaskPlan(encoding_from_dense(dense))
 
     # [N, b, h, hn] -> [b, h, N, hn]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    attend = dict(scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset)
+    attend = dict(
+        scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset
+    )
     if backend == "sdpa":
         keep = (~dense).unsqueeze(1) if plan is None else plan.dense_allowed(window)
         out = _attend(q, k, v, keep, **attend)
     elif backend == "flex":
         compile_flex = q.is_cuda if compile_flex is None else compile_flex
-        out = _flex(q, k, v, plan, scale=scale, gqa=attend["gqa"], block_size=block_size,
-                    compile_flex=compile_flex, window=window, sink=softmax_offset)
+        out = _flex(
+            q,
+            k,
+            v,
+            plan,
+            scale=scale,
+            gqa=attend["gqa"],
+            block_size=block_size,
+            compile_flex=compile_flex,
+            window=window,
+            sink=softmax_offset,
+        )
     else:
         rows = []
         for row in range(b):
-            groups = plan.block_sparse(row if plan.subtree_end.shape[0] > 1 else 0, block_size, window)
+            groups = plan.block_sparse(
+                row if plan.subtree_end.shape[0] > 1 else 0, block_size, window
+            )
             rows.append(_block_sparse_row(q[row], k[row], v[row], groups, attend)[:, :sq])
         out = torch.stack(rows)
     # [b, np, N, hv] -> [N, b, np * hv]
@@ -199,16 +223,22 @@ def tree_attention(
 
 def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
     """Masked attention. q / k [..., np | ng, nq | nk, hn], v [..., ng, nk, hv], keep bool
-    broadcastable to [..., np, nq, nk] (True = attend), sink float [np] or None -> [..., np, nq, hv]."""
+    broadcastable to [..., np, nq, nk] (True = attend), sink float [np] or None -> [..., np, nq,
+    hv]."""
     if sink is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
     *lead, heads, nq, head_dim = q.shape
     groups = k.shape[-3]
-    # Query heads of one key/value group together: [..., ng, np/ng, nq, hn] against [..., ng, 1, nk, hn].
+    # Query heads of one key/value group together: [..., ng, np/ng, nq, hn] against [..., ng, 1, nk,
+    # hn].
     q_grouped = q.reshape(*lead, groups, heads // groups, nq, head_dim)
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax, as Megatron's
     scores = torch.matmul(q_grouped, k.unsqueeze(-3).transpose(-1, -2)) * scale
-    scores = scores.reshape(*lead, heads, nq, -1).to(softmax_dtype).masked_fill(~keep, float("-inf"))  # [..., np, nq, nk]
+    scores = (
+        scores.reshape(*lead, heads, nq, -1).to(softmax_dtype).masked_fill(~keep, float("-inf"))
+    )  # [..., np, nq, nk]
     # Megatron's SoftmaxOne: the sink is one more logit per row, with no value.
     sink_column = sink.to(softmax_dtype).reshape(heads, 1, 1).expand(*lead, heads, nq, 1)
     probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1].to(v.dtype)
@@ -218,7 +248,9 @@ def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
     return out.reshape(*lead, heads, nq, v.shape[-1])
 
 
-def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, window, sink) -> torch.Tensor:
+def _flex(
+    q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, window, sink
+) -> torch.Tensor:
     """[b=1, h, nq, hn] queries, [1, h, N, hn] keys, [1, h, N, hv] values -> [1, np, nq, hv]."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
@@ -238,10 +270,16 @@ def _flex(q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, 
     if padded_k != sk:
         k, v = (F.pad(t, (0, 0, 0, padded_k - sk)) for t in (k, v))
     # torch 2.13 compiles flex on CPU for inference without the LSE: a sink runs eagerly there.
-    fn = compiled_flex_attention() if compile_flex and (sink is None or q.is_cuda) else flex_attention
+    fn = (
+        compiled_flex_attention()
+        if compile_flex and (sink is None or q.is_cuda)
+        else flex_attention
+    )
     if sink is None:
         return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
-    out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    out, aux = fn(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
     # With a sink logit o per head: out' = out * e^lse / (e^lse + e^o) = out * sigmoid(lse - o).
     lse = aux.lse.to(torch.promote_types(aux.lse.dtype, torch.float32))
     rescale = torch.sigmoid(lse - sink.to(lse.dtype)[None, :, None])  # [1, np, padded nq]

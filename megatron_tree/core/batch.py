@@ -10,8 +10,7 @@ Legend: B batch size, L padded sequence length, N packed tree length, T the tree
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -28,8 +27,12 @@ def micro_batch(tree: PackedTree, rows: TreeRows | None = None) -> dict:
     :class:`~megatron_tree.core.rows.TreeRows` it computes; default all of ``tree``) and its rows'
     ``input_ids`` / ``position_ids`` [1, n]."""
     rows = TreeRows.whole(tree) if rows is None else rows
-    return {"input_ids": rows.local(rows.tree.input_ids)[None], "position_ids": rows.local(rows.tree.position_ids)[None],
-            "tree": tree, "rows": rows}
+    return {
+        "input_ids": rows.local(rows.tree.input_ids)[None],
+        "position_ids": rows.local(rows.tree.position_ids)[None],
+        "tree": tree,
+        "rows": rows,
+    }
 
 
 def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +123,9 @@ class PackedTreeBatch(Sequence):
         """Forward+backward FLOPs of every micro-batch's tree (linear layers per unique token plus
         attention per allowed pair; 0 for a dummy tree), under ``shape`` or else ``cost_model``."""
         if shape is None and self.cost_model is None:
-            raise ValueError("tree_costs needs a shape: pass a GPTShape, or pack with cost_model=...")
+            raise ValueError(
+                "tree_costs needs a shape: pass a GPTShape, or pack with cost_model=..."
+            )
         if shape is not None and shape != self.cost_model:
             return [_cost(mb, shape) for mb in self.micro_batches]
         if self._costs is None:
@@ -156,14 +161,18 @@ class PackedTreeBatch(Sequence):
     def __repr__(self) -> str:
         costs = ""
         if self.cost_model is not None and self.max_tree_cost is not None:
-            costs = f", tree_tflops_min={self.min_tree_cost / 1e12:.4g}, tree_tflops_max={self.max_tree_cost / 1e12:.4g}"
+            costs = (
+                f", tree_tflops_min={self.min_tree_cost / 1e12:.4g}"
+                f", tree_tflops_max={self.max_tree_cost / 1e12:.4g}"
+            )
         return (
             f"PackedTreeBatch(micro_batches={len(self)}, sequences={self.batch_size}, "
             f"real_tokens={self.num_real_tokens}, tree_tokens={self.num_tree_tokens}, "
-            f"padded_tokens={self.num_padded_tokens}, tree_token_ratio={self.tree_token_ratio:.4f}{costs})"
+            f"padded_tokens={self.num_padded_tokens}, "
+            f"tree_token_ratio={self.tree_token_ratio:.4f}{costs})"
         )
 
-    def attach(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> "PackedTreeBatch":
+    def attach(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> PackedTreeBatch:
         """Attach a per-token input to every micro-batch, in place; returns ``self``.
 
         Args:
@@ -179,23 +188,29 @@ class PackedTreeBatch(Sequence):
             return self.attach_padded({name: values})
         values = [_numpy_as_tensor(f"{name}[{i}]", value) for i, value in enumerate(values)]
         if len(values) != len(self):
-            raise ValueError(f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches")
+            raise ValueError(
+                f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches"
+            )
         for i, (mb, value) in enumerate(zip(self.micro_batches, values)):
             expected = mb["tree"].num_sequence_tokens
             if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != expected:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                shape = (
+                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                )
                 raise ValueError(
-                    f"{name}: micro-batch {i} needs a tensor [T={expected}, ...] (its sequence tokens), "
-                    f"got {shape}"
+                    f"{name}: micro-batch {i} needs a tensor [T={expected}, ...] (its sequence "
+                    f"tokens), got {shape}"
                 )
         for mb, value in zip(self.micro_batches, values):
             mb[name] = value
         return self
 
-    def attach_padded(self, values: dict[str, torch.Tensor]) -> "PackedTreeBatch":
+    def attach_padded(self, values: dict[str, torch.Tensor]) -> PackedTreeBatch:
         """:meth:`attach` several tensors [B, L, ...] in the padded layout (numpy arrays too),
         reading each tree's token positions once for all of them."""
-        longest = max((int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0)
+        longest = max(
+            (int(t.sequence_lengths.max()) for t in self.trees if not t.is_dummy), default=0
+        )
         values = {name: _numpy_as_tensor(name, value) for name, value in values.items()}
         for name, value in values.items():
             _check_name(name)
@@ -206,8 +221,9 @@ class PackedTreeBatch(Sequence):
                 )
             if value.dim() < 2 or value.shape[0] != self.batch_size or value.shape[1] < longest:
                 raise ValueError(
-                    f"{name}: a padded-layout tensor must be [B, L, ...] with B = {self.batch_size} and "
-                    f"L >= {longest} (the longest sequence), got {tuple(value.shape)}"
+                    f"{name}: a padded-layout tensor must be [B, L, ...] with B = "
+                    f"{self.batch_size} and L >= {longest} (the longest sequence), got "
+                    f"{tuple(value.shape)}"
                 )
         for mb in self.micro_batches:
             rows, cols = batch_positions(mb["tree"])
@@ -215,7 +231,7 @@ class PackedTreeBatch(Sequence):
                 mb[name] = value[rows.to(value.device), cols.to(value.device)]
         return self
 
-    def to(self, device: torch.device | str) -> "PackedTreeBatch":
+    def to(self, device: torch.device | str) -> PackedTreeBatch:
         """A copy on ``device``: every tensor moved once (a trunk group's tree once for all its
         parts; ``input_ids`` / ``position_ids`` stay views)."""
         moved, trees = [], {}
@@ -228,7 +244,11 @@ class PackedTreeBatch(Sequence):
             new.update({k: v.to(device) for k, v in mb.items() if k not in RESERVED_KEYS})
             moved.append(new)
         result = PackedTreeBatch(
-            moved, self.batch_size, self.num_real_tokens, self.max_token_id, cost_model=self.cost_model
+            moved,
+            self.batch_size,
+            self.num_real_tokens,
+            self.max_token_id,
+            cost_model=self.cost_model,
         )
         result.input_layout = self.input_layout
         return result

@@ -30,12 +30,14 @@ def debug_checks() -> bool:
 
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
     """``value`` as an int; ValueError naming ``name`` for bools, floats and other non-integers."""
-    if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise ValueError(f"{name} must be an integer, got the bool {value!r}")
     try:
         result = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+        raise ValueError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {result}")
     return result
@@ -45,11 +47,15 @@ def check_positive_number(name: str, value) -> float:
     """A finite real > 0 (Python, numpy or one-element torch number) as a float; not a bool."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            raise ValueError(f"{name} must be a finite number > 0, got a tensor of shape "
-                             f"{tuple(value.shape)} and dtype {value.dtype}")
+            raise ValueError(
+                f"{name} must be a finite number > 0, got a tensor of shape {tuple(value.shape)} "
+                f"and dtype {value.dtype}"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r} ({type(value).__name__})")
+        raise ValueError(
+            f"{name} must be a finite number > 0, got {value!r} ({type(value).__name__})"
+        )
     result = float(value)
     if not (math.isfinite(result) and result > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -1,4 +1,5 @@
-"""Context parallelism for packed trees: a split of a micro-batch's rows that balances attention work.
+"""Context parallelism for packed trees: a split of a micro-batch's rows that balances attention
+work.
 
 A query of a tree attends its ancestors, which may sit anywhere before it, so each context-parallel
 (CP) rank computes attention for its own query rows against the keys and values of the whole tree:
@@ -58,13 +59,15 @@ def split_positions(depth: torch.Tensor, cp_size: int, *, unit: int | None = Non
     n_total = depth.shape[0]
     if n_total % cp_size:
         raise ValueError(
-            f"the packed length {n_total} is not a multiple of the context-parallel size {cp_size}; "
-            f"pack with parallel_size a multiple of {cp_size}"
+            f"the packed length {n_total} is not a multiple of the context-parallel size "
+            f"{cp_size}; pack with parallel_size a multiple of {cp_size}"
         )
     rows = n_total // cp_size
     unit = _default_unit(rows) if unit is None else check_int("unit", unit, minimum=1)
     if rows % unit:
-        raise ValueError(f"unit={unit} must divide the {rows} rows each of the {cp_size} ranks holds")
+        raise ValueError(
+            f"unit={unit} must divide the {rows} rows each of the {cp_size} ranks holds"
+        )
     num_units = n_total // unit
     work = (depth.to(torch.int64) + 1).view(num_units, unit).sum(dim=1)  # [M / u]
     order = torch.argsort(-work, stable=True)
@@ -73,7 +76,9 @@ def split_positions(depth: torch.Tensor, cp_size: int, *, unit: int | None = Non
     owner = torch.empty_like(order)
     owner[order] = torch.where(lap % 2 == 0, seat, cp_size - 1 - seat)
     # Units grouped by owner, ascending within each: [cp, units per rank].
-    units = torch.argsort(owner * num_units + torch.arange(num_units, device=depth.device)).view(cp_size, -1)
+    units = torch.argsort(owner * num_units + torch.arange(num_units, device=depth.device)).view(
+        cp_size, -1
+    )
     offsets = torch.arange(unit, device=depth.device)
     return (units[:, :, None] * unit + offsets).reshape(cp_size, rows)
 
@@ -112,7 +117,9 @@ def context_parallel_split(
     return rows.with_cp(rows.positions[index.to(rows.positions.device)], rank, group)
 
 
-def attention_work(depth: PackedTree | torch.Tensor, positions: TreeRows | torch.Tensor) -> torch.Tensor:
+def attention_work(
+    depth: PackedTree | torch.Tensor, positions: TreeRows | torch.Tensor
+) -> torch.Tensor:
     """int64 [cp]: attention pairs (query, visible key) of each rank's rows.
 
     Args:

@@ -4,9 +4,11 @@ Linear layers cost ``2 * params`` per packed token (for a mixture of experts, th
 uses: its top-k routed experts, the shared experts and the router; see :class:`GPTShape`); attention
 costs ``2 * heads * (query-key dim + value dim)`` per allowed (query, key) pair per attention layer
 (QK^T and PV: ``4 * heads * head_dim`` for standard attention; multi-latent attention's query-key
-dim is its no-rope plus rope dims, its value dim its own); a gated delta-net layer (hybrids) costs per
+dim is its no-rope plus rope dims, its value dim its own); a gated delta-net layer (hybrids) costs
+per
 token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state (read,
-update, output: three matrix-vector products), no pairs. The allowed pairs are read off ``subtree_end`` in O(N)
+update, output: three matrix-vector products), no pairs. The allowed pairs are read off
+``subtree_end`` in O(N)
 (equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
 is twice a forward. Padding is not counted: the model gives the ideal of the layout.
 
@@ -16,8 +18,8 @@ The cost is linear in (tokens, pairs), so packing can weigh any part of a trie b
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -79,16 +81,26 @@ class GPTShape:
         if self.moe_layers is not None and not 0 <= self.moe_layers <= self.layers:
             raise ValueError(f"moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
         if not 0 <= self.linear_layers <= self.layers:
-            raise ValueError(f"linear_layers={self.linear_layers} must be in [0, layers={self.layers}]")
-        if self.linear_layers and not (self.linear_key_heads and self.linear_value_heads
-                                       and self.linear_key_dim and self.linear_value_dim):
-            raise ValueError("a gated delta-net hybrid (linear_layers > 0) needs linear_key_heads, "
-                             "linear_value_heads, linear_key_dim and linear_value_dim")
+            raise ValueError(
+                f"linear_layers={self.linear_layers} must be in [0, layers={self.layers}]"
+            )
+        if self.linear_layers and not (
+            self.linear_key_heads
+            and self.linear_value_heads
+            and self.linear_key_dim
+            and self.linear_value_dim
+        ):
+            raise ValueError(
+                "a gated delta-net hybrid (linear_layers > 0) needs linear_key_heads, "
+                "linear_value_heads, linear_key_dim and linear_value_dim"
+            )
         if self.kv_lora_rank and not (self.qk_head_dim and self.v_head_dim):
-            raise ValueError("multi-latent attention (kv_lora_rank > 0) needs qk_head_dim and v_head_dim")
+            raise ValueError(
+                "multi-latent attention (kv_lora_rank > 0) needs qk_head_dim and v_head_dim"
+            )
 
     @classmethod
-    def from_config(cls, config, vocab: int) -> "GPTShape":
+    def from_config(cls, config, vocab: int) -> GPTShape:
         """From a Megatron ``TransformerConfig`` (dense or MoE) and the vocabulary size.
 
         MoE fields read: ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
@@ -106,17 +118,28 @@ class GPTShape:
                 moe_ffn_hidden=config.moe_ffn_hidden_size or config.ffn_hidden_size,
                 shared_ffn_hidden=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
                 shared_expert_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
-                moe_layers=_moe_layer_count(getattr(config, "moe_layer_freq", 1), config.num_layers),
+                moe_layers=_moe_layer_count(
+                    getattr(config, "moe_layer_freq", 1), config.num_layers
+                ),
             )
         if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
             from_freq = _linear_layer_count(config.linear_attention_freq, config.num_layers)
-            moe.update(linear_layers=from_freq, linear_key_heads=config.linear_num_key_heads,
-                       linear_value_heads=config.linear_num_value_heads, linear_key_dim=config.linear_key_head_dim,
-                       linear_value_dim=config.linear_value_head_dim, conv_width=config.linear_conv_kernel_dim)
+            moe.update(
+                linear_layers=from_freq,
+                linear_key_heads=config.linear_num_key_heads,
+                linear_value_heads=config.linear_num_value_heads,
+                linear_key_dim=config.linear_key_head_dim,
+                linear_value_dim=config.linear_value_head_dim,
+                conv_width=config.linear_conv_kernel_dim,
+            )
         if getattr(config, "multi_latent_attention", False):
-            moe.update(kv_lora_rank=config.kv_lora_rank, q_lora_rank=config.q_lora_rank,
-                       qk_head_dim=config.qk_head_dim, qk_rope_head_dim=config.qk_pos_emb_head_dim,
-                       v_head_dim=config.v_head_dim)
+            moe.update(
+                kv_lora_rank=config.kv_lora_rank,
+                q_lora_rank=config.q_lora_rank,
+                qk_head_dim=config.qk_head_dim,
+                qk_rope_head_dim=config.qk_pos_emb_head_dim,
+                v_head_dim=config.v_head_dim,
+            )
         return cls(
             hidden=config.hidden_size,
             attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
@@ -145,12 +168,19 @@ class GPTShape:
         if self.kv_lora_rank:
             qk = self.qk_head_dim + self.qk_rope_head_dim
             rank = self.q_lora_rank
-            query = self.hidden * heads * qk if rank is None else self.hidden * rank + rank * heads * qk
-            key_value = (self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
-                         + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim))
+            query = (
+                self.hidden * heads * qk if rank is None else self.hidden * rank + rank * heads * qk
+            )
+            key_value = self.hidden * (
+                self.kv_lora_rank + self.qk_rope_head_dim
+            ) + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
             return query + key_value + heads * self.v_head_dim * self.hidden
         head_dim = self.head_dim or self.hidden // heads
-        qkv = self.hidden * (heads * (2 if self.attention_output_gate else 1) + 2 * self.query_groups) * head_dim
+        qkv = (
+            self.hidden
+            * (heads * (2 if self.attention_output_gate else 1) + 2 * self.query_groups)
+            * head_dim
+        )
         return qkv + heads * head_dim * self.hidden
 
     def _mlp_params(self, width: int) -> int:
@@ -167,7 +197,9 @@ class GPTShape:
     def moe_params_per_token(self) -> int:
         """Weights one token uses in one MoE layer's MLP: router, top-k experts, shared expert."""
         routed = self.topk * self._mlp_params(self.moe_ffn_hidden or self.ffn_hidden)
-        shared = self._mlp_params(self.shared_ffn_hidden) + (self.hidden if self.shared_expert_gate else 0)
+        shared = self._mlp_params(self.shared_ffn_hidden) + (
+            self.hidden if self.shared_expert_gate else 0
+        )
         return self.hidden * self.num_experts + routed + (shared if self.shared_ffn_hidden else 0)
 
     @property
@@ -177,14 +209,25 @@ class GPTShape:
 
     @property
     def linear_params_per_token(self) -> int:
-        """Weights one token multiplies by (active parameters for MoE), embedding lookup excluded."""
+        """Weights one token multiplies by (active parameters for MoE), embedding lookup
+        excluded."""
         moe_layers = self.num_moe_layers
         dense_layers = self.layers - moe_layers
-        mlp = dense_layers * self._mlp_params(self.ffn_hidden) + moe_layers * self.moe_params_per_token
-        qk, v = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+        mlp = (
+            dense_layers * self._mlp_params(self.ffn_hidden)
+            + moe_layers * self.moe_params_per_token
+        )
+        qk, v = (
+            self.linear_key_heads * self.linear_key_dim,
+            self.linear_value_heads * self.linear_value_dim,
+        )
         gdn = self.hidden * (2 * qk + 2 * v + 2 * self.linear_value_heads) + v * self.hidden
-        return (self.attention_layers * self.attention_params + self.linear_layers * gdn + mlp
-                + self.hidden * self.vocab)
+        return (
+            self.attention_layers * self.attention_params
+            + self.linear_layers * gdn
+            + mlp
+            + self.hidden * self.vocab
+        )
 
     @property
     def recurrent_flops_per_token(self) -> int:
@@ -192,8 +235,14 @@ class GPTShape:
         depthwise convolution and the state's three matrix-vector products per value head."""
         if not self.linear_layers:
             return 0
-        conv = 2 * self.conv_width * (2 * self.linear_key_heads * self.linear_key_dim
-                                      + self.linear_value_heads * self.linear_value_dim)
+        conv = (
+            2
+            * self.conv_width
+            * (
+                2 * self.linear_key_heads * self.linear_key_dim
+                + self.linear_value_heads * self.linear_value_dim
+            )
+        )
         state = 6 * self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
         return self.linear_layers * (conv + state)
 
@@ -207,7 +256,8 @@ def _moe_layer_count(freq, num_layers: int) -> int:
     pattern = list(freq)
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
         raise ValueError(
-            f"moe_layer_freq={freq!r} must be an int or a list of num_layers={num_layers} zeros and ones"
+            f"moe_layer_freq={freq!r} must be an int or a list of num_layers={num_layers} zeros "
+            "and ones"
         )
     return sum(pattern)
 

@@ -1,7 +1,8 @@
 """What a tree step reads from a model's output: log-probs and entropy, or values.
 
 A head object tells :func:`megatron_tree.tree_forward_backward` how to turn the last stage's output
-tensor (this rank's rows under context parallelism) into per-token outputs [T] for the loss, and which loss mask to use when the caller gives
+tensor (this rank's rows under context parallelism) into per-token outputs [T] for the loss, and
+which loss mask to use when the caller gives
 none. New heads (MoE statistics, several value heads, ...) are new classes, not new step flags.
 
 Legend: N packed length, T the tree's sequence tokens, V vocabulary, tp tensor-parallel size.
@@ -15,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_positive_number
-from .rows import TreeRows
 from .logprobs import gather_packed_tree_logprobs, gather_packed_tree_logprobs_entropy
 from .results import gather_packed_tree_values
+from .rows import TreeRows
 from .tree import PackedTree
 
 
@@ -36,26 +37,37 @@ class LogProbs:
     rolled = True
 
     def __post_init__(self):
-        object.__setattr__(self, "temperature", check_positive_number("temperature", self.temperature))
+        object.__setattr__(
+            self, "temperature", check_positive_number("temperature", self.temperature)
+        )
 
-    def check_output(self, output: torch.Tensor, tp_group: dist.ProcessGroup | None, max_token_id: int) -> None:
-        """Refuse an output that cannot hold logits over the batch's vocabulary (host shapes only)."""
+    def check_output(
+        self, output: torch.Tensor, tp_group: dist.ProcessGroup | None, max_token_id: int
+    ) -> None:
+        """Refuse an output that cannot hold logits over the batch's vocabulary (host shapes
+        only)."""
         tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         width = output.shape[-1] * tp
         if output.shape[-1] == 1:
             raise ValueError(
-                "LogProbs() reads vocab-parallel logits, but the model's output has width 1 (a value "
-                "head?): pass gather=Values() for a critic"
+                "LogProbs() reads vocab-parallel logits, but the model's output has width 1 (a "
+                "value head?): pass gather=Values() for a critic"
             )
         if width <= max_token_id:
             raise ValueError(
-                f"the logits cover {width} vocabulary entries ({output.shape[-1]} per rank x tp={tp}) but the "
-                f"batch holds token id {max_token_id}: pass the model's tensor-parallel group as tp_group "
-                "(None means Megatron's), or gather=Values() for a critic"
+                f"the logits cover {width} vocabulary entries ({output.shape[-1]} per rank x "
+                f"tp={tp}) but the batch holds token id {max_token_id}: pass the model's "
+                "tensor-parallel group as tp_group (None means Megatron's), or gather=Values() "
+                "for a critic"
             )
 
-    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None,
-               rows: TreeRows | None = None) -> dict:
+    def gather(
+        self,
+        output: torch.Tensor,
+        tree: PackedTree,
+        tp_group: dist.ProcessGroup | None,
+        rows: TreeRows | None = None,
+    ) -> dict:
         kwargs = dict(temperature=self.temperature, tp_group=tp_group, rows=rows)
         if self.entropy:
             logprobs, entropy = gather_packed_tree_logprobs_entropy(output, tree, **kwargs)
@@ -64,7 +76,9 @@ class LogProbs:
 
     def default_loss_mask(self, tree: PackedTree) -> torch.Tensor:
         """float32 [T]: 1 everywhere except each sequence's last entry."""
-        mask = torch.ones(tree.num_sequence_tokens, dtype=torch.float32, device=tree.token_index.device)
+        mask = torch.ones(
+            tree.num_sequence_tokens, dtype=torch.float32, device=tree.token_index.device
+        )
         mask[tree.cu_seqlens[1:] - 1] = 0
         return mask
 
@@ -79,17 +93,27 @@ class Values:
 
     rolled = False
 
-    def check_output(self, output: torch.Tensor, tp_group: dist.ProcessGroup | None, max_token_id: int) -> None:
+    def check_output(
+        self, output: torch.Tensor, tp_group: dist.ProcessGroup | None, max_token_id: int
+    ) -> None:
         """Refuse an output that is not one value per position."""
         if output.shape[-1] != 1:
             raise ValueError(
-                f"Values() reads a value head's output [1, N, 1], but the model's output has width "
-                f"{output.shape[-1]} (logits?): attach a value head (attach_value_head) or use LogProbs()"
+                "Values() reads a value head's output [1, N, 1], but the model's output has width "
+                f"{output.shape[-1]} (logits?): attach a value head (attach_value_head) or use "
+                "LogProbs()"
             )
 
-    def gather(self, output: torch.Tensor, tree: PackedTree, tp_group: dist.ProcessGroup | None,
-               rows: TreeRows | None = None) -> dict:
+    def gather(
+        self,
+        output: torch.Tensor,
+        tree: PackedTree,
+        tp_group: dist.ProcessGroup | None,
+        rows: TreeRows | None = None,
+    ) -> dict:
         return {"values": gather_packed_tree_values(output.float(), tree, rows=rows)}
 
     def default_loss_mask(self, tree: PackedTree) -> torch.Tensor:
-        return torch.ones(tree.num_sequence_tokens, dtype=torch.float32, device=tree.token_index.device)
+        return torch.ones(
+            tree.num_sequence_tokens, dtype=torch.float32, device=tree.token_index.device
+        )

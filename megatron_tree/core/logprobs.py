@@ -84,8 +84,12 @@ class _Pairs:
     def chunks(self):
         """Yields (row start, row end, pair start, pair end) of every chunk."""
         for k in range(len(self.chunk_starts) - 1):
-            yield (self.chunk_starts[k], self.chunk_starts[k + 1],
-                   self.pair_starts[k], self.pair_starts[k + 1])
+            yield (
+                self.chunk_starts[k],
+                self.chunk_starts[k + 1],
+                self.pair_starts[k],
+                self.pair_starts[k + 1],
+            )
 
 
 def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -94,8 +98,9 @@ def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, rows: TreeRows | None = None
-            ) -> torch.Tensor:
+def rows_of(
+    tensor: torch.Tensor, tree: PackedTree, name: str, rows: TreeRows | None = None
+) -> torch.Tensor:
     """Views [n, X], [1, n, X] or [n, 1, X] (Megatron's [s, b, X] with b = 1) as [n, X]; n is the
     tree's padded length, or this rank's rows under context parallelism."""
     if tensor.dim() == 3 and 1 in tensor.shape[:2]:
@@ -106,15 +111,25 @@ def rows_of(tensor: torch.Tensor, tree: PackedTree, name: str, rows: TreeRows | 
         )
     expected = tree.padded_length if rows is None else rows.num_rows
     if tensor.shape[0] != expected:
-        where = "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
+        where = (
+            "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
+        )
         raise ValueError(f"{name} has {tensor.shape[0]} positions but {where} is {expected}")
     if not tensor.is_floating_point():
         raise ValueError(f"{name} must be a floating point tensor, got {tensor.dtype}")
     return tensor
 
 
-def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: int,
-                chunk_rows: int, device: torch.device, rows: TreeRows | None = None) -> _Pairs:
+def _tree_pairs(
+    tree: PackedTree,
+    *,
+    vocab_local: int,
+    tp_size: int,
+    tp_rank: int,
+    chunk_rows: int,
+    device: torch.device,
+    rows: TreeRows | None = None,
+) -> _Pairs:
     num_nodes = tree.num_tree_tokens
     parent = tree.parent_index[:num_nodes].to(device)
     tokens = tree.input_ids[:num_nodes].to(device)
@@ -124,7 +139,11 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
         raise ValueError(f"tree tokens must lie in [0, {vocab_size}) (the logits' full vocab)")
     if rows is None or not rows.pair_offsets:
         # Rows built by hand (not at packing): count here, with one host read.
-        rows = TreeRows.whole(tree) if rows is None else replace(rows, pair_offsets=pair_offsets(tree, rows.positions))
+        rows = (
+            TreeRows.whole(tree)
+            if rows is None
+            else replace(rows, pair_offsets=pair_offsets(tree, rows.positions))
+        )
     # Each node keyed by its parent's row here; roots and nodes predicted by other rows last. The
     # host counts (set with the rows) say how many pairs there are and where each chunk starts.
     outside = rows.num_rows
@@ -142,11 +161,18 @@ def _tree_pairs(tree: PackedTree, *, vocab_local: int, tp_size: int, tp_rank: in
     owned = (labels >= 0) & (labels < vocab_local)
     chunk_starts = list(range(0, num_rows, chunk_rows)) + [num_rows]
     pair_starts = [rows.pair_offsets[a] for a in chunk_starts]
-    return _Pairs(parents, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts)
+    return _Pairs(
+        parents, nodes, torch.where(owned, labels, 0), owned, num_rows, chunk_starts, pair_starts
+    )
 
 
-def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, *,
-                cpu_elements: int = _CHUNK_ELEMENTS_CPU) -> int:
+def _chunk_rows(
+    chunk_size: int | None,
+    vocab_local: int,
+    device: torch.device,
+    *,
+    cpu_elements: int = _CHUNK_ELEMENTS_CPU,
+) -> int:
     if chunk_size is None:
         budget = cpu_elements if device.type == "cpu" else _CHUNK_ELEMENTS
         return max(1, budget // vocab_local)
@@ -160,9 +186,18 @@ def _chunk_rows(chunk_size: int | None, vocab_local: int, device: torch.device, 
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs, *,
-                   num_nodes: int, vocab_local: int, temperature: float, with_entropy: bool,
-                   tp_group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device):
+def _forward_stats(
+    get_chunk: Callable[[int, int], torch.Tensor],
+    pairs: _Pairs,
+    *,
+    num_nodes: int,
+    vocab_local: int,
+    temperature: float,
+    with_entropy: bool,
+    tp_group: dist.ProcessGroup | None,
+    dtype: torch.dtype,
+    device: torch.device,
+):
     """Returns (node_logprob [U], row_entropy [R] or None, row_shift [R]) over the full vocab.
 
     ``row_shift`` = M + log2(s) / c, so that log2 p = c * (x - row_shift) (what backward needs).
@@ -172,7 +207,7 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
     # [3R + P]: per-row local max, sum of exp2, sum of exp2 * log2-shift; per-pair target logit.
     local = torch.zeros(3 * num_rows + num_pairs, dtype=dtype, device=device)
     row_max, sum_exp, ent_num = local[: 3 * num_rows].view(3, num_rows)
-    target = local[3 * num_rows:]
+    target = local[3 * num_rows :]
     chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
     shifted = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)  # [C, Vl]
     exps = torch.empty_like(shifted)  # [C, Vl]
@@ -204,11 +239,11 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
     weight = torch.exp2(shift)
     total = (weight * sum_exp_r).sum(0)  # [R]
     log2_total = torch.log2(total)
-    target = stacked[:, 3 * num_rows:].sum(0)  # [P], exactly one rank contributes each
+    target = stacked[:, 3 * num_rows :].sum(0)  # [P], exactly one rank contributes each
     node_logprob = torch.zeros(num_nodes, dtype=dtype, device=device)
-    node_logprob[pairs.nodes] = (
-        (target - big_m[pairs.rows]) / temperature - _LN2 * log2_total[pairs.rows]
-    )
+    node_logprob[pairs.nodes] = (target - big_m[pairs.rows]) / temperature - _LN2 * log2_total[
+        pairs.rows
+    ]
     entropy = None
     if with_entropy:
         numer = (weight * (ent_num_r + shift * sum_exp_r)).sum(0)
@@ -216,12 +251,20 @@ def _forward_stats(get_chunk: Callable[[int, int], torch.Tensor], pairs: _Pairs,
     return node_logprob, entropy, big_m + log2_total / c
 
 
-def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
-                     put_grad: Callable[[int, int, torch.Tensor], None] | None, pairs: _Pairs, *,
-                     grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
-                     row_shift: torch.Tensor, entropy: torch.Tensor | None,
-                     vocab_local: int, temperature: float, dtype: torch.dtype,
-                     out: torch.Tensor | None = None) -> None:
+def _backward_chunks(
+    get_chunk: Callable[[int, int], torch.Tensor],
+    put_grad: Callable[[int, int, torch.Tensor], None] | None,
+    pairs: _Pairs,
+    *,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    row_shift: torch.Tensor,
+    entropy: torch.Tensor | None,
+    vocab_local: int,
+    temperature: float,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> None:
     """Writes the gradient wrt logits rows [a, b) (dz [C, Vl] in dtype) of every chunk into
     ``out[a:b]`` ([N, Vl] in dtype) when given, else calls ``put_grad(a, b, dz)``.
 
@@ -258,8 +301,9 @@ def _backward_chunks(get_chunk: Callable[[int, int], torch.Tensor],
             torch.mul(prob, offset[a:b, None], out=dz)
         else:
             torch.mul(log2p.mul_(slope[a:b, None]).add_(offset[a:b, None]), prob, out=dz)
-        dz.index_put_((pairs.rows[pa:pb] - a, pairs.labels[pa:pb]), label_grad[pa:pb],
-                      accumulate=True)
+        dz.index_put_(
+            (pairs.rows[pa:pb] - a, pairs.labels[pa:pb]), label_grad[pa:pb], accumulate=True
+        )
         if out is None:
             put_grad(a, b, dz)
 
@@ -271,8 +315,14 @@ class _TreeLogprobEntropy(torch.autograd.Function):
     def forward(ctx, logits, pairs, num_nodes, temperature, with_entropy, tp_group):
         dtype = torch.promote_types(logits.dtype, torch.float32)
         node_logprob, entropy, row_shift = _forward_stats(
-            lambda a, b: logits[a:b], pairs, num_nodes=num_nodes, vocab_local=logits.shape[1],
-            temperature=temperature, with_entropy=with_entropy, tp_group=tp_group, dtype=dtype,
+            lambda a, b: logits[a:b],
+            pairs,
+            num_nodes=num_nodes,
+            vocab_local=logits.shape[1],
+            temperature=temperature,
+            with_entropy=with_entropy,
+            tp_group=tp_group,
+            dtype=dtype,
             device=logits.device,
         )
         ctx.save_for_backward(logits, row_shift, entropy)
@@ -288,17 +338,24 @@ class _TreeLogprobEntropy(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return (None,) * 6
         grad = torch.empty_like(logits)
-        grad[ctx.pairs.num_rows:].zero_()  # padding rows
+        grad[ctx.pairs.num_rows :].zero_()  # padding rows
         direct = grad.dtype == row_shift.dtype  # else computed in fp32 and cast chunk by chunk
 
         def put_grad(a, b, dz):
             grad[a:b].copy_(dz)
 
         _backward_chunks(
-            lambda a, b: logits[a:b], put_grad, ctx.pairs, grad_logprob=grad_logprob,
-            grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
-            vocab_local=logits.shape[1], temperature=ctx.temperature,
-            dtype=row_shift.dtype, out=grad if direct else None,
+            lambda a, b: logits[a:b],
+            put_grad,
+            ctx.pairs,
+            grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy,
+            row_shift=row_shift,
+            entropy=entropy,
+            vocab_local=logits.shape[1],
+            temperature=ctx.temperature,
+            dtype=row_shift.dtype,
+            out=grad if direct else None,
         )
         return grad, None, None, None, None, None
 
@@ -310,9 +367,15 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
     def forward(ctx, hidden, weight, pairs, num_nodes, temperature, tp_group):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         node_logprob, entropy, row_shift = _forward_stats(
-            lambda a, b: hidden[a:b] @ weight.t(), pairs, num_nodes=num_nodes,
-            vocab_local=weight.shape[0], temperature=temperature, with_entropy=True,
-            tp_group=tp_group, dtype=dtype, device=hidden.device,
+            lambda a, b: hidden[a:b] @ weight.t(),
+            pairs,
+            num_nodes=num_nodes,
+            vocab_local=weight.shape[0],
+            temperature=temperature,
+            with_entropy=True,
+            tp_group=tp_group,
+            dtype=dtype,
+            device=hidden.device,
         )
         ctx.save_for_backward(hidden, weight, row_shift, entropy)
         ctx.pairs, ctx.num_nodes, ctx.temperature = pairs, num_nodes, temperature
@@ -337,9 +400,15 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
             grad_weight.add_(dz.t() @ hidden[a:b])
 
         _backward_chunks(
-            lambda a, b: hidden[a:b] @ weight.t(), put_grad, ctx.pairs, grad_logprob=grad_logprob,
-            grad_entropy=grad_entropy, row_shift=row_shift, entropy=entropy,
-            vocab_local=weight.shape[0], temperature=ctx.temperature,
+            lambda a, b: hidden[a:b] @ weight.t(),
+            put_grad,
+            ctx.pairs,
+            grad_logprob=grad_logprob,
+            grad_entropy=grad_entropy,
+            row_shift=row_shift,
+            entropy=entropy,
+            vocab_local=weight.shape[0],
+            temperature=ctx.temperature,
             dtype=row_shift.dtype,
         )
         if _tp_size_rank(ctx.tp_group)[0] > 1:
@@ -353,8 +422,12 @@ class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _per_sequence(node_logprob: torch.Tensor, row_entropy: torch.Tensor | None, tree: PackedTree,
-                  rows: TreeRows | None) -> list[torch.Tensor]:
+def _per_sequence(
+    node_logprob: torch.Tensor,
+    row_entropy: torch.Tensor | None,
+    tree: PackedTree,
+    rows: TreeRows | None,
+) -> list[torch.Tensor]:
     """Node log-probs [U] (0 at roots) and row entropies [R] -> [T] outputs in token order.
 
     Log-prob entry t of a sequence reads node t+1 (rolled). The entry after a sequence's last token
@@ -379,12 +452,17 @@ def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_en
     logits = rows_of(logits, tree, "logits", rows)
     tp_size, tp_rank = _tp_size_rank(tp_group)
     pairs = _tree_pairs(
-        tree, vocab_local=logits.shape[1], tp_size=tp_size, tp_rank=tp_rank,
-        chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device), device=logits.device,
+        tree,
+        vocab_local=logits.shape[1],
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device),
+        device=logits.device,
         rows=rows,
     )
-    out = _TreeLogprobEntropy.apply(logits, pairs, tree.num_tree_tokens, temperature,
-                                    with_entropy, tp_group)
+    out = _TreeLogprobEntropy.apply(
+        logits, pairs, tree.num_tree_tokens, temperature, with_entropy, tp_group
+    )
     if not with_entropy:
         return _per_sequence(out, None, tree, rows)[0]
     return tuple(_per_sequence(*out, tree, rows))
@@ -423,8 +501,15 @@ def gather_packed_tree_logprobs_entropy(
         sequence of length L is log p(token t+1 | tokens <= t) and entry L-1 is 0; ``entropy``
         entry t is the entropy of the distribution at token t (defined for t = L-1 too).
     """
-    return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=True, rows=rows)
+    return _gather_logprobs(
+        logits,
+        tree,
+        temperature=temperature,
+        tp_group=tp_group,
+        chunk_size=chunk_size,
+        with_entropy=True,
+        rows=rows,
+    )
 
 
 def gather_packed_tree_logprobs(
@@ -437,8 +522,15 @@ def gather_packed_tree_logprobs(
     rows: TreeRows | None = None,
 ) -> torch.Tensor:
     """The ``logprobs`` of :func:`gather_packed_tree_logprobs_entropy` alone ([T]), cheaper."""
-    return _gather_logprobs(logits, tree, temperature=temperature, tp_group=tp_group,
-                            chunk_size=chunk_size, with_entropy=False, rows=rows)
+    return _gather_logprobs(
+        logits,
+        tree,
+        temperature=temperature,
+        tp_group=tp_group,
+        chunk_size=chunk_size,
+        with_entropy=False,
+        rows=rows,
+    )
 
 
 def gather_packed_tree_logprobs_entropy_from_hidden(
@@ -475,10 +567,15 @@ def gather_packed_tree_logprobs_entropy_from_hidden(
     tp_size, tp_rank = _tp_size_rank(tp_group)
     vocab_local = output_weight.shape[0]
     pairs = _tree_pairs(
-        tree, vocab_local=vocab_local, tp_size=tp_size, tp_rank=tp_rank,
-        chunk_rows=_chunk_rows(chunk_size, vocab_local, hidden.device,
-                               cpu_elements=_FUSED_CHUNK_ELEMENTS_CPU),
-        device=hidden.device, rows=rows,
+        tree,
+        vocab_local=vocab_local,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        chunk_rows=_chunk_rows(
+            chunk_size, vocab_local, hidden.device, cpu_elements=_FUSED_CHUNK_ELEMENTS_CPU
+        ),
+        device=hidden.device,
+        rows=rows,
     )
     node_logprob, row_entropy = _TreeLogprobEntropyFromHidden.apply(
         hidden, output_weight, pairs, tree.num_tree_tokens, temperature, tp_group

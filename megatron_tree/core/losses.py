@@ -11,8 +11,9 @@ import torch
 NORMALIZATIONS = ("token", "sequence")
 
 
-def loss_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normalization: str = "token"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_weights(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normalization: str = "token"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalized per-token weights of one tree and what they count.
 
     ``"token"``: the weight is the mask and the count is its sum, so ``sum(weight * loss) / count``
@@ -35,13 +36,16 @@ def loss_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, *, normaliza
         return mask, mask.sum()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(mask.device)
     seq_of = torch.repeat_interleave(torch.arange(lengths.shape[0], device=mask.device), lengths)
-    per_seq = torch.zeros(lengths.shape[0], dtype=torch.float64, device=mask.device).index_add_(0, seq_of, mask)
+    per_seq = torch.zeros(lengths.shape[0], dtype=torch.float64, device=mask.device).index_add_(
+        0, seq_of, mask
+    )
     has_loss = per_seq != 0
     return mask / torch.where(has_loss, per_seq, 1.0)[seq_of], has_loss.sum().to(torch.float64)
 
 
-def per_token_input(micro_batch: dict, key: str, like: torch.Tensor, *, reader: str = "the loss"
-                    ) -> torch.Tensor:
+def per_token_input(
+    micro_batch: dict, key: str, like: torch.Tensor, *, reader: str = "the loss"
+) -> torch.Tensor:
     """``micro_batch[key]``, checked to be one value per token: shape [T], like ``like`` (a head
     output [T]). ValueError naming the key, the shape got and the fix, instead of a broadcast
     deep in the loss (a [T, 1] input times a [T] output is [T, T])."""
@@ -59,15 +63,18 @@ def per_token_input(micro_batch: dict, key: str, like: torch.Tensor, *, reader: 
             fix = f"squeeze the trailing dim ({key}.squeeze(-1)) before packing or attaching"
         shape = tuple(value.shape) if tensor else type(value).__name__
         raise ValueError(
-            f"{reader}: micro_batch[{key!r}] has shape {shape}, "
-            f"expected [T] = {tuple(like.shape)} (one value per token: [B, L] in the padded batch, "
-            f"[T] in tree layout); {fix}"
+            f"{reader}: micro_batch[{key!r}] has shape {shape}, expected [T] = {tuple(like.shape)} "
+            f"(one value per token: [B, L] in the padded batch, [T] in tree layout); {fix}"
         )
     return value
 
 
 def ppo_clipped_loss(
-    outputs: dict, micro_batch: dict, *, clip_eps: float = 0.2, entropy_coef: float = 0.0,
+    outputs: dict,
+    micro_batch: dict,
+    *,
+    clip_eps: float = 0.2,
+    entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
 ) -> torch.Tensor:
     """PPO/GRPO clipped surrogate per token [T] (a shipped example of ``loss_fn``).
@@ -90,7 +97,9 @@ def ppo_clipped_loss(
         loss = loss - entropy_coef * outputs["entropy"]
     if kl_coef:
         if "ref_logprobs" not in micro_batch:
-            raise ValueError("kl_coef needs the reference log-probs: attach them as 'ref_logprobs' [T]")
+            raise ValueError(
+                "kl_coef needs the reference log-probs: attach them as 'ref_logprobs' [T]"
+            )
         log_ratio = read("ref_logprobs") - logprobs
         loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
     return loss

@@ -1,4 +1,5 @@
-"""The tree attention mask: one rule over the O(N) ``subtree_end`` encoding, and every form derived from it.
+"""The tree attention mask: one rule over the O(N) ``subtree_end`` encoding, and every form derived
+from it.
 
 Pre-order layout makes every subtree a contiguous range, so key ``k`` is visible to the queries
 ``[k, subtree_end[k])``. :func:`allowed` is that rule, written once; :func:`padding_subtree_end` is
@@ -24,7 +25,8 @@ B tile (block) size, nb = N / B, M key blocks a query block sees.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,8 +36,13 @@ from .tree import PackedTree
 PLAN_GROUPS = 4  # block-sparse plan: query blocks grouped by how many key blocks they see
 
 
-def allowed(subtree_end: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-            depth: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def allowed(
+    subtree_end: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """The tree mask rule, True = query ``q`` attends key ``k`` (broadcasting int tensors).
 
     ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``: a key is seen by its own subtree, that is
@@ -84,8 +91,11 @@ def depth_window(window_size: Any) -> int | None:
     """
     if window_size is None:
         return None
-    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in window_size)
+    ok = (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)
+    )
     if not ok:
         raise ValueError(
             f"window_size={window_size!r} must be None or Megatron's (left, right) pair of ints, "
@@ -94,16 +104,19 @@ def depth_window(window_size: Any) -> int | None:
     left, right = window_size
     if right != 0:
         raise ValueError(
-            f"window_size={tuple(window_size)!r}: tree attention is causal, so the right window must "
-            f"be 0 (a query sees no later key); use window_size=({left}, 0)"
+            f"window_size={tuple(window_size)!r}: tree attention is causal, so the right window "
+            f"must be 0 (a query sees no later key); use window_size=({left}, 0)"
         )
     if left < -1:
-        raise ValueError(f"window_size={tuple(window_size)!r}: left must be >= 0, or -1 for no window")
+        raise ValueError(
+            f"window_size={tuple(window_size)!r}: left must be >= 0, or -1 for no window"
+        )
     return None if left == -1 else left
 
 
 def padding_subtree_end(start: int, end: int, device: Any = None) -> torch.Tensor:
-    """int64 [end - start]: ``subtree_end`` of padding positions ``start..end-1`` (each sees itself)."""
+    """int64 [end - start]: ``subtree_end`` of padding positions ``start..end-1`` (each sees
+    itself)."""
     return torch.arange(start + 1, end + 1, dtype=torch.int64, device=device)
 
 
@@ -126,7 +139,9 @@ def pad_encoding(subtree_end: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([subtree_end.to(torch.int64), tail])
 
 
-def build_attention_mask_from_trie(tree: PackedTree | torch.Tensor, *, window: int | None = None) -> torch.Tensor:
+def build_attention_mask_from_trie(
+    tree: PackedTree | torch.Tensor, *, window: int | None = None
+) -> torch.Tensor:
     """The dense tree mask in Megatron's polarity.
 
     Args:
@@ -158,13 +173,19 @@ def _mask_mod(subtree_end: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
     return allowed(subtree_end, q_idx, kv_idx)
 
 
-def _general_mask_mod(subtree_end, query_positions, depth, window, b, h, q_idx, kv_idx) -> torch.Tensor:
+def _general_mask_mod(
+    subtree_end, query_positions, depth, window, b, h, q_idx, kv_idx
+) -> torch.Tensor:
     q = q_idx if query_positions is None else query_positions[q_idx]
     return allowed(subtree_end, q, kv_idx, depth, window)
 
 
-def tree_mask_mod(subtree_end: torch.Tensor, *, query_positions: torch.Tensor | None = None,
-                  window: int | None = None):
+def tree_mask_mod(
+    subtree_end: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    window: int | None = None,
+):
     """A FlexAttention ``mask_mod`` (True = attend) reading ``subtree_end`` [N].
 
     A ``functools.partial`` rather than a closure: torch.compile (2.13) then treats the encoding as
@@ -185,19 +206,28 @@ def tree_mask_mod(subtree_end: torch.Tensor, *, query_positions: torch.Tensor | 
     # The window as a 0-d tensor: compiled with dynamic shapes, a Python int becomes a symbol that
     # torch 2.13's CPU flex code generation fails on (and would guard on every distinct window).
     window = torch.tensor(window, dtype=torch.int64, device=subtree_end.device)
-    return functools.partial(_general_mask_mod, subtree_end, query_positions, tree_depth(subtree_end), window)
+    return functools.partial(
+        _general_mask_mod, subtree_end, query_positions, tree_depth(subtree_end), window
+    )
 
 
 def padded_query_positions(query_positions: torch.Tensor, padded: int) -> torch.Tensor:
     """int64 [nq] ascending -> [padded]: the last position repeated (a padded query row then
     computes a valid duplicate row, which is sliced off)."""
     extra = padded - query_positions.shape[0]
-    return torch.cat([query_positions, query_positions[-1:].expand(extra)]) if extra else query_positions
+    return (
+        torch.cat([query_positions, query_positions[-1:].expand(extra)])
+        if extra
+        else query_positions
+    )
 
 
 def tree_block_layout(
-    tree: PackedTree | torch.Tensor, block_size: int = 128, query_positions: torch.Tensor | None = None,
-    *, window: int | None = None,
+    tree: PackedTree | torch.Tensor,
+    block_size: int = 128,
+    query_positions: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which (query tile, key block) tiles of the tree mask hold any / only allowed pairs.
 
@@ -211,9 +241,11 @@ def tree_block_layout(
 
     With a depth ``window`` a tile also needs ``min depth(q) - max depth(keys) <= window`` over the
     queries q of the tile below the key block's largest ``subtree_end`` (the only ones that can see
-    it) to hold an allowed pair (a conservative test: the pairs of a listed tile are masked exactly),
+    it) to hold an allowed pair (a conservative test: the pairs of a listed tile are masked
+    exactly),
     and ``max depth(queries) - min depth(keys) <= window`` to be full. Deep in a long branch, key
-    blocks more than a window above the query tile are then skipped: that is where windows save work.
+    blocks more than a window above the query tile are then skipped: that is where windows save
+    work.
 
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` [N] with N a multiple of ``block_size``.
@@ -229,10 +261,17 @@ def tree_block_layout(
     subtree_end = _subtree_end_of(tree).to(torch.int64)
     n = subtree_end.shape[0]
     nq = n if query_positions is None else query_positions.shape[0]
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or n % block_size or nq % block_size:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size <= 0
+        or n % block_size
+        or nq % block_size
+    ):
         raise ValueError(
             f"block_size={block_size!r} must be a positive integer dividing the packed length {n} "
-            f"and the number of queries {nq}; pack with a block_size that the packed length is aligned to"
+            f"and the number of queries {nq}; pack with a block_size that the packed length is "
+            "aligned to"
         )
     ends = subtree_end.view(n // block_size, block_size)
     max_end, min_end = ends.max(dim=1).values, ends.min(dim=1).values  # [nb] per key block
@@ -248,13 +287,19 @@ def tree_block_layout(
     if window is not None:
         depth = tree_depth(subtree_end)
         key_depth = depth.view(n // block_size, block_size)  # [nb, B]
-        q_pos = (torch.arange(n, device=depth.device) if query_positions is None else tiles).reshape(-1, block_size)
+        q_pos = (
+            torch.arange(n, device=depth.device) if query_positions is None else tiles
+        ).reshape(-1, block_size)
         query_depth = depth[q_pos]  # [nq / B, B]
         # Only the queries before max_end can see key block kb: a prefix of the (ascending) tile.
         seen = torch.searchsorted(q_pos, max_end[None, :].expand(q_pos.shape[0], -1).contiguous())
-        lowest = torch.cummin(query_depth, dim=1).values.gather(1, (seen - 1).clamp(min=0))  # [nq / B, nb]
+        lowest = torch.cummin(query_depth, dim=1).values.gather(
+            1, (seen - 1).clamp(min=0)
+        )  # [nq / B, nb]
         any_allowed &= lowest - key_depth.max(1).values[None, :] <= window
-        all_allowed &= query_depth.max(1).values[:, None] - key_depth.min(1).values[None, :] <= window
+        all_allowed &= (
+            query_depth.max(1).values[:, None] - key_depth.min(1).values[None, :] <= window
+        )
     return any_allowed, all_allowed
 
 
@@ -266,8 +311,13 @@ def _kv_block_lists(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], indices[None, None]
 
 
-def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int = 128,
-                               query_positions: torch.Tensor | None = None, *, window: int | None = None):
+def build_block_mask_from_trie(
+    tree: PackedTree | torch.Tensor,
+    block_size: int = 128,
+    query_positions: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+):
     """A FlexAttention ``BlockMask`` for the tree, built at block level from ``subtree_end``.
 
     Its memory is O((N / block_size)^2) block indices plus the [N] encoding the ``mask_mod`` reads.
@@ -285,19 +335,32 @@ def build_block_mask_from_trie(tree: PackedTree | torch.Tensor, block_size: int 
     from torch.nn.attention.flex_attention import BlockMask
 
     subtree_end = _subtree_end_of(tree)
-    any_allowed, all_allowed = tree_block_layout(subtree_end, block_size, query_positions, window=window)
+    any_allowed, all_allowed = tree_block_layout(
+        subtree_end, block_size, query_positions, window=window
+    )
     kv_num, kv_idx = _kv_block_lists(any_allowed & ~all_allowed)
     full_num, full_idx = _kv_block_lists(all_allowed)
     n = subtree_end.shape[0]
     nq = n if query_positions is None else query_positions.shape[0]
     mask_mod = tree_mask_mod(subtree_end, query_positions=query_positions, window=window)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(nq, n),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(nq, n),
     )
 
 
-def block_sparse_plan(subtree_end: torch.Tensor, block_size: int, query_positions: torch.Tensor | None = None,
-                      *, window: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+def block_sparse_plan(
+    subtree_end: torch.Tensor,
+    block_size: int,
+    query_positions: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
     """Gather plan of one tree for the block-sparse backend, as groups of query tiles.
 
     Query tile i attends the key blocks holding an allowed pair for it (``tree_block_layout``).
@@ -322,8 +385,12 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int, query_position
     if query_positions is None:
         q_all = torch.arange(padded, device=device)
     else:
-        q_all = padded_query_positions(query_positions.to(device), -(-query_positions.shape[0] // block_size) * block_size)
-    any_allowed, _ = tree_block_layout(ends, block_size, None if query_positions is None else q_all, window=window)
+        q_all = padded_query_positions(
+            query_positions.to(device), -(-query_positions.shape[0] // block_size) * block_size
+        )
+    any_allowed, _ = tree_block_layout(
+        ends, block_size, None if query_positions is None else q_all, window=window
+    )
     depth = None if window is None else tree_depth(ends)
     counts = any_allowed.sum(dim=1)
     top = int(counts.max())
@@ -337,7 +404,9 @@ def block_sparse_plan(subtree_end: torch.Tensor, block_size: int, query_position
         m = int(counts[q_tiles].max())
         slot_valid = torch.arange(m, device=device)[None, :] < counts[q_tiles, None]  # [g, M]
         kv_blocks = torch.where(slot_valid, order[q_tiles, :m], order[q_tiles, :1])
-        kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(len(q_tiles), m * block_size)
+        kv_index = (kv_blocks[:, :, None] * block_size + offsets).reshape(
+            len(q_tiles), m * block_size
+        )
         q_pos = q_all.view(-1, block_size)[q_tiles][:, :, None]  # [g, B, 1]
         pair_ok = allowed(ends, q_pos, kv_index[:, None, :], depth, window)  # [g, B, M*B]
         pair_ok &= slot_valid.repeat_interleave(block_size, dim=1)[:, None, :]
@@ -363,8 +432,13 @@ class TreeMaskPlan:
             part records its keys there, or extends the ones recorded).
     """
 
-    def __init__(self, subtree_end: torch.Tensor, rows: TreeRows | None = None, *,
-                 store: KeyValueStore | None = None):
+    def __init__(
+        self,
+        subtree_end: torch.Tensor,
+        rows: TreeRows | None = None,
+        *,
+        store: KeyValueStore | None = None,
+    ):
         self.subtree_end = subtree_end
         self.rows = rows
         self.store = store
@@ -391,13 +465,16 @@ class TreeMaskPlan:
         """int64 [r, nq]: each query row's depth in its tree (:func:`tree_depth` of the keys, which
         hold every row's ancestors), built once per micro-batch; a rotary table indexed by it gives
         each row the angle it has in its own sequences (multi-latent attention rotates this way)."""
+
         def build():
             depth = torch.stack([tree_depth(ends) for ends in self.subtree_end])
             return depth if self._queries is None else depth[:, self._queries]
 
         return self._get("query_depths", build)
 
-    def keys_values(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, key: torch.Tensor, value: torch.Tensor, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's keys/values [n, b, ng, hn] -> those of every key [K, b, ng, hn]
         (:meth:`~megatron_tree.core.rows.TreeRows.keys_values`)."""
         if self.rows is None:
@@ -418,27 +495,49 @@ class TreeMaskPlan:
 
     def dense_allowed(self, window: int | None = None) -> torch.Tensor:
         """bool [r, 1, nq, N], True = attend (torch SDPA's polarity), under a depth ``window``."""
+
         def build():
             keys = torch.arange(self.subtree_end.shape[-1], device=self.subtree_end.device)
             queries = keys if self._queries is None else self._queries
-            return torch.stack([
-                allowed(ends, queries[:, None], keys[None, :], None if window is None else tree_depth(ends), window)
-                for ends in self.subtree_end
-            ]).unsqueeze(1)
+            return torch.stack(
+                [
+                    allowed(
+                        ends,
+                        queries[:, None],
+                        keys[None, :],
+                        None if window is None else tree_depth(ends),
+                        window,
+                    )
+                    for ends in self.subtree_end
+                ]
+            ).unsqueeze(1)
 
         return self._get(("dense", window), build)
 
-    def block_sparse(self, row: int, block_size: int, window: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    def block_sparse(
+        self, row: int, block_size: int, window: int | None = None
+    ) -> list[tuple[torch.Tensor, ...]]:
         """:func:`block_sparse_plan` of row ``row`` under a depth ``window``."""
-        return self._get(("block_sparse", row, block_size, window),
-                         lambda: block_sparse_plan(self.subtree_end[row], block_size, self.query_positions, window=window))
+        return self._get(
+            ("block_sparse", row, block_size, window),
+            lambda: block_sparse_plan(
+                self.subtree_end[row], block_size, self.query_positions, window=window
+            ),
+        )
 
-    def block_mask(self, block_size: int, padded_queries: int, padded_keys: int, window: int | None = None):
+    def block_mask(
+        self, block_size: int, padded_queries: int, padded_keys: int, window: int | None = None
+    ):
         """FlexAttention ``BlockMask`` [1, 1, padded_queries, padded_keys] of row 0 (one tree per
         micro-batch) under a depth ``window``."""
+
         def build():
             ends = pad_encoding(self.subtree_end[0], padded_keys).to(torch.int32)
-            queries = None if self._queries is None else padded_query_positions(self._queries, padded_queries)
+            queries = (
+                None
+                if self._queries is None
+                else padded_query_positions(self._queries, padded_queries)
+            )
             return build_block_mask_from_trie(ends, block_size, queries, window=window)
 
         return self._get(("block_mask", block_size, padded_queries, padded_keys, window), build)
@@ -464,15 +563,21 @@ class TreeMask(torch.Tensor):
         mask.plan = plan
         return mask
 
-    def detach(self) -> "TreeMask":
+    def detach(self) -> TreeMask:
         return TreeMask(torch.Tensor.detach(self), self.plan)
 
     def __reduce_ex__(self, protocol):  # pickles as the plain encoding
-        return torch.Tensor.__reduce_ex__(torch.Tensor.detach(self).as_subclass(torch.Tensor), protocol)
+        return torch.Tensor.__reduce_ex__(
+            torch.Tensor.detach(self).as_subclass(torch.Tensor), protocol
+        )
 
 
-def tree_attention_mask(tree: PackedTree | TreeRows | torch.Tensor, rows: TreeRows | None = None, *,
-                        store: KeyValueStore | None = None) -> TreeMask:
+def tree_attention_mask(
+    tree: PackedTree | TreeRows | torch.Tensor,
+    rows: TreeRows | None = None,
+    *,
+    store: KeyValueStore | None = None,
+) -> TreeMask:
     """The ``attention_mask`` to hand a tree model for one micro-batch (int32 :class:`TreeMask`).
 
     Call it once per micro-batch; every layer (and the recomputation in backward) then shares the
@@ -497,17 +602,20 @@ def tree_attention_mask(tree: PackedTree | TreeRows | torch.Tensor, rows: TreeRo
     if rows is not None:
         if rows.tree.padded_length != _subtree_end_of(tree).shape[-1]:
             raise ValueError(
-                f"the rows are of a tree of {rows.tree.padded_length} positions, the mask's tree has "
-                f"{_subtree_end_of(tree).shape[-1]}; build the rows from this micro-batch's tree"
+                f"the rows are of a tree of {rows.tree.padded_length} positions, the mask's tree "
+                f"has {_subtree_end_of(tree).shape[-1]}; build the rows from this micro-batch's "
+                "tree"
             )
         if (rows.records or rows.stored is not None) and store is None:
             raise ValueError(
-                "these rows are a trunk-reuse part: pass store=KeyValueStore(...) (one per trunk group "
-                "and step), or let tree_forward_backward run the batch"
+                "these rows are a trunk-reuse part: pass store=KeyValueStore(...) (one per trunk "
+                "group and step), or let tree_forward_backward run the batch"
             )
         subtree_end = rows.encoding()[0]
         return TreeMask(subtree_end, TreeMaskPlan(subtree_end[None], rows, store=store))
     subtree_end = _subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
-        raise ValueError(f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}")
+        raise ValueError(
+            f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}"
+        )
     return TreeMask(subtree_end)

@@ -2,7 +2,8 @@
 
 How it works, with no Python object or loop per token:
 
-1. Sort the sequences lexicographically (a sequence sorts before its extensions). In sorted order the
+1. Sort the sequences lexicographically (a sequence sorts before its extensions). In sorted order
+the
    trie of a set of sequences is read off the longest common prefix (LCP) of each sequence with its
    predecessor: sequence i contributes its tokens at depths ``lcp_i .. len_i - 1``, and laying the
    contributions out one after another is the depth-first pre-order of the trie.
@@ -32,7 +33,14 @@ from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
 from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
-from .partition import TrieCounts, _lexicographic_order, _neighbour_lcp, balance_by_cost, cut_tries, pack_pieces
+from .partition import (
+    TrieCounts,
+    _lexicographic_order,
+    _neighbour_lcp,
+    balance_by_cost,
+    cut_tries,
+    pack_pieces,
+)
 from .ragged import to_padded
 from .tree import PackedTree
 from .trunk import TrunkPlan, first_fit, split_group
@@ -73,7 +81,11 @@ def layout_tree(
     rows, lengths = rows.to(torch.int64), lengths.to(torch.int64)
     num_seq, width = rows.shape
     device = rows.device
-    lcp = _neighbour_lcp(rows if keys is None else keys, lengths) if share_prefixes else torch.zeros_like(lengths)
+    lcp = (
+        _neighbour_lcp(rows if keys is None else keys, lengths)
+        if share_prefixes
+        else torch.zeros_like(lengths)
+    )
     contrib = lengths - lcp  # [S] tokens each sequence adds to the trie
     start = torch.zeros(num_seq + 1, dtype=torch.int64, device=device)
     torch.cumsum(contrib, dim=0, out=start[1:])
@@ -118,7 +130,14 @@ def layout_tree(
     subtree_end[dest] = node_end[owned]
     parent_index[dest] = parent_path[owned]
     token_index = path[in_seq]
-    return input_ids, position_ids, subtree_end.to(torch.int32), parent_index, token_index, num_tree_tokens
+    return (
+        input_ids,
+        position_ids,
+        subtree_end.to(torch.int32),
+        parent_index,
+        token_index,
+        num_tree_tokens,
+    )
 
 
 def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size):
@@ -160,8 +179,8 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
         if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != tuple(input_ids.shape):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(
-                f"data[{name!r}] must be a tensor shaped [B, L, ...] = {tuple(input_ids.shape)} like "
-                f"input_ids, got {shape}; pass per-token tensors only"
+                f"data[{name!r}] must be a tensor shaped [B, L, ...] = {tuple(input_ids.shape)} "
+                f"like input_ids, got {shape}; pass per-token tensors only"
             )
     block_size = check_int("block_size", block_size, minimum=1)
     parallel_size = check_int("parallel_size", parallel_size, minimum=1)
@@ -173,7 +192,7 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
     align = math.lcm(block_size, parallel_size)
     if max_tokens_per_mb is None:
         raise ValueError(
-            f"max_tokens_per_mb is required: the token capacity of one micro-batch (a multiple of "
+            "max_tokens_per_mb is required: the token capacity of one micro-batch (a multiple of "
             f"lcm(block_size, parallel_size) = {align})"
         )
     max_tokens_per_mb = check_int("max_tokens_per_mb", max_tokens_per_mb)
@@ -189,18 +208,21 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
     bad = (mask != right_padded).any(dim=1)
     if bad.any():
         raise ValueError(
-            f"data['attention_mask'] rows {bad.nonzero().flatten()[:8].tolist()} are not right-padded: "
-            "each row must be ones for the real tokens followed by zeros (no left padding or holes)"
+            f"data['attention_mask'] rows {bad.nonzero().flatten()[:8].tolist()} are not "
+            "right-padded: each row must be ones for the real tokens followed by zeros (no left "
+            "padding or holes)"
         )
     if (lengths == 0).any():
         raise ValueError(
-            f"sequences {(lengths == 0).nonzero().flatten()[:8].tolist()} are empty (attention_mask "
-            "all zero); drop them from the batch before packing"
+            f"sequences {(lengths == 0).nonzero().flatten()[:8].tolist()} are empty "
+            "(attention_mask all zero); drop them from the batch before packing"
         )
     return data, lengths.to(torch.int64), align, max_tokens_per_mb
 
 
-def _split_into_runs(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int) -> list[tuple[int, int, int]]:
+def _split_into_runs(
+    lcp: torch.Tensor, lengths: torch.Tensor, capacity: int
+) -> list[tuple[int, int, int]]:
     """Cut the sorted order into runs [a, b) that each fit ``capacity`` unique tokens.
 
     A run starts at every root group (lcp 0) and wherever the current run is full; greedy filling is
@@ -211,9 +233,9 @@ def _split_into_runs(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int) ->
     """
     runs = []
     first, used = 0, 0
-    for i, (l, n) in enumerate(zip(lcp.tolist(), lengths.tolist())):
-        add = n - l
-        if i > 0 and (l == 0 or used + add > capacity):
+    for i, (shared, n) in enumerate(zip(lcp.tolist(), lengths.tolist())):
+        add = n - shared
+        if i > 0 and (shared == 0 or used + add > capacity):
             runs.append((first, i, used))
             first, used, add = i, 0, n
         used += add
@@ -293,13 +315,16 @@ def _route_keys(data: dict, route_key: str, keys: torch.Tensor) -> torch.Tensor:
     route id numbers the distinct values of ``data[route_key]`` per token (-1 past each length)."""
     if route_key in RESERVED_KEYS or route_key not in data:
         raise ValueError(
-            f"route_key={route_key!r} must name a per-token input of the batch (e.g. 'routed_experts' "
-            f"[B, L, layers, topk]); the batch has {sorted(k for k in data if k not in RESERVED_KEYS)}"
+            f"route_key={route_key!r} must name a per-token input of the batch (e.g. "
+            "'routed_experts' [B, L, layers, topk]); the batch has "
+            f"{sorted(k for k in data if k not in RESERVED_KEYS)}"
         )
     routes = data[route_key]  # [B, L, ...], shape checked with the other per-token inputs
     batch, width = keys.shape
     if routes.dtype.is_floating_point:
-        raise ValueError(f"data[{route_key!r}] must hold integer routes (expert ids), got {routes.dtype}")
+        raise ValueError(
+            f"data[{route_key!r}] must hold integer routes (expert ids), got {routes.dtype}"
+        )
     flat = routes[:, :width].reshape(batch * width, -1).to(keys.device)
     _, route_id = torch.unique(flat, dim=0, return_inverse=True)
     num_routes = int(route_id.max()) + 1
@@ -314,8 +339,9 @@ def _cut_rows(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_to, p
     return sum(pad_to(counts.union(runs)[0]) for runs in plan_trees(lcp, lengths))
 
 
-def _trunk_groups(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_to, layout, plan_trees
-                  ) -> tuple[list[tuple[PackedTree, TrunkPlan]], torch.Tensor]:
+def _trunk_groups(
+    lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_to, layout, plan_trees
+) -> tuple[list[tuple[PackedTree, TrunkPlan]], torch.Tensor]:
     """Which tries run with trunk reuse, grouped, each group with its laid-out tree and the plan
     that decided; and the sorted indices of the other tries.
 
@@ -342,19 +368,31 @@ def _trunk_groups(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_t
             if int(lengths[first:end].max()) > capacity:
                 tries.append((tree, plan))
                 continue
-            trunk_rows, cut = plan.padded_rows(pad_to), _cut_rows(lcp[first:end], lengths[first:end], capacity, pad_to, plan_trees)
+            trunk_rows, cut = (
+                plan.padded_rows(pad_to),
+                _cut_rows(lcp[first:end], lengths[first:end], capacity, pad_to, plan_trees),
+            )
             if trunk_rows < cut:
                 tries.append((tree, plan))
                 continue
-            logger.info("trie of sorted sequences %d..%d: cut (%d rows) rather than trunk reuse (%d rows)",
-                        first, end - 1, cut, trunk_rows)
+            logger.info(
+                "trie of sorted sequences %d..%d: cut (%d rows) rather than trunk reuse (%d rows)",
+                first,
+                end - 1,
+                cut,
+                trunk_rows,
+            )
         plain.append(torch.arange(first, end))
     groups = []
     for b in sorted(first_fit([len(plan.trunk_nodes) for _, plan in tries], capacity)):
         members = [tries[i] for i in sorted(b)]
         trees = [t for t, _ in members]
-        groups.append((PackedTree.concat(trees),
-                       TrunkPlan.merged([p for _, p in members], [t.num_tree_tokens for t in trees])))
+        groups.append(
+            (
+                PackedTree.concat(trees),
+                TrunkPlan.merged([p for _, p in members], [t.num_tree_tokens for t in trees]),
+            )
+        )
     rest = torch.cat(plain) if plain else torch.zeros(0, dtype=torch.int64)
     return groups, rest
 
@@ -362,19 +400,33 @@ def _trunk_groups(lcp: torch.Tensor, lengths: torch.Tensor, capacity: int, pad_t
 def _unpadded(tree: PackedTree) -> PackedTree:
     """``tree`` cut to its real positions."""
     u = tree.num_tree_tokens
-    return PackedTree(tree.input_ids[:u], tree.position_ids[:u], tree.subtree_end[:u], tree.parent_index[:u],
-                      tree.sequence_ids, tree.cu_seqlens, tree.token_index, u)
+    return PackedTree(
+        tree.input_ids[:u],
+        tree.position_ids[:u],
+        tree.subtree_end[:u],
+        tree.parent_index[:u],
+        tree.sequence_ids,
+        tree.cu_seqlens,
+        tree.token_index,
+        u,
+    )
 
 
-def _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model) -> bool:
+def _check_options(
+    pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model
+) -> bool:
     """Type-check the packing options; returns ``share_trunks`` with its default resolved."""
-    for name, value in dict(pad_to_max=pad_to_max, share_prefixes=share_prefixes, balance_cost=balance_cost).items():
+    for name, value in dict(
+        pad_to_max=pad_to_max, share_prefixes=share_prefixes, balance_cost=balance_cost
+    ).items():
         check_bool(name, value)
     share_trunks = check_bool("share_trunks", share_trunks, optional=True)
     if packing not in PACKINGS:
         raise ValueError(f"packing={packing!r} must be one of {PACKINGS}")
     if balance_cost and cost_model is None:
-        raise ValueError("balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention")
+        raise ValueError(
+            "balance_cost=True needs cost_model (a GPTShape) to weigh tokens against attention"
+        )
     return True if share_trunks is None else share_trunks
 
 
@@ -398,7 +450,8 @@ def build_packed_tree_batch(
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
     Two sequences in the same tree share their whole common prefix, whatever their input order.
-    Sequences sharing a prefix are kept in one tree when it fits; a larger group is cut at its branch
+    Sequences sharing a prefix are kept in one tree when it fits; a larger group is cut at its
+    branch
     points into subtrees, each repeating only its ancestors' path (and nothing when it joins a tree
     holding that path), and groups and subtrees share trees (as separate roots)
     first-fit-decreasing.
@@ -416,7 +469,8 @@ def build_packed_tree_batch(
             ``lcm(block_size, parallel_size)``.
         block_size: attention tile size the packed length is aligned to.
         parallel_size: another factor the packed length must be divisible by (e.g. TP x CP x 2).
-        pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes, as pipeline parallelism
+        pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes, as pipeline
+        parallelism
             needs); if False, pad each tree only to the next multiple of the alignment.
         pad_token_id: token id written on padding positions (>= 0).
         vocab_size: if given, every token id and ``pad_token_id`` must be below it.
@@ -453,7 +507,9 @@ def build_packed_tree_batch(
     Returns:
         :class:`PackedTreeBatch`.
     """
-    share_trunks = _check_options(pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model)
+    share_trunks = _check_options(
+        pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model
+    )
     data, input_layout = to_padded(data)
     data, lengths, align, max_tokens_per_mb = _validate(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
@@ -462,9 +518,10 @@ def build_packed_tree_batch(
     if too_long.any() and not (share_trunks and share_prefixes):
         i = int(too_long.nonzero()[0])
         raise ValueError(
-            f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb={max_tokens_per_mb}; "
-            "pack with share_trunks=True (a longer sequence then runs as a chain of parts), raise "
-            f"max_tokens_per_mb (a multiple of {align}) or truncate it"
+            f"sequence {i} has {int(lengths[i])} tokens, more than "
+            f"max_tokens_per_mb={max_tokens_per_mb}; pack with share_trunks=True (a longer "
+            "sequence then runs as a chain of parts), raise max_tokens_per_mb (a multiple of "
+            f"{align}) or truncate it"
         )
     weights = cost_weights(cost_model)
     input_ids, mask = data["input_ids"], data["attention_mask"].bool()
@@ -476,7 +533,8 @@ def build_packed_tree_batch(
     max_token_id = max(int(keys.max()), pad_token_id)
     if vocab_size is not None and max_token_id >= vocab_size:
         raise ValueError(
-            f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, {vocab_size})"
+            f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, "
+            f"{vocab_size})"
         )
 
     trie_keys = keys if route_key is None else _route_keys(data, route_key, keys)
@@ -485,39 +543,60 @@ def build_packed_tree_batch(
     lcp = _neighbour_lcp(sorted_trie_keys, sorted_lengths)
     if not share_prefixes:
         lcp = torch.zeros_like(lcp)
+
     def layout(members: torch.Tensor, padded_length: int | None) -> PackedTree:
         tree_lengths = sorted_lengths[members]
         width_mb = int(tree_lengths.max())
         ids, pos, end, parent, token_index, unique = layout_tree(
-            sorted_keys[members, :width_mb], tree_lengths, padded_length=padded_length, align=align,
-            pad_token_id=pad_token_id, share_prefixes=share_prefixes,
+            sorted_keys[members, :width_mb],
+            tree_lengths,
+            padded_length=padded_length,
+            align=align,
+            pad_token_id=pad_token_id,
+            share_prefixes=share_prefixes,
             keys=None if route_key is None else sorted_trie_keys[members, :width_mb],
         )
         cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
         torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
         return PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
 
-    # Every micro-batch's padded rows, decided once: the capacity (constant shapes) or the alignment.
-    pad_to = (lambda n: max_tokens_per_mb) if pad_to_max else (lambda n: max(-(-n // align), 1) * align)
+    # Every micro-batch's padded rows, decided once: the capacity (constant shapes) or the
+    # alignment.
+    pad_to = (
+        (lambda n: max_tokens_per_mb) if pad_to_max else (lambda n: max(-(-n // align), 1) * align)
+    )
+
     def plan_trees(lcp, lengths):
-        return _plan_trees(lcp, lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost)
+        return _plan_trees(
+            lcp, lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost
+        )
 
     groups, members = [], torch.arange(len(lcp), device=device)
     if share_trunks and share_prefixes:
         groups, members = _trunk_groups(
-            lcp, sorted_lengths, max_tokens_per_mb, pad_to,
-            lambda a, b: layout(torch.arange(a, b, device=device), None), plan_trees,
+            lcp,
+            sorted_lengths,
+            max_tokens_per_mb,
+            pad_to,
+            lambda a, b: layout(torch.arange(a, b, device=device), None),
+            plan_trees,
         )
         members = members.to(device)
     micro_batches = []
     if len(members):
         plan = plan_trees(lcp[members], sorted_lengths[members])
         for tree_runs in plan:
-            picked = members[torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)]
-            micro_batches.append(micro_batch(layout(picked, max_tokens_per_mb if pad_to_max else None)))
+            picked = members[
+                torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
+            ]
+            micro_batches.append(
+                micro_batch(layout(picked, max_tokens_per_mb if pad_to_max else None))
+            )
     for g, (tree, plan) in enumerate(groups):
-        micro_batches += [micro_batch(view, rows) for view, rows in
-                          split_group(tree, plan, g, pad_to=pad_to, pad_token_id=pad_token_id)]
+        micro_batches += [
+            micro_batch(view, rows)
+            for view, rows in split_group(tree, plan, g, pad_to=pad_to, pad_token_id=pad_token_id)
+        ]
 
     if dp_group is not None:  # as many micro-batches on every rank: all-padding fill-ins
         target = _sync_num_micro_batches(len(micro_batches), dp_group)
@@ -526,7 +605,9 @@ def build_packed_tree_batch(
     result = PackedTreeBatch(
         micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model
     )
-    result.attach_padded({k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")})
+    result.attach_padded(
+        {k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")}
+    )
     result.input_layout = input_layout
     logger.debug("packed %s", result)
     return result

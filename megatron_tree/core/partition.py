@@ -64,7 +64,8 @@ class Piece(NamedTuple):
 
     Attributes:
         first, end: the run of the sorted order it holds.
-        base: length of its ancestor path (0 for a whole root group), repeated in a bin that does not
+        base: length of its ancestor path (0 for a whole root group), repeated in a bin that does
+        not
             hold it already.
         tokens: its own unique tokens, below the ancestor path.
         pairs: its own attention pairs (sum of depth + 1 over its own tokens).
@@ -128,7 +129,10 @@ class TrieCounts:
         ends = np.append(starts[1:], len(self.lcp))
         tokens = (self.tokens[ends] - self.tokens[starts]).tolist()
         pairs = (self.pairs[ends] - self.pairs[starts]).tolist()
-        return [Piece(a, b, 0, t, p, ()) for a, b, t, p in zip(starts.tolist(), ends.tolist(), tokens, pairs)]
+        return [
+            Piece(a, b, 0, t, p, ())
+            for a, b, t, p in zip(starts.tolist(), ends.tolist(), tokens, pairs)
+        ]
 
     def _branch(self, first: int, end: int, keep_chains: bool) -> tuple[int, list[int]]:
         """(depth, child starts) of the top branch node of the run ``[first, end)``; no starts when
@@ -153,7 +157,8 @@ class TrieCounts:
     def split(self, piece: Piece, keep_chains: bool = True) -> list[Piece]:
         """The subtrees of the children of ``piece``'s top branch node, or ``[piece]`` if it is a
         chain (every sequence a prefix of one); the node's id is the run it heads. Without
-        ``keep_chains`` a chain is cut too, every sequence a child (for more pieces than branches)."""
+        ``keep_chains`` a chain is cut too, every sequence a child (for more pieces than
+        branches)."""
         depth, starts = self._branch(piece.first, piece.end, keep_chains)
         if not starts:
             return [piece]
@@ -161,12 +166,18 @@ class TrieCounts:
         children = []
         for first, end in zip(starts, starts[1:] + [piece.end]):
             tokens, pairs = self.run(first, end)
-            children.append(Piece(first, end, depth, tokens - depth, pairs - _triangle(depth), ancestors))
+            children.append(
+                Piece(first, end, depth, tokens - depth, pairs - _triangle(depth), ancestors)
+            )
         return children
 
 
 def cut_tries(
-    counts: TrieCounts, *, max_tokens: float = math.inf, max_cost: float = math.inf, weights=(1.0, 0.0)
+    counts: TrieCounts,
+    *,
+    max_tokens: float = math.inf,
+    max_cost: float = math.inf,
+    weights=(1.0, 0.0),
 ) -> list[Piece]:
     """Cut every root group into pieces of at most ``max_tokens`` tokens and ``max_cost`` cost
     (ancestor path included), at branch points only; chains (a sequence with its prefixes) are
@@ -211,7 +222,8 @@ class Bin:
         return piece.full_tokens - shared, piece.pairs + _triangle(piece.base) - _triangle(shared)
 
     def added(self, piece: Piece, without: Piece | None = None) -> tuple[int, int]:
-        """(tokens, pairs) ``piece`` adds here (to the bin less ``without``): its own plus the part of
+        """(tokens, pairs) ``piece`` adds here (to the bin less ``without``): its own plus the part
+        of
         its path not held yet."""
         return self._path_cost(piece, without)
 
@@ -242,14 +254,18 @@ class Bin:
 
 
 def pack_pieces(pieces: list[Piece], capacity: int) -> list[Bin]:
-    """First-fit-decreasing by full size, sharing-aware: each piece goes to the bin where it adds the
-    fewest tokens (the one holding most of its path; the first such bin on ties), within ``capacity``."""
+    """First-fit-decreasing by full size, sharing-aware: each piece goes to the bin where it adds
+    the
+    fewest tokens (the one holding most of its path; the first such bin on ties), within
+    ``capacity``."""
     bins: list[Bin] = []
     for piece in sorted(pieces, key=lambda p: (-p.full_tokens, p.first)):
         best, best_added = None, None
         for candidate in bins:
             added = candidate.added(piece)
-            if added[0] <= capacity - candidate.tokens and (best is None or added[0] < best_added[0]):
+            if added[0] <= capacity - candidate.tokens and (
+                best is None or added[0] < best_added[0]
+            ):
                 best, best_added = candidate, added
                 if added[0] == piece.tokens:  # its whole path is there: nothing adds less
                     break
@@ -300,12 +316,20 @@ def _best_exchange(bins: list[Bin], weights, capacity: float):
         for other in range(len(bins)) if len(bins[hi].pieces) > 1 else ():
             add = bins[other].added(piece)
             if other != hi and bins[other].tokens + add[0] <= capacity:
-                options.append((max(hi_cost, costs[other] + w_tok * add[0] + w_pair * add[1]), other, None))
+                options.append(
+                    (max(hi_cost, costs[other] + w_tok * add[0] + w_pair * add[1]), other, None)
+                )
         for back in bins[lo].pieces if lo != hi else ():
-            back_in, back_out, gone = bins[hi].added(back, piece), bins[lo].removed(back), bins[lo].added(piece, back)
+            back_in, back_out, gone = (
+                bins[hi].added(back, piece),
+                bins[lo].removed(back),
+                bins[lo].added(piece, back),
+            )
             if max(hi_tokens + back_in[0], bins[lo].tokens - back_out[0] + gone[0]) <= capacity:
                 new_hi = hi_cost + w_tok * back_in[0] + w_pair * back_in[1]
-                new_lo = costs[lo] + w_tok * (gone[0] - back_out[0]) + w_pair * (gone[1] - back_out[1])
+                new_lo = (
+                    costs[lo] + w_tok * (gone[0] - back_out[0]) + w_pair * (gone[1] - back_out[1])
+                )
                 options.append((max(new_hi, new_lo), lo, back))
         for new_max, other, back in options:
             if new_max < costs[hi] * (1 - 1e-9) and (best is None or new_max < best[0]):
@@ -313,7 +337,9 @@ def _best_exchange(bins: list[Bin], weights, capacity: float):
     return best
 
 
-def refine(bins: list[Bin], weights: tuple[float, float], *, rounds: int, capacity: float = math.inf) -> list[Bin]:
+def refine(
+    bins: list[Bin], weights: tuple[float, float], *, rounds: int, capacity: float = math.inf
+) -> list[Bin]:
     """Lower the costliest bin by single moves and swaps while that helps (at most ``rounds``),
     keeping every bin within ``capacity`` tokens and non-empty; in place, returns ``bins``."""
     for _ in range(rounds):
@@ -340,8 +366,14 @@ def balance_by_cost(
     lpt = balance_pieces(pieces, num_bins, weights, capacity)
     if len(lpt) <= num_bins:
         candidates.append(lpt)
-    refined = [refine(bins, weights, rounds=4 * len(pieces), capacity=capacity) for bins in candidates]
-    return min(refined, key=lambda bins: (max(b.cost(weights) for b in bins), sum(b.tokens for b in bins)), default=None)
+    refined = [
+        refine(bins, weights, rounds=4 * len(pieces), capacity=capacity) for bins in candidates
+    ]
+    return min(
+        refined,
+        key=lambda bins: (max(b.cost(weights) for b in bins), sum(b.tokens for b in bins)),
+        default=None,
+    )
 
 
 def _cut_once_more(pieces: list[Piece], counts: TrieCounts, weights) -> list[Piece]:
@@ -395,16 +427,25 @@ def _partition_inputs(data, lengths) -> tuple[torch.Tensor, torch.Tensor]:
         if lengths is None:
             lengths = torch.full((data.shape[0],), data.shape[-1] if data.dim() else 0)
     else:
-        raise ValueError(f"data must be a batch dict or an input_ids tensor [B, L], got {type(data).__name__}")
+        raise ValueError(
+            f"data must be a batch dict or an input_ids tensor [B, L], got {type(data).__name__}"
+        )
     if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} "
+            f"{tuple(input_ids.shape)}"
+        )
     if mask is not None:
         lengths = _right_padded_lengths(mask, input_ids.shape)
     lengths = torch.as_tensor(lengths).to(torch.int64).cpu()
-    if lengths.shape != (input_ids.shape[0],) or (lengths < 1).any() or (lengths > input_ids.shape[1]).any():
+    if (
+        lengths.shape != (input_ids.shape[0],)
+        or (lengths < 1).any()
+        or (lengths > input_ids.shape[1]).any()
+    ):
         raise ValueError(
-            f"lengths must be [B={input_ids.shape[0]}] with every entry in [1, L={input_ids.shape[1]}], "
-            f"got {lengths.tolist()[:8]}"
+            f"lengths must be [B={input_ids.shape[0]}] with every entry in [1, "
+            f"L={input_ids.shape[1]}], got {lengths.tolist()[:8]}"
         )
     keys = input_ids.cpu().to(torch.int64)
     keys = keys.masked_fill(torch.arange(keys.shape[1])[None, :] >= lengths[:, None], -1)
@@ -464,8 +505,9 @@ def partition_for_data_parallel(
             pieces = _cut_once_more(pieces, counts, weights)
         bins = refine(balance_pieces(pieces, dp_size, weights), weights, rounds=4 * len(pieces))
         candidates.append(bins)
-    bins = min(candidates, key=lambda c: (max(b.cost(weights) for b in c),
-                                          sum(b.tokens for b in c)))
+    bins = min(
+        candidates, key=lambda c: (max(b.cost(weights) for b in c), sum(b.tokens for b in c))
+    )
     ranks = []
     for b in bins:
         members = np.concatenate([np.arange(first, end) for first, end in b.runs()])

@@ -42,8 +42,8 @@ class InputLayout:
             return padded
         if padded.shape[0] != len(self.lengths) or padded.shape[1] < max(self.lengths, default=0):
             raise ValueError(
-                f"a result of shape {tuple(padded.shape)} cannot hold {len(self.lengths)} sequences of up "
-                f"to {max(self.lengths, default=0)} tokens"
+                f"a result of shape {tuple(padded.shape)} cannot hold {len(self.lengths)} "
+                f"sequences of up to {max(self.lengths, default=0)} tokens"
             )
         rows = [padded[b, :n] for b, n in enumerate(self.lengths)]
         if self.kind == "list":
@@ -57,19 +57,29 @@ def _rows(name: str, value: Any, kind: str, cu_seqlens: torch.Tensor | None) -> 
     """``value`` (in layout ``kind``) as one tensor per sequence."""
     if kind == "list":
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"data[{name!r}] must be a list of per-sequence tensors like input_ids, got "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"data[{name!r}] must be a list of per-sequence tensors like input_ids, got "
+                f"{type(value).__name__}"
+            )
         return [torch.as_tensor(v) for v in value]
     if kind == "nested":
         if not (isinstance(value, torch.Tensor) and value.is_nested):
-            raise ValueError(f"data[{name!r}] must be a nested tensor like input_ids, got {type(value).__name__}")
+            raise ValueError(
+                f"data[{name!r}] must be a nested tensor like input_ids, got {type(value).__name__}"
+            )
         return list(value.unbind())
-    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != int(cu_seqlens[-1]):
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() < 1
+        or value.shape[0] != int(cu_seqlens[-1])
+    ):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"data[{name!r}] must be [T, ...] with T = cu_seqlens[-1] = {int(cu_seqlens[-1])} "
-                         f"like input_ids, got {shape}")
+        raise ValueError(
+            f"data[{name!r}] must be [T, ...] with T = cu_seqlens[-1] = {int(cu_seqlens[-1])} like "
+            f"input_ids, got {shape}"
+        )
     bounds = cu_seqlens.tolist()
-    return [value[bounds[b]:bounds[b + 1]] for b in range(len(bounds) - 1)]
+    return [value[bounds[b] : bounds[b + 1]] for b in range(len(bounds) - 1)]
 
 
 def _kind(data: dict) -> str:
@@ -86,13 +96,30 @@ def _kind(data: dict) -> str:
 def _cu_seqlens(data: dict) -> torch.Tensor:
     cu = torch.as_tensor(data["cu_seqlens"])
     input_ids = data["input_ids"]
-    if (cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or int(cu[0]) != 0
-            or bool((cu[1:] < cu[:-1]).any())):
-        raise ValueError(f"cu_seqlens must be a non-decreasing int [B + 1] starting at 0, got {cu.tolist()[:8]}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.numel() != int(cu[-1]):
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"with cu_seqlens, input_ids must be [T] with T = cu_seqlens[-1] = {int(cu[-1])}, "
-                         f"got {shape}")
+    if (
+        cu.dim() != 1
+        or cu.numel() < 2
+        or cu.dtype.is_floating_point
+        or int(cu[0]) != 0
+        or bool((cu[1:] < cu[:-1]).any())
+    ):
+        raise ValueError(
+            f"cu_seqlens must be a non-decreasing int [B + 1] starting at 0, got {cu.tolist()[:8]}"
+        )
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 1
+        or input_ids.numel() != int(cu[-1])
+    ):
+        shape = (
+            tuple(input_ids.shape)
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
+        raise ValueError(
+            f"with cu_seqlens, input_ids must be [T] with T = cu_seqlens[-1] = {int(cu[-1])}, got "
+            f"{shape}"
+        )
     return cu
 
 
@@ -105,22 +132,31 @@ def to_padded(data: dict) -> tuple[dict, InputLayout]:
     if kind == "padded":
         return data, InputLayout("padded", ())
     if "attention_mask" in data:
-        raise ValueError(f"a {kind!r} batch has no padding: drop data['attention_mask'] (lengths come from "
-                         "the sequences themselves)")
+        raise ValueError(
+            f"a {kind!r} batch has no padding: drop data['attention_mask'] (lengths come from the "
+            "sequences themselves)"
+        )
     cu_seqlens = _cu_seqlens(data) if kind == "thd" else None
-    extras = {name: value for name, value in data.items() if name not in ("input_ids", "cu_seqlens")}
+    extras = {
+        name: value for name, value in data.items() if name not in ("input_ids", "cu_seqlens")
+    }
     ids = _rows("input_ids", data["input_ids"], kind, cu_seqlens)
     if not ids or any(row.dim() != 1 for row in ids):
-        raise ValueError(f"input_ids must hold one 1-D sequence per row ({kind!r} layout), got "
-                         f"{'no sequences' if not ids else [tuple(r.shape) for r in ids[:4]]}")
+        raise ValueError(
+            f"input_ids must hold one 1-D sequence per row ({kind!r} layout), got "
+            f"{'no sequences' if not ids else [tuple(r.shape) for r in ids[:4]]}"
+        )
     lengths = tuple(int(row.shape[0]) for row in ids)
     padded = {"input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)}
-    padded["attention_mask"] = (torch.arange(padded["input_ids"].shape[1])[None]
-                                < torch.tensor(lengths)[:, None]).to(torch.int64)
+    padded["attention_mask"] = (
+        torch.arange(padded["input_ids"].shape[1])[None] < torch.tensor(lengths)[:, None]
+    ).to(torch.int64)
     for name, value in extras.items():
         rows = _rows(name, value, kind, cu_seqlens)
         if len(rows) != len(ids) or any(r.shape[0] != n for r, n in zip(rows, lengths)):
-            raise ValueError(f"data[{name!r}] must have input_ids' sequence lengths {list(lengths)[:8]}, got "
-                             f"{[int(r.shape[0]) for r in rows][:8]}")
+            raise ValueError(
+                f"data[{name!r}] must have input_ids' sequence lengths {list(lengths)[:8]}, got "
+                f"{[int(r.shape[0]) for r in rows][:8]}"
+            )
         padded[name] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
     return padded, InputLayout(kind, lengths)

@@ -35,8 +35,14 @@ import torch
 
 from .mask import tree_depth
 
-__all__ = ["RecurrentPlan", "chunk_gated_delta_rule", "gated_delta_rule_reference", "l2norm",
-           "tree_causal_conv", "tree_gated_delta_rule"]
+__all__ = [
+    "RecurrentPlan",
+    "chunk_gated_delta_rule",
+    "gated_delta_rule_reference",
+    "l2norm",
+    "tree_causal_conv",
+    "tree_gated_delta_rule",
+]
 
 CHUNK = 64
 
@@ -107,7 +113,9 @@ class RecurrentPlan:
         # Processing order: by level, then by length band (a bucket: band j of a level holds the
         # lengths in (longest / 2^(j+1), longest / 2^j]), then by length. Segments with children
         # take state slots 1, 2, ... in that order.
-        longest = torch.zeros(self.num_levels, dtype=torch.int64).scatter_reduce(0, level, lengths, "amax")
+        longest = torch.zeros(self.num_levels, dtype=torch.int64).scatter_reduce(
+            0, level, lengths, "amax"
+        )
         band = torch.floor(torch.log2(longest[level].double() / lengths.double())).long()
         order = torch.from_numpy(np.lexsort((-lengths.numpy(), band.numpy(), level.numpy())))
         has_children = torch.zeros(s, dtype=torch.bool)
@@ -118,16 +126,26 @@ class RecurrentPlan:
         self.buckets: list[list[_Bucket]] = [[] for _ in range(self.num_levels)]
         host_index = []  # every bucket's [B, T] rows, in processing order
         key = level[order] * 64 + band[order]
-        for ids in torch.split(order, torch.unique_consecutive(key, return_counts=True)[1].tolist()):
+        for ids in torch.split(
+            order, torch.unique_consecutive(key, return_counts=True)[1].tolist()
+        ):
             cols = torch.arange(int(lengths[ids[0]]))
             index = torch.where(cols < lengths[ids, None], starts[ids, None] + cols, k)
             keep = has_children[ids].nonzero()[:, 0]
             host_index.append(index)
-            self.buckets[int(level[ids[0]])].append(_Bucket(
-                index.to(device), init[ids].to(device) if bool(init[ids].any()) else None,
-                keep.to(device) if len(keep) else None))
+            self.buckets[int(level[ids[0]])].append(
+                _Bucket(
+                    index.to(device),
+                    init[ids].to(device) if bool(init[ids].any()) else None,
+                    keep.to(device) if len(keep) else None,
+                )
+            )
         # Row of the concatenated, flattened bucket outputs holding each context position.
-        flat = torch.cat([i.reshape(-1) for i in host_index]) if host_index else torch.zeros(0, dtype=torch.int64)
+        flat = (
+            torch.cat([i.reshape(-1) for i in host_index])
+            if host_index
+            else torch.zeros(0, dtype=torch.int64)
+        )
         inverse = torch.empty(k, dtype=torch.int64)
         valid = flat < k
         inverse[flat[valid]] = torch.arange(flat.shape[0])[valid]
@@ -151,12 +169,15 @@ class RecurrentPlan:
         for _ in range(width - 1):
             prev = cols[-1]
             up = self.parent[prev.clamp(max=self.num_positions - 1)]
-            cols.append(torch.where((prev < self.num_positions) & (up >= 0), up, self.num_positions))
+            cols.append(
+                torch.where((prev < self.num_positions) & (up >= 0), up, self.num_positions)
+            )
         return torch.stack(cols[::-1], dim=1)
 
 
-def tree_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RecurrentPlan
-                     ) -> torch.Tensor:
+def tree_causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: RecurrentPlan
+) -> torch.Tensor:
     """Depthwise causal convolution along every root path: x [K, ..., D], weight [D, w] (a
     ``Conv1d(groups=D)`` weight squeezed, tap w-1 on the token itself), bias [D] -> [K, ..., D]."""
     width = weight.shape[-1]
@@ -173,7 +194,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK, final_state: bool = True):
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, initial_state=None, chunk: int = CHUNK, final_state: bool = True
+):
     """The gated delta rule on a batch of sequences, chunk by chunk (at least fp32 inside).
 
     Per head, with state S [dk, dv] starting at ``initial_state``:
@@ -183,7 +206,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CH
     = 0 leaves the state unchanged, so a padded sequence's final state is exact.
 
     Args:
-        q, k: [B, T, H, dk] (q already scaled); v: [B, T, H, dv]; g (log decay, <= 0), beta: [B, T, H].
+        q, k: [B, T, H, dk] (q already scaled); v: [B, T, H, dv]; g (log decay, <= 0), beta: [B, T,
+        H].
         initial_state: [B, H, dk, dv], or None (zeros, never materialized).
         final_state: compute the final state (False: skip the last chunk's state update).
     Returns:
@@ -205,9 +229,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CH
     gam = g.cumsum(-1)
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    # Strictly lower part read only (unit diagonal): (I + A) with A_ij = beta_i exp(gam_i - gam_j) k_i.k_j.
+    # Strictly lower part read only (unit diagonal): (I + A) with A_ij = beta_i exp(gam_i - gam_j)
+    # k_i.k_j.
     strict = k @ k.transpose(-1, -2) * decay * beta[..., :, None]
-    solve = functools.partial(torch.linalg.solve_triangular, strict, upper=False, unitriangular=True)
+    solve = functools.partial(
+        torch.linalg.solve_triangular, strict, upper=False, unitriangular=True
+    )
     w = solve(k * (beta * gam.exp())[..., None])  # [B, H, n, C, dk]
     u = solve(v * beta[..., None])  # [B, H, n, C, dv]
     inner = q @ k.transpose(-1, -2) * decay
@@ -230,8 +257,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CH
     return o.to(dtype), state if final_state else None
 
 
-def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CHUNK) -> torch.Tensor:
-    """The gated delta rule over a packed tree: every position's output as its root path alone gives.
+def tree_gated_delta_rule(
+    q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CHUNK
+) -> torch.Tensor:
+    """The gated delta rule over a packed tree: every position's output as its root path alone
+    gives.
 
     Args:
         q, k: [K, H, dk] (q already scaled); v: [K, H, dv]; g, beta: [K, H]; K context positions in
@@ -242,15 +272,27 @@ def tree_gated_delta_rule(q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CH
     h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     zero = lambda x: torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # noqa: E731
     q, k, v, g, beta = (zero(x) for x in (q, k, v, g, beta))
-    states = [torch.zeros(1, h, dk, dv, device=v.device, dtype=torch.promote_types(v.dtype, torch.float32))]
+    states = [
+        torch.zeros(
+            1, h, dk, dv, device=v.device, dtype=torch.promote_types(v.dtype, torch.float32)
+        )
+    ]
     outs = []
     for level in plan.buckets:
         table = torch.cat(states) if len(states) > 1 else states[0]
         for bucket in level:
             idx = bucket.index
             init = None if bucket.init is None else table.index_select(0, bucket.init)
-            o, final = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init, chunk,
-                                              final_state=bucket.keep is not None)
+            o, final = chunk_gated_delta_rule(
+                q[idx],
+                k[idx],
+                v[idx],
+                g[idx],
+                beta[idx],
+                init,
+                chunk,
+                final_state=bucket.keep is not None,
+            )
             outs.append(o.reshape(-1, h, dv))
             if final is not None:
                 states.append(final.index_select(0, bucket.keep))

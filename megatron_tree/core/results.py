@@ -13,12 +13,16 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .rows import TreeRows
 from .logprobs import rows_of
+from .rows import TreeRows
 from .tree import PackedTree
 
-__all__ = ["gather_packed_tree_values", "gather_packed_tree_vocab_stats", "merge_packed_tree_results",
-           "values_per_position"]
+__all__ = [
+    "gather_packed_tree_values",
+    "gather_packed_tree_vocab_stats",
+    "merge_packed_tree_results",
+    "values_per_position",
+]
 
 
 @torch.no_grad()
@@ -46,8 +50,9 @@ def gather_packed_tree_vocab_stats(
     return -stats[1][token_index], stats[0][token_index]
 
 
-def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
-                              rows: TreeRows | None = None) -> torch.Tensor:
+def gather_packed_tree_values(
+    values: torch.Tensor, tree: PackedTree, *, rows: TreeRows | None = None
+) -> torch.Tensor:
     """A critic's per-position values read back per sequence ([T], differentiable, not rolled).
 
     Args:
@@ -64,7 +69,9 @@ def gather_packed_tree_values(values: torch.Tensor, tree: PackedTree, *,
     """
     expected = tree.padded_length if rows is None else rows.num_rows
     if values.numel() != expected:
-        where = "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
+        where = (
+            "the tree's padded length" if rows is None else "this micro-batch's rows on this rank"
+        )
         raise ValueError(f"values has {values.numel()} elements, expected {where} {expected}")
     flat = values.reshape(-1)
     token_index = tree.token_index.to(values.device)

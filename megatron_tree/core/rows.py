@@ -84,12 +84,14 @@ class TreeRows:
     pair_offsets: tuple[int, ...] = ()
 
     @classmethod
-    def whole(cls, tree: PackedTree) -> "TreeRows":
+    def whole(cls, tree: PackedTree) -> TreeRows:
         """Every position of ``tree`` (host facts read once, here)."""
         n = tree.padded_length
         reach = int(tree.position_ids.max()) + 1 if n else 1
         positions = torch.arange(n, device=tree.input_ids.device)
-        return cls(tree, positions, tree.num_tree_tokens, reach, pair_offsets=pair_offsets(tree, positions))
+        return cls(
+            tree, positions, tree.num_tree_tokens, reach, pair_offsets=pair_offsets(tree, positions)
+        )
 
     # -- shape ---------------------------------------------------------------------------------
 
@@ -111,7 +113,11 @@ class TreeRows:
     @property
     def is_whole(self) -> bool:
         """Rows and keys are all of the tree's positions (no CP split, no trunk part)."""
-        return self.cp_positions is None and self.stored is None and self.num_rows == self.tree.padded_length
+        return (
+            self.cp_positions is None
+            and self.stored is None
+            and self.num_rows == self.tree.padded_length
+        )
 
     @property
     def is_trunk(self) -> bool:
@@ -188,29 +194,39 @@ class TreeRows:
 
     # -- constructors of related rows ------------------------------------------------------------
 
-    def with_cp(self, cp_positions: torch.Tensor, cp_rank: int, cp_group) -> "TreeRows":
+    def with_cp(self, cp_positions: torch.Tensor, cp_rank: int, cp_group) -> TreeRows:
         """These rows split across CP ranks: ``cp_positions`` [cp, n / cp] (tree positions, each
         rank's ascending, together exactly ``positions``); host facts recomputed once, here."""
         mine = cp_positions[cp_rank]
         depth = self.tree.position_ids[mine.to(self.tree.position_ids.device)]
         return replace(
-            self, positions=mine, cp_positions=cp_positions, cp_rank=cp_rank, cp_group=cp_group,
+            self,
+            positions=mine,
+            cp_positions=cp_positions,
+            cp_rank=cp_rank,
+            cp_group=cp_group,
             num_real=int((mine < self.tree.num_tree_tokens).sum()),
-            reach=int(depth.max()) + 1 if len(mine) else 1, pair_offsets=pair_offsets(self.tree, mine),
+            reach=int(depth.max()) + 1 if len(mine) else 1,
+            pair_offsets=pair_offsets(self.tree, mine),
         )
 
-    def to(self, device, tree: PackedTree | None = None) -> "TreeRows":
+    def to(self, device, tree: PackedTree | None = None) -> TreeRows:
         """A copy on ``device``; pass ``tree`` (already moved) so that a group's tree moves once."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(
-            self, tree=self.tree.to(device) if tree is None else tree, positions=move(self.positions),
-            cp_positions=move(self.cp_positions), stored=move(self.stored), group_tokens=move(self.group_tokens),
+            self,
+            tree=self.tree.to(device) if tree is None else tree,
+            positions=move(self.positions),
+            cp_positions=move(self.cp_positions),
+            stored=move(self.stored),
+            group_tokens=move(self.group_tokens),
         )
 
     # -- keys, values and outputs ----------------------------------------------------------------
 
-    def keys_values(self, key: torch.Tensor, value: torch.Tensor, layer: int, store: "KeyValueStore | None"
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, key: torch.Tensor, value: torch.Tensor, layer: int, store: KeyValueStore | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's keys/values [n, b, ng, hn] -> the context's [K, b, ng, hn]: all-gather
         over the CP group, record for later parts, prepend the stored keys, put in key order. Any
         per-row pair [n, ...] works the same way (a gated delta-net passes its convolution input
@@ -224,8 +240,8 @@ class TreeRows:
         if self.records or self.stored is not None:
             if store is None:
                 raise ValueError(
-                    "a trunk group's micro-batch needs the step's KeyValueStore: build its mask with "
-                    "tree_attention_mask(rows, store=store) (tree_forward_backward does this)"
+                    "a trunk group's micro-batch needs the step's KeyValueStore: build its mask "
+                    "with tree_attention_mask(rows, store=store) (tree_forward_backward does this)"
                 )
             if self.records:
                 both = store.record(both, self.index, layer)
@@ -253,7 +269,8 @@ def _local_index(num_positions: int, positions: torch.Tensor) -> torch.Tensor:
 
 def pair_offsets(tree: PackedTree, positions: torch.Tensor) -> tuple[int, ...]:
     """Host prefix counts [n + 1]: entry r is the number of ``tree``'s predicted (non-root) nodes
-    whose parent is one of ``positions[:r]`` (``positions`` ascending). One host read, at packing."""
+    whose parent is one of ``positions[:r]`` (``positions`` ascending). One host read, at
+    packing."""
     n = positions.shape[0]
     parent = tree.parent_index[: tree.num_tree_tokens]
     rows = _local_index(tree.padded_length, positions)[parent[parent >= 0].to(positions.device)]
@@ -363,10 +380,13 @@ class KeyValueStore:
 
     def add_stats(self, layer: int, stats: torch.Tensor) -> None:
         """Add one part's statistics of ``layer`` (summed over the group's parts)."""
-        self.layer_stats[layer] = stats if layer not in self.layer_stats else self.layer_stats[layer] + stats
+        self.layer_stats[layer] = (
+            stats if layer not in self.layer_stats else self.layer_stats[layer] + stats
+        )
 
     def record(self, both: torch.Tensor, part: int, layer: int) -> torch.Tensor:
-        """Part ``part``'s keys/values of ``layer`` [n_t, b, ng, 2 hn]: stored, returned unchanged."""
+        """Part ``part``'s keys/values of ``layer`` [n_t, b, ng, 2 hn]: stored, returned
+        unchanged."""
         key = (part, layer)
         if key not in self.saved:
             self.saved[key] = both.detach().requires_grad_(self.requires_grad)
@@ -377,8 +397,9 @@ class KeyValueStore:
         missing = [p for p in range(num_parts) if (p, layer) not in self.saved]
         if missing:
             raise ValueError(
-                f"layer {layer}: no keys and values recorded for trunk parts {missing}; a trunk group's "
-                "micro-batches must run in order, trunk parts first (tree_forward_backward does this)"
+                f"layer {layer}: no keys and values recorded for trunk parts {missing}; a trunk "
+                "group's micro-batches must run in order, trunk parts first "
+                "(tree_forward_backward does this)"
             )
         return [self.saved[(p, layer)] for p in range(num_parts)]
 

@@ -15,7 +15,8 @@ import torch
 class PackedTree:
     """One micro-batch's trie, flattened in pre-order so that every subtree is a contiguous range.
 
-    The whole attention structure is carried by ``subtree_end``: key position ``k`` is visible to the
+    The whole attention structure is carried by ``subtree_end``: key position ``k`` is visible to
+    the
     query positions ``[k, subtree_end[k])`` (its own subtree), so
     ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``. Padding positions ``p >= num_tree_tokens``
     have ``subtree_end[p] == p + 1`` (each sees only itself, so no softmax row is empty).
@@ -68,7 +69,7 @@ class PackedTree:
         return self.num_sequences == 0
 
     @classmethod
-    def all_padding(cls, padded_length: int, pad_token_id: int = 0, device=None) -> "PackedTree":
+    def all_padding(cls, padded_length: int, pad_token_id: int = 0, device=None) -> PackedTree:
         """A dummy tree: ``padded_length`` padding positions and no sequence (keeps data-parallel
         ranks, or pipeline micro-batch counts, in step)."""
         empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -84,7 +85,7 @@ class PackedTree:
         )
 
     @classmethod
-    def concat(cls, trees: list["PackedTree"]) -> "PackedTree":
+    def concat(cls, trees: list[PackedTree]) -> PackedTree:
         """Unpadded trees laid out one after another, as separate roots of one tree."""
         if len(trees) == 1:
             return trees[0]
@@ -95,8 +96,12 @@ class PackedTree:
             input_ids=torch.cat([t.input_ids for t in trees]),
             position_ids=torch.cat([t.position_ids for t in trees]),
             subtree_end=torch.cat([t.subtree_end + o for t, o in zip(trees, offsets)]),
-            parent_index=torch.cat([torch.where(t.parent_index >= 0, t.parent_index + o, -1)
-                                    for t, o in zip(trees, offsets)]),
+            parent_index=torch.cat(
+                [
+                    torch.where(t.parent_index >= 0, t.parent_index + o, -1)
+                    for t, o in zip(trees, offsets)
+                ]
+            ),
             sequence_ids=torch.cat([t.sequence_ids for t in trees]),
             cu_seqlens=torch.cat(cu),
             token_index=torch.cat([t.token_index + o for t, o in zip(trees, offsets)]),
@@ -107,7 +112,7 @@ class PackedTree:
         """int64 [L_i], packed positions of the tokens of the i-th sequence (tree order)."""
         return self.token_index[int(self.cu_seqlens[i]) : int(self.cu_seqlens[i + 1])]
 
-    def to(self, device: torch.device | str) -> "PackedTree":
+    def to(self, device: torch.device | str) -> PackedTree:
         """A copy with every tensor moved to ``device``."""
         return PackedTree(
             **{

@@ -45,7 +45,8 @@ __all__ = ["TrunkPlan", "first_fit", "plan_trunk", "split_group"]
 
 
 class TrunkPlan:
-    """How one laid-out trie (or a forest of them) runs with trunk reuse: trunk parts, then branches.
+    """How one laid-out trie (or a forest of them) runs with trunk reuse: trunk parts, then
+    branches.
 
     Attributes:
         trunk_nodes: int64 [n_t], the trunk's nodes (those whose subtree holds more than the
@@ -62,11 +63,15 @@ class TrunkPlan:
         bins = first_fit([end - start for start, end in pieces], capacity)
         bins.sort(key=lambda b: min(b))
         device = trunk_nodes.device
-        self.branches = [torch.cat([torch.arange(*pieces[i], device=device) for i in sorted(b)]) for b in bins]
+        self.branches = [
+            torch.cat([torch.arange(*pieces[i], device=device) for i in sorted(b)]) for b in bins
+        ]
 
     @classmethod
-    def of(cls, tree: PackedTree, capacity: int) -> "TrunkPlan":
-        trunk, pieces = plan_trunk(tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity)
+    def of(cls, tree: PackedTree, capacity: int) -> TrunkPlan:
+        trunk, pieces = plan_trunk(
+            tree.subtree_end, tree.parent_index, tree.num_tree_tokens, capacity
+        )
         return cls(torch.nonzero(trunk).flatten(), pieces, capacity)
 
     @property
@@ -79,7 +84,7 @@ class TrunkPlan:
         return sum(pad_to(len(r)) for r in self.rows)
 
     @classmethod
-    def merged(cls, plans: list["TrunkPlan"], sizes: list[int]) -> "TrunkPlan":
+    def merged(cls, plans: list[TrunkPlan], sizes: list[int]) -> TrunkPlan:
         """The plan of tries laid out one after another (``sizes``: their real nodes): their trunks
         share trunk parts, their pieces share branch micro-batches."""
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -88,8 +93,9 @@ class TrunkPlan:
         return cls(nodes, pieces, plans[0].capacity)
 
 
-def plan_trunk(subtree_end: torch.Tensor, parent_index: torch.Tensor, num_nodes: int, capacity: int
-               ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def plan_trunk(
+    subtree_end: torch.Tensor, parent_index: torch.Tensor, num_nodes: int, capacity: int
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The trunk of a laid-out trie (or forest) and the subtrees below it.
 
     Args:
@@ -132,30 +138,53 @@ def _pad_tree(tree: PackedTree, padded_length: int, pad_token_id: int) -> Packed
     extra = padded_length - n
     device = tree.input_ids.device
     return PackedTree(
-        input_ids=torch.cat([tree.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64, device=device)]),
-        position_ids=torch.cat([tree.position_ids, torch.zeros(extra, dtype=torch.int64, device=device)]),
-        subtree_end=torch.cat([tree.subtree_end, padding_subtree_end(n, padded_length, device).to(torch.int32)]),
-        parent_index=torch.cat([tree.parent_index, torch.full((extra,), -1, dtype=torch.int64, device=device)]),
-        sequence_ids=tree.sequence_ids, cu_seqlens=tree.cu_seqlens, token_index=tree.token_index,
+        input_ids=torch.cat(
+            [tree.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64, device=device)]
+        ),
+        position_ids=torch.cat(
+            [tree.position_ids, torch.zeros(extra, dtype=torch.int64, device=device)]
+        ),
+        subtree_end=torch.cat(
+            [tree.subtree_end, padding_subtree_end(n, padded_length, device).to(torch.int32)]
+        ),
+        parent_index=torch.cat(
+            [tree.parent_index, torch.full((extra,), -1, dtype=torch.int64, device=device)]
+        ),
+        sequence_ids=tree.sequence_ids,
+        cu_seqlens=tree.cu_seqlens,
+        token_index=tree.token_index,
         num_tree_tokens=tree.num_tree_tokens,
     )
 
 
 def _view(tree: PackedTree, sequences: torch.Tensor) -> tuple[PackedTree, torch.Tensor]:
-    """G with only ``sequences`` (indices in G's order) and their tokens' places in G's token order."""
+    """G with only ``sequences`` (indices in G's order) and their tokens' places in G's token
+    order."""
     starts, ends = tree.cu_seqlens[sequences], tree.cu_seqlens[sequences + 1]
     lengths = ends - starts
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=cu[1:])
-    tokens = torch.arange(int(cu[-1]), device=lengths.device) - cu[:-1].repeat_interleave(lengths) \
+    tokens = (
+        torch.arange(int(cu[-1]), device=lengths.device)
+        - cu[:-1].repeat_interleave(lengths)
         + starts.repeat_interleave(lengths)
-    view = PackedTree(tree.input_ids, tree.position_ids, tree.subtree_end, tree.parent_index,
-                      tree.sequence_ids[sequences], cu, tree.token_index[tokens], tree.num_tree_tokens)
+    )
+    view = PackedTree(
+        tree.input_ids,
+        tree.position_ids,
+        tree.subtree_end,
+        tree.parent_index,
+        tree.sequence_ids[sequences],
+        cu,
+        tree.token_index[tokens],
+        tree.num_tree_tokens,
+    )
     return view, tokens
 
 
-def split_group(tree: PackedTree, plan: TrunkPlan, group: int, *, pad_to: callable, pad_token_id: int = 0
-                ) -> list[tuple[PackedTree, TreeRows]]:
+def split_group(
+    tree: PackedTree, plan: TrunkPlan, group: int, *, pad_to: callable, pad_token_id: int = 0
+) -> list[tuple[PackedTree, TreeRows]]:
     """Lay out a trunk group's parts.
 
     Args:
@@ -176,7 +205,9 @@ def split_group(tree: PackedTree, plan: TrunkPlan, group: int, *, pad_to: callab
     positions, next_pad = [], num_nodes
     for i, (r, p) in enumerate(zip(rows, padded)):
         owner[r] = i
-        positions.append(torch.cat([r, torch.arange(next_pad, next_pad + p - len(r), device=device)]))
+        positions.append(
+            torch.cat([r, torch.arange(next_pad, next_pad + p - len(r), device=device)])
+        )
         next_pad += p - len(r)
     last = tree.token_index[tree.cu_seqlens[1:] - 1]
     site = owner[last]  # the part holding each sequence's last token takes its loss
@@ -186,9 +217,17 @@ def split_group(tree: PackedTree, plan: TrunkPlan, group: int, *, pad_to: callab
         view, tokens = _view(tree, torch.nonzero(site == i).flatten())
         before = min(i, num_trunk)  # the trunk parts whose keys this part extends
         part = TreeRows(
-            tree, pos, num_real=len(r), reach=int(tree.position_ids[r].max()) + 1 if len(r) else 1,
-            stored=torch.cat(positions[:before]) if before else None, stored_parts=before,
-            records=i < num_trunk, group=group, index=i, num_parts=len(rows), group_tokens=tokens,
+            tree,
+            pos,
+            num_real=len(r),
+            reach=int(tree.position_ids[r].max()) + 1 if len(r) else 1,
+            stored=torch.cat(positions[:before]) if before else None,
+            stored_parts=before,
+            records=i < num_trunk,
+            group=group,
+            index=i,
+            num_parts=len(rows),
+            group_tokens=tokens,
             pair_offsets=pair_offsets(tree, pos),
         )
         parts.append((view, part))

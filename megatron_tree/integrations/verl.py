@@ -49,7 +49,10 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
-from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+from verl.workers.engine.megatron.transformer_impl import (
+    MegatronEngineWithLMHead,
+    MegatronEngineWithValueHead,
+)
 
 from ..core.packing import build_packed_tree_batch
 from ..mcore.runner import MicroBatchInputs, StepRunner, plain_forward_step
@@ -60,8 +63,9 @@ logger = logging.getLogger(__name__)
 VENDOR = "megatron_tree"
 
 
-def tree_micro_batches(data, *, max_tokens: int, block_size: int, share_trunks: bool = True, dp_group=None
-                       ) -> tuple[list, list[list[int]], object]:
+def tree_micro_batches(
+    data, *, max_tokens: int, block_size: int, share_trunks: bool = True, dp_group=None
+) -> tuple[list, list[list[int]], object]:
     """verl's micro-batch preparation with trees.
 
     Returns: one verl micro-batch per packed micro-batch (the samples whose loss it takes, in the
@@ -70,16 +74,23 @@ def tree_micro_batches(data, *, max_tokens: int, block_size: int, share_trunks: 
     :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics. With ``share_trunks`` a
     prompt group larger than ``max_tokens`` runs as trunk parts (computed once) and branches.
     """
-    packed = build_packed_tree_batch({"input_ids": data["input_ids"]}, max_tokens_per_mb=max_tokens,
-                                     block_size=block_size, pad_to_max=False, share_trunks=share_trunks,
-                                     dp_group=dp_group)
+    packed = build_packed_tree_batch(
+        {"input_ids": data["input_ids"]},
+        max_tokens_per_mb=max_tokens,
+        block_size=block_size,
+        pad_to_max=False,
+        share_trunks=share_trunks,
+        dp_group=dp_group,
+    )
     micro_batches, indices = [], []
     for mb in packed:
         ids = [int(i) for i in mb["tree"].sequence_ids]
         # A micro-batch that takes no loss (an all-padding tree matching other data-parallel ranks'
         # count, a trunk part no sample ends in) carries sample 0 as its verl data (verl cannot hold
         # an empty jagged micro-batch); it adds no output or loss.
-        micro_batches.append(tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long)))
+        micro_batches.append(
+            tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long))
+        )
         if ids:
             indices.append(ids)
     return micro_batches, indices, packed
@@ -118,7 +129,7 @@ class _TokenRows(NamedTuple):
     temperature: torch.Tensor
 
     @classmethod
-    def of(cls, tree, rows, temperature: torch.Tensor) -> "_TokenRows":
+    def of(cls, tree, rows, temperature: torch.Tensor) -> _TokenRows:
         """``temperature``: per sample of the verl batch [B] (``tree.sequence_ids`` index it)."""
         cu = tree.cu_seqlens
         size = int(cu[-1])
@@ -134,9 +145,13 @@ class _TokenRows(NamedTuple):
         here = torch.nonzero(local >= 0).flatten()
         return cls(size, host_lengths, here, local[here], labels[here], temperature[here])
 
-    def to(self, device) -> "_TokenRows":
-        return _TokenRows(self.size, self.lengths, None if self.tokens is None else self.tokens.to(device),
-                          *(t.to(device) for t in (self.rows, self.labels, self.temperature)))
+    def to(self, device) -> _TokenRows:
+        return _TokenRows(
+            self.size,
+            self.lengths,
+            None if self.tokens is None else self.tokens.to(device),
+            *(t.to(device) for t in (self.rows, self.labels, self.temperature)),
+        )
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[t, ...] at these tokens -> [T, ...], 0 at the tree's other tokens."""
@@ -150,7 +165,8 @@ class _VerlStep(StepRunner):
     """The tree step's runner with verl's head and loss: a micro-batch's per-token outputs are what
     verl's logits processor (or value head) gives at its rows' tokens, and its loss is verl's
     ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it, so the
-    same loops run whole trees and trunk groups (:func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`).
+    same loops run whole trees and trunk groups
+    (:func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`).
 
     Args:
         head: the engine's ``_tree_head`` with the step's flags bound: (model output, _TokenRows)
@@ -166,10 +182,23 @@ class _VerlStep(StepRunner):
     The base's head, loss function and weights are verl's here (``gather`` / ``loss`` overridden).
     """
 
-    def __init__(self, chunks, config, *, head, micro_batches, packed, token_rows, postprocess, model_output):
-        super().__init__(chunks, config, gather=None, loss_fn=None, tp_group=None,
-                         prepare=MicroBatchInputs(chunks, None), weights=None, counts=None, scale=1.0,
-                         collect=False, max_token_id=0, num_micro_batches=len(packed))
+    def __init__(
+        self, chunks, config, *, head, micro_batches, packed, token_rows, postprocess, model_output
+    ):
+        super().__init__(
+            chunks,
+            config,
+            gather=None,
+            loss_fn=None,
+            tp_group=None,
+            prepare=MicroBatchInputs(chunks, None),
+            weights=None,
+            counts=None,
+            scale=1.0,
+            collect=False,
+            max_token_id=0,
+            num_micro_batches=len(packed),
+        )
         self.head, self.micro_batches, self.postprocess = head, micro_batches, postprocess
         self.model_output = model_output
         self.token_rows = {id(mb["rows"]): pair for mb, pair in zip(packed, token_rows)}
@@ -187,9 +216,12 @@ class _VerlStep(StepRunner):
         if i >= self.num_micro_batches or tree.num_sequences == 0:
             return sum(v.sum() for v in outputs.values()) * 0.0, {}
         data = self.micro_batches[i]
-        # Megatron divides each loss by its schedule call's micro-batch count; verl multiplies by this.
+        # Megatron divides each loss by its schedule call's micro-batch count; verl multiplies by
+        # this.
         tu.assign_non_tensor(data, num_micro_batch=self.num_scheduled)
-        lengths = self.token_rows[id(mb["rows"])][0].lengths  # host ints from packing: no device read
+        lengths = self.token_rows[id(mb["rows"])][
+            0
+        ].lengths  # host ints from packing: no device read
         per_sample = {k: _nested(list(v.split(lengths))) for k, v in outputs.items()}
         loss, output = self.postprocess(self.model_output(per_sample), data=data)
         self.outputs[i] = output
@@ -210,7 +242,9 @@ class _TreeEngine:
     """
 
     tree_backend = "auto"
-    tree_stats: dict | None = None  # the last batch's packing: sequences, trees, tokens unpacked / computed
+    tree_stats: dict | None = (
+        None  # the last batch's packing: sequences, trees, tokens unpacked / computed
+    )
     tree_block_size = 128
     tree_max_tokens: int | None = None
     tree_share_trunks = True
@@ -224,86 +258,177 @@ class _TreeEngine:
             return super()._build_megatron_module()
 
     def _capacity(self, data) -> int:
-        tokens = self.tree_max_tokens or tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
+        tokens = self.tree_max_tokens or tu.get_non_tensor_data(
+            data, key="max_token_len_per_gpu", default=None
+        )
         if tokens is None:
-            raise ValueError("tree micro-batches need a token capacity: set max_token_len_per_gpu on the batch "
-                             "or tree_max_tokens on the engine")
+            raise ValueError(
+                "tree micro-batches need a token capacity: set max_token_len_per_gpu on the batch "
+                "or tree_max_tokens on the engine"
+            )
         return math.ceil(int(tokens) / self.tree_block_size) * self.tree_block_size
 
     def _check_supported(self, data) -> None:
         if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False) or getattr(
-                self, "enable_routing_replay", False):
-            raise ValueError("routing replay (router_replay) is not supported by the verl tree engine yet: the "
-                             "recorded routes would not be replayed on the tree; unset VERL_ENGINE_VENDOR or "
-                             "turn router replay off")
-        for name, size in (("pipeline", mpu.get_pipeline_model_parallel_world_size()),
-                           ("context", mpu.get_context_parallel_world_size())):
+            self, "enable_routing_replay", False
+        ):
+            raise ValueError(
+                "routing replay (router_replay) is not supported by the verl tree engine yet: the "
+                "recorded routes would not be replayed on the tree; unset VERL_ENGINE_VENDOR or "
+                "turn router replay off"
+            )
+        for name, size in (
+            ("pipeline", mpu.get_pipeline_model_parallel_world_size()),
+            ("context", mpu.get_context_parallel_world_size()),
+        ):
             if size > 1:
-                raise ValueError(f"{name}-parallel size {size}: the verl tree engine runs without {name} "
-                                 "parallelism so far; use megatron_tree.tree_forward_backward directly")
+                raise ValueError(
+                    f"{name}-parallel size {size}: the verl tree engine runs without {name} "
+                    "parallelism so far; use megatron_tree.tree_forward_backward directly"
+                )
         if getattr(self.tf_config, "calculate_per_token_loss", False):
-            raise ValueError("calculate_per_token_loss=True: the verl tree engine runs verl's micro-batch-mean "
-                             "loss protocol; turn it off (verl enables it only with context parallelism)")
+            raise ValueError(
+                "calculate_per_token_loss=True: the verl tree engine runs verl's micro-batch-mean "
+                "loss protocol; turn it off (verl enables it only with context parallelism)"
+            )
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self._check_supported(data)
-        trees: dict = {}  # the batch's packing, from verl's micro-batch preparation to its schedule call
+        # the batch's packing, from verl's micro-batch preparation to its schedule call
+        trees: dict = {}
         prepare = partial(self._prepare_trees, capacity=self._capacity(data), trees=trees)
-        schedule = partial(self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only)
-        tu.assign_non_tensor(data, use_dynamic_bsz=True)  # verl then restores the order from our indices
-        with swapped(transformer_impl, prepare_micro_batches=prepare, get_forward_backward_func=lambda: schedule):
+        schedule = partial(
+            self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only
+        )
+        tu.assign_non_tensor(
+            data, use_dynamic_bsz=True
+        )  # verl then restores the order from our indices
+        with swapped(
+            transformer_impl,
+            prepare_micro_batches=prepare,
+            get_forward_backward_func=lambda: schedule,
+        ):
             return super().forward_backward_batch(data, loss_function, forward_only)
 
-    def _prepare_trees(self, data, dp_group=None, num_batches_divided_by=None, *, capacity: int, trees: dict,
-                       **unused):
+    def _prepare_trees(
+        self,
+        data,
+        dp_group=None,
+        num_batches_divided_by=None,
+        *,
+        capacity: int,
+        trees: dict,
+        **unused,
+    ):
         # With dp_group every data-parallel rank gets as many micro-batches (all-padding ones
         # appended), as Megatron's schedule and verl's same_micro_num_in_dp need.
         micro_batches, indices, packed = tree_micro_batches(
-            data, max_tokens=capacity, block_size=self.tree_block_size, share_trunks=self.tree_share_trunks,
-            dp_group=dp_group)
-        self.tree_stats = {"sequences": packed.batch_size, "micro_batches": len(packed),
-                           "trunk_groups": len({mb["rows"].group for mb in packed} - {None}),
-                           "tokens_unpacked": packed.num_real_tokens, "tokens_computed": packed.num_padded_tokens,
-                           "tree_token_ratio": packed.tree_token_ratio}
-        logger.info("megatron_tree: %s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                  for k, v in self.tree_stats.items()))
+            data,
+            max_tokens=capacity,
+            block_size=self.tree_block_size,
+            share_trunks=self.tree_share_trunks,
+            dp_group=dp_group,
+        )
+        self.tree_stats = {
+            "sequences": packed.batch_size,
+            "micro_batches": len(packed),
+            "trunk_groups": len({mb["rows"].group for mb in packed} - {None}),
+            "tokens_unpacked": packed.num_real_tokens,
+            "tokens_computed": packed.num_padded_tokens,
+            "tree_token_ratio": packed.tree_token_ratio,
+        }
+        logger.info(
+            "megatron_tree: %s",
+            " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in self.tree_stats.items()
+            ),
+        )
         temperature = data["temperature"]
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.full((len(data),), float(temperature))
-        trees["packed"], trees["token_rows"] = packed, [  # the head's host facts, once per micro-batch
-            (_TokenRows.of(mb["tree"], mb["rows"], temperature) if mb["tree"].num_sequences else None,
-             _TokenRows.of(mb["rows"].tree, mb["rows"], temperature) if mb["rows"].records else None)
-            for mb in packed]
+        trees["packed"], trees["token_rows"] = (
+            packed,
+            [  # the head's host facts, once per micro-batch
+                (
+                    _TokenRows.of(mb["tree"], mb["rows"], temperature)
+                    if mb["tree"].num_sequences
+                    else None,
+                    _TokenRows.of(mb["rows"].tree, mb["rows"], temperature)
+                    if mb["rows"].records
+                    else None,
+                )
+                for mb in packed
+            ],
+        )
         return micro_batches, indices
 
-    def _tree_schedule(self, forward_step_func, data_iterator, model, num_microbatches, *, trees: dict,
-                       loss_function, forward_only, **unused) -> list[dict]:
+    def _tree_schedule(
+        self,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        *,
+        trees: dict,
+        loss_function,
+        forward_only,
+        **unused,
+    ) -> list[dict]:
         """In place of Megatron's ``forward_backward_func`` (verl's forward step is not used): the
         tree step's loops over the batch's micro-batches, returning verl's outputs of those that
         take a loss, in micro-batch order (as verl's indices list them)."""
         device = next(model[0].parameters()).device
         micro_batches = [batch.to(device) for batch in data_iterator]
         packed = trees["packed"].to(device)
-        token_rows = [tuple(None if t is None else t.to(device) for t in pair) for pair in trees["token_rows"]]
-        flags = {k: tu.get_non_tensor_data(micro_batches[0], key=k, default=False) for k in
-                 ("calculate_sum_pi_squared", "calculate_entropy", "distillation_use_topk", "distillation_only")}
+        token_rows = [
+            tuple(None if t is None else t.to(device) for t in pair) for pair in trees["token_rows"]
+        ]
+        flags = {
+            k: tu.get_non_tensor_data(micro_batches[0], key=k, default=False)
+            for k in (
+                "calculate_sum_pi_squared",
+                "calculate_entropy",
+                "distillation_use_topk",
+                "distillation_only",
+            )
+        }
         trunks = check_trunk_parts(packed)
         if trunks and flags["distillation_use_topk"]:
-            raise ValueError("top-k distillation reads the teacher's per-token data in the micro-batch's order, "
-                             "which trunk parts do not keep: set tree_share_trunks=False on the engine")
-        head = partial(self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0])
-        postprocess = partial(self.postprocess_micro_batch_func, forward_only=forward_only,
-                              loss_function=loss_function)
-        step = _VerlStep(model, self.tf_config, head=head, micro_batches=micro_batches, packed=list(packed),
-                         token_rows=token_rows, postprocess=postprocess, model_output=self._tree_model_output)
+            raise ValueError(
+                "top-k distillation reads the teacher's per-token data in the micro-batch's order, "
+                "which trunk parts do not keep: set tree_share_trunks=False on the engine"
+            )
+        head = partial(
+            self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
+        )
+        postprocess = partial(
+            self.postprocess_micro_batch_func,
+            forward_only=forward_only,
+            loss_function=loss_function,
+        )
+        step = _VerlStep(
+            model,
+            self.tf_config,
+            head=head,
+            micro_batches=micro_batches,
+            packed=list(packed),
+            token_rows=token_rows,
+            postprocess=postprocess,
+            model_output=self._tree_model_output,
+        )
         if trunks:
             run_trunks_scheduled(step, list(packed), forward_only=forward_only)
         else:
-            step.schedule(list(enumerate(packed)), plain_forward_step(step), forward_only=forward_only)
+            step.schedule(
+                list(enumerate(packed)), plain_forward_step(step), forward_only=forward_only
+            )
         return [step.outputs[i] for i in sorted(step.outputs)]
 
 
-@EngineRegistry.register(model_type="language_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
+@EngineRegistry.register(
+    model_type="language_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR
+)
 class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
     """verl's ``MegatronEngineWithLMHead`` with tree micro-batches and tree attention (the actor
     and the reference policy)."""
@@ -312,8 +437,14 @@ class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
         """verl's logits processor at ``token_rows``' tokens: logits [1, n, V / tp] -> per-token
         outputs [T] (log_probs, entropy, ... as verl computes them)."""
         out = self._lm_head_logits_processor(
-            logits[:, token_rows.rows], token_rows.labels[None], token_rows.temperature[None].clone(),
-            logits_processor_func=loss_function, batch=batch, data_format="thd", **flags)
+            logits[:, token_rows.rows],
+            token_rows.labels[None],
+            token_rows.temperature[None].clone(),
+            logits_processor_func=loss_function,
+            batch=batch,
+            data_format="thd",
+            **flags,
+        )
         return {k: token_rows.scatter(v[0]) for k, v in out.items()}
 
     @staticmethod
@@ -321,7 +452,9 @@ class TreeMegatronEngineWithLMHead(_TreeEngine, MegatronEngineWithLMHead):
         return per_sample  # as verl's forward step: {log_probs, entropy, ...: nested [b, j]}
 
 
-@EngineRegistry.register(model_type="value_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
+@EngineRegistry.register(
+    model_type="value_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR
+)
 class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
     """verl's ``MegatronEngineWithValueHead`` with tree micro-batches and tree attention (the
     critic): each sample's values are the value head's output at its own tokens' rows."""
@@ -344,7 +477,7 @@ def unique_tokens(sequences: list[torch.Tensor]) -> int:
     """Tokens of the prefix trie of ``sequences`` (1-D each): every shared prefix counted once."""
     if not sequences:
         return 0
-    ordered = sorted((tuple(s.tolist()) for s in sequences))
+    ordered = sorted(tuple(s.tolist()) for s in sequences)
     shared = 0
     for a, b in zip(ordered, ordered[1:]):
         n = min(len(a), len(b))
@@ -352,7 +485,9 @@ def unique_tokens(sequences: list[torch.Tensor]) -> int:
     return sum(len(s) for s in ordered) - shared
 
 
-def balance_prompt_groups(sequences: list[torch.Tensor], uids, dp_size: int) -> list[list[int]] | None:
+def balance_prompt_groups(
+    sequences: list[torch.Tensor], uids, dp_size: int
+) -> list[list[int]] | None:
     """Sample indices per data-parallel rank with every prompt group (samples of one ``uid``) on one
     rank and the ranks' tree tokens (:func:`unique_tokens`) balanced: groups longest first, each to
     the least-loaded rank with room, the same number of groups on every rank. None when that cannot
@@ -368,8 +503,10 @@ def balance_prompt_groups(sequences: list[torch.Tensor], uids, dp_size: int) -> 
     cost = {uid: unique_tokens([sequences[i] for i in members]) for uid, members in groups.items()}
     loads, parts = [0] * dp_size, [[] for _ in range(dp_size)]
     for uid in sorted(groups, key=lambda u: (-cost[u], groups[u][0])):
-        rank = min((r for r in range(dp_size) if len(parts[r]) < per_rank * len(groups[uid])),
-                   key=lambda r: loads[r])
+        rank = min(
+            (r for r in range(dp_size) if len(parts[r]) < per_rank * len(groups[uid])),
+            key=lambda r: loads[r],
+        )
         parts[rank] += groups[uid]
         loads[rank] += cost[uid]
     return parts
@@ -385,9 +522,14 @@ def tree_balance_batch(original):
     @functools.wraps(original)
     def balance(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         def verls(reason: str):
-            logger.warning("megatron_tree: %s; verl's sequence-length balancing is used (prompt groups may be "
-                           "split over data-parallel ranks, where they share nothing)", reason)
-            return original(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+            logger.warning(
+                "megatron_tree: %s; verl's sequence-length balancing is used (prompt groups may be "
+                "split over data-parallel ranks, where they share nothing)",
+                reason,
+            )
+            return original(
+                self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch
+            )
 
         uids = batch.non_tensor_batch.get("uid")
         if uids is None:
@@ -396,17 +538,27 @@ def tree_balance_batch(original):
         mask = batch.batch["attention_mask"].bool()
         size = mask.shape[0]
         sequences = [batch.batch["input_ids"][i][mask[i]] for i in range(size)]
-        step = self.config.actor_rollout_ref.actor.get("ppo_mini_batch_size") if keep_minibatch else size
+        step = (
+            self.config.actor_rollout_ref.actor.get("ppo_mini_batch_size")
+            if keep_minibatch
+            else size
+        )
         parts = [[] for _ in range(dp_size)]
         for start in range(0, size, step):
-            chunk = balance_prompt_groups(sequences[start:start + step], uids[start:start + step], dp_size)
+            chunk = balance_prompt_groups(
+                sequences[start : start + step], uids[start : start + step], dp_size
+            )
             if chunk is None:
-                return verls(f"the prompt groups (uid) cannot fill {dp_size} equal data-parallel chunks")
+                return verls(
+                    f"the prompt groups (uid) cannot fill {dp_size} equal data-parallel chunks"
+                )
             for rank, members in enumerate(chunk):
                 parts[rank] += [start + i for i in members]
         batch.reorder(torch.tensor([i for part in parts for i in part]))
         lengths = mask.sum(-1).tolist()
-        metrics.update(log_seqlen_unbalance(seqlen_list=lengths, partitions=parts, prefix=logging_prefix))
+        metrics.update(
+            log_seqlen_unbalance(seqlen_list=lengths, partitions=parts, prefix=logging_prefix)
+        )
         tokens = [unique_tokens([sequences[i] for i in part]) for part in parts]
         metrics[f"{logging_prefix}/tree_tokens_max_rank"] = max(tokens)
         metrics[f"{logging_prefix}/tree_tokens_min_rank"] = min(tokens)
@@ -424,4 +576,7 @@ def patch_trainer_balancing() -> None:
 
     if not getattr(RayPPOTrainer._balance_batch, "megatron_tree", False):
         RayPPOTrainer._balance_batch = tree_balance_batch(RayPPOTrainer._balance_batch)
-        logger.info("megatron_tree: RayPPOTrainer._balance_batch keeps prompt groups on one data-parallel rank")
+        logger.info(
+            "megatron_tree: RayPPOTrainer._balance_batch keeps prompt groups on one data-parallel "
+            "rank"
+        )

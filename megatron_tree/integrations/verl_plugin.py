@@ -19,9 +19,13 @@ logger = logging.getLogger(__name__)
 def _register() -> None:
     try:
         importlib.import_module(f"{__package__}.verl")  # registers the engines
-    except Exception as error:  # noqa: BLE001 - re-raised when the engine is asked for
+    except Exception as error:
         reason = f"{type(error).__name__}: {error}"
-        logger.error("megatron_tree's verl engines could not be registered (%s):\n%s", reason, traceback.format_exc())
+        logger.error(
+            "megatron_tree's verl engines could not be registered (%s):\n%s",
+            reason,
+            traceback.format_exc(),
+        )
         _register_refusal(reason)
 
 
@@ -32,13 +36,18 @@ def _register_refusal(reason: str) -> None:
     class MegatronTreeUnavailable(BaseEngine):
         def __init__(self, *args, **kwargs):
             raise ValueError(
-                f"VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to import ({reason}); "
-                "fix that (see the error logged at 'import verl') or unset VERL_ENGINE_VENDOR"
+                "VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to "
+                f"import ({reason}); fix that (see the error logged at 'import verl') or unset "
+                "VERL_ENGINE_VENDOR"
             )
 
     for model_type in ("language_model", "value_model"):
-        EngineRegistry.register(model_type=model_type, backend="megatron", device=["cuda", "cpu"],
-                                vendor="megatron_tree")(MegatronTreeUnavailable)
+        EngineRegistry.register(
+            model_type=model_type,
+            backend="megatron",
+            device=["cuda", "cpu"],
+            vendor="megatron_tree",
+        )(MegatronTreeUnavailable)
 
 
 _register()

@@ -98,7 +98,9 @@ class TreeCoreAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"{where}: tree attention is self-attention, got {attention_type!r}")
         self.window_size = None
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        ):
             try:
                 depth_window(config.window_size)
             except ValueError as error:
@@ -110,14 +112,18 @@ class TreeCoreAttention(MegatronModule):
         self.backend = backend
         self.block_size = block_size
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
     def _build_softmax_offset(self, where: str, pg_collection) -> None:
         """``softmax_offset`` as Megatron's DotProductAttention builds it: None ("vanilla"), zeros
         (a buffer, not saved: "off-by-one") or a parameter [np / tp] ("learnable")."""
         softmax_type = getattr(self.config, "softmax_type", "vanilla")
         if softmax_type not in SOFTMAX_TYPES:
-            raise ValueError(f"{where}: config.softmax_type={softmax_type!r} is not one of {SOFTMAX_TYPES}")
+            raise ValueError(
+                f"{where}: config.softmax_type={softmax_type!r} is not one of {SOFTMAX_TYPES}"
+            )
         if softmax_type == "vanilla":
             self.softmax_offset = None
             return
@@ -133,15 +139,21 @@ class TreeCoreAttention(MegatronModule):
         if self.config.perform_initialization:
             self.config.init_method(self.softmax_offset)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ):
         """The learnable ``softmax_offset`` is split over tensor-parallel ranks along its only axis,
         as in Megatron's DotProductAttention; nothing else is saved."""
         if not isinstance(self.softmax_offset, torch.nn.Parameter):
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
         )
 
     def forward(
@@ -170,21 +182,27 @@ class TreeCoreAttention(MegatronModule):
         rows = getattr(plan, "rows", None)
         if (1 if rows is None else rows.cp_size) != cp_size:
             raise ValueError(
-                f"layer {self.layer_number}: context_parallel_size={cp_size} needs the tree mask of a "
-                f"{cp_size}-way context-parallel split: tree_attention_mask(context_parallel_split(tree, "
-                f"{cp_size}, cp_rank, cp_group)) with each rank's rows as input (tree_forward_backward "
-                "does this)"
+                f"layer {self.layer_number}: context_parallel_size={cp_size} needs the tree mask "
+                f"of a {cp_size}-way context-parallel split: "
+                f"tree_attention_mask(context_parallel_split(tree, {cp_size}, cp_rank, cp_group)) "
+                "with each rank's rows as input (tree_forward_backward does this)"
             )
         if plan is not None:
             key, value = plan.keys_values(key, value, self.layer_number)
         if attention_bias is not None:
             raise ValueError("tree attention does not take attention_bias")
         if packed_seq_params is not None:
-            raise ValueError("tree attention takes the tree mask as attention_mask, not packed_seq_params")
+            raise ValueError(
+                "tree attention takes the tree mask as attention_mask, not packed_seq_params"
+            )
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(
-            backend=self.backend, softmax_scale=self.softmax_scale, dropout_p=dropout_p,
-            block_size=self.block_size, window_size=self.window_size, softmax_offset=self.softmax_offset,
+            backend=self.backend,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            block_size=self.block_size,
+            window_size=self.window_size,
+            softmax_offset=self.softmax_offset,
         )
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             # Heads are split across TP ranks: draw dropout from the model-parallel RNG state,

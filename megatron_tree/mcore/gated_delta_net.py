@@ -2,7 +2,8 @@
 
 The same module, parameters and state-dict names as ``megatron.core.ssm.gated_delta_net
 .GatedDeltaNet`` (``in_proj``, ``conv1d``, ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``);
-:func:`~megatron_tree.mcore.spec.tree_attention_spec` swaps it in. Its forward takes the tree from the
+:func:`~megatron_tree.mcore.spec.tree_attention_spec` swaps it in. Its forward takes the tree from
+the
 micro-batch's mask (``attention_mask.plan``): the causal convolution reads each token's ancestors,
 the delta rule runs per segment of the compressed trie from its parent segment's final state
 (:mod:`megatron_tree.core.recurrent`), so every token gets what its sequence alone gives it.
@@ -72,24 +73,40 @@ if GatedDeltaNet is not None:
             super()._setup_variant_attrs()
             self.gated_delta_rule = tree_gated_delta_rule  # fla's kernel is None without fla
 
-        def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
-                    sequence_len_offset=None, *, inference_params=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            attention_mask,
+            inference_context=None,
+            packed_seq_params=None,
+            sequence_len_offset=None,
+            *,
+            inference_params=None,
+            **kwargs,
+        ):
             where = f"layer {self.layer_number}"
             if inference_context is not None or inference_params is not None:
-                raise ValueError(f"{where}: tree GatedDeltaNet is for training and scoring, not inference")
+                raise ValueError(
+                    f"{where}: tree GatedDeltaNet is for training and scoring, not inference"
+                )
             if packed_seq_params is not None:
-                raise ValueError(f"{where}: trees come as attention_mask=tree_attention_mask(...), not packed_seq_params")
+                raise ValueError(
+                    f"{where}: trees come as attention_mask=tree_attention_mask(...), not "
+                    "packed_seq_params"
+                )
             plan = getattr(attention_mask, "plan", None)
             if plan is None:
                 raise ValueError(
                     f"{where}: a tree GatedDeltaNet needs the micro-batch's tree: pass "
-                    "attention_mask=tree_attention_mask(tree or rows) (tree_forward_backward does this)"
+                    "attention_mask=tree_attention_mask(tree or rows) (tree_forward_backward does "
+                    "this)"
                 )
             set_running_tree_plan(plan)
             qkvzba, _ = self.in_proj(hidden_states)  # [n, b, in_proj_dim / tp]
             qk, vd, heads = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
             qkv, gate, beta_alpha = torch.split(qkvzba, [2 * qk + vd, vd, 2 * heads], dim=-1)
-            # The context's inputs (all CP ranks' rows, a trunk's stored rows, then these) [K, b, ...].
+            # The context's inputs (all CP ranks' rows, a trunk's stored rows, then these) [K, b,
+            # ...].
             qkv, beta_alpha = plan.keys_values(qkv, beta_alpha, self.layer_number)
             recurrent = plan.recurrent()
             bias = self.conv1d.bias if self.conv_bias else None
@@ -98,7 +115,9 @@ if GatedDeltaNet is not None:
             if plan.query_positions is not None:
                 out = out.index_select(0, plan.query_positions)
             if self.recompute_norm_out:
-                self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)  # None: off
+                self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput(
+                    fp8=self.config.fp8
+                )  # None: off
                 norm_out = self.norm_out_checkpoint.checkpoint(self._gated_norm, out, gate)
             else:
                 norm_out = self._gated_norm(out, gate)
@@ -107,8 +126,11 @@ if GatedDeltaNet is not None:
                 self.norm_out_checkpoint.discard_output_and_register_recompute(output)
             return output, output_bias
 
-        def _delta_rule(self, qkv: torch.Tensor, beta_alpha: torch.Tensor, recurrent) -> torch.Tensor:
-            """Convolved q/k/v [K, b, 2 qk + v] and beta/alpha logits [K, b, 2 heads] -> [K, b, heads, dv]."""
+        def _delta_rule(
+            self, qkv: torch.Tensor, beta_alpha: torch.Tensor, recurrent
+        ) -> torch.Tensor:
+            """Convolved q/k/v [K, b, 2 qk + v] and beta/alpha logits [K, b, 2 heads] -> [K, b,
+            heads, dv]."""
             k_ctx, b = qkv.shape[:2]
             qk = self.qk_dim_local_tp
             query, key, value = torch.split(qkv, [qk, qk, self.v_dim_local_tp], dim=-1)
@@ -119,17 +141,27 @@ if GatedDeltaNet is not None:
                 query, key = l2norm(query), l2norm(key)
             repeat = self.num_value_heads // self.num_key_heads
             if repeat > 1:
-                query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+                query, key = (
+                    query.repeat_interleave(repeat, dim=2),
+                    key.repeat_interleave(repeat, dim=2),
+                )
             beta, alpha = beta_alpha.chunk(2, dim=-1)
             g = -self.A_log.exp() * F.softplus(_at_least_fp32(alpha) + self.dt_bias)
             heads = value.shape[2]
             fold = lambda t: t.reshape(k_ctx, b * heads, *t.shape[3:])  # noqa: E731  (batch into heads)
-            out = tree_gated_delta_rule(fold(query * self.key_head_dim ** -0.5), fold(key), fold(value),
-                                        fold(g), fold(beta.sigmoid()), recurrent)
+            out = tree_gated_delta_rule(
+                fold(query * self.key_head_dim**-0.5),
+                fold(key),
+                fold(value),
+                fold(g),
+                fold(beta.sigmoid()),
+                recurrent,
+            )
             return out.reshape(k_ctx, b, heads, self.value_head_dim)
 
         def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-            """RMS-normed output times act(gate), [n, b, heads, dv] and [n, b, heads * dv] -> [n, b, heads * dv]."""
+            """RMS-normed output times act(gate), [n, b, heads, dv] and [n, b, heads * dv] -> [n, b,
+            heads * dv]."""
             n, b = gate.shape[:2]
             y = self.out_norm(out.reshape(-1, self.value_head_dim))
             y = y * self.act_fn(_at_least_fp32(gate.reshape(-1, self.value_head_dim)))

@@ -1,4 +1,5 @@
-"""``TreeGPTModel``: Megatron-Core's GPTModel with depth RoPE (rotary angles follow ``position_ids``).
+"""``TreeGPTModel``: Megatron-Core's GPTModel with depth RoPE (rotary angles follow
+``position_ids``).
 
 Megatron-Core's GPTModel builds the rotary table for offsets 0..S-1 and ignores ``position_ids``,
 which silently corrupts every branch after the first in a packed tree; this subclass re-indexes the
@@ -28,14 +29,17 @@ class TreeGPTModel(GPTModel):
 
     def __init__(self, config, *args, **kwargs):
         layers = getattr(config, "mtp_num_layers", None)
-        if layers is not None or kwargs.get("mtp_block_spec") is not None:  # 0 too: 0.16 runs MTP then
+        if (
+            layers is not None or kwargs.get("mtp_block_spec") is not None
+        ):  # 0 too: 0.16 runs MTP then
             raise ValueError(
-                f"multi-token prediction (mtp_num_layers={layers}) is not supported with tree training: "
-                "its input at a token is the embedding of the next token, which a branch point does not "
-                "have once (one per child), and Megatron's MTP takes the next *packed* token instead. "
-                "Set mtp_num_layers=None (Megatron-Bridge: provider.mtp_num_layers = None before "
-                "provide(); mbridge: bridge.set_extra_args(mtp_num_layers=None) before get_model(); "
-                "RL trains the main head only)"
+                f"multi-token prediction (mtp_num_layers={layers}) is not supported with tree "
+                "training: its input at a token is the embedding of the next token, which a "
+                "branch point does not have once (one per child), and Megatron's MTP takes the "
+                "next *packed* token instead. Set mtp_num_layers=None (Megatron-Bridge: "
+                "provider.mtp_num_layers = None before provide(); mbridge: "
+                "bridge.set_extra_args(mtp_num_layers=None) before get_model(); RL trains the "
+                "main head only)"
             )
         super().__init__(config, *args, **kwargs)
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts with trees: the router's load-balancing and z losses as if the batch were unpacked.
+"""Mixture-of-experts with trees: the router's load-balancing and z losses as if the batch were
+unpacked.
 
 A prefix token stored once in a tree occurs once per sequence through it in the unpacked batch, and
 Megatron's auxiliary load-balancing loss and z-loss are means over tokens: on a tree they silently
@@ -9,14 +10,16 @@ routing statistics, so that per micro-batch the aux loss, z-loss and their gradi
 the tree's sequences run unpacked as one batch:
 
 * aux loss = E * coeff / (k * W^2) * sum_e (sum_x w_x p_xe) (sum_x w_x r_xe), with p the router
-  scores, r the top-k map, W = sum_x w_x (over the tensor x context parallel group, like Megatron's);
+  scores, r the top-k map, W = sum_x w_x (over the tensor x context parallel group, like
+  Megatron's);
 * z-loss = coeff * sum_x w_x logsumexp(l_x)^2 / W.
 
 The multiplicities travel as a float ``padding_mask`` [b, s] through Megatron's GPTModel, block and
 layer (and their activation recomputation) to the MoE layer; a boolean ``padding_mask`` keeps
 Megatron's meaning. The sequence-level aux loss (per sequence statistics), the global aux loss and
 token dropping (a capacity factor: which tokens an expert drops depends on every token of the
-micro-batch, so a tree cannot reproduce it) are refused with a clear error; see :func:`check_tree_moe_config`.
+micro-batch, so a tree cannot reproduce it) are refused with a clear error; see
+:func:`check_tree_moe_config`.
 
 The expert-bias token counts of aux-loss-free balancing (DeepSeek-V3, GLM-4.5:
 ``moe_router_enable_expert_bias``) weigh each token by its multiplicity too, so the bias update
@@ -72,21 +75,26 @@ def check_tree_moe_config(config) -> None:
     """Raise ValueError for MoE settings a tree cannot reproduce as if unpacked."""
     types = config.moe_router_load_balancing_type
     types = types if isinstance(types, list) else [types]
-    coeffs = config.moe_aux_loss_coeff if isinstance(config.moe_aux_loss_coeff, list) else [config.moe_aux_loss_coeff] * len(types)
+    coeffs = (
+        config.moe_aux_loss_coeff
+        if isinstance(config.moe_aux_loss_coeff, list)
+        else [config.moe_aux_loss_coeff] * len(types)
+    )
     active = [t for t, c in zip(types, coeffs) if c and t not in _SUPPORTED_AUX]
     if active:
         raise ValueError(
-            f"moe_router_load_balancing_type {active} is not supported with trees: the sequence-level "
-            "aux loss needs per-sequence statistics and the global one accumulates across steps; use "
-            "'aux_loss' (computed as if unpacked) or set its coefficient to 0 (Megatron-Bridge's "
-            "DeepSeek-V3 / Kimi-K2 / GLM-4.5 providers set 'seq_aux_loss': set provider."
-            "moe_router_load_balancing_type = 'aux_loss' or provider.moe_aux_loss_coeff = 0.0 before provide())"
+            f"moe_router_load_balancing_type {active} is not supported with trees: the "
+            "sequence-level aux loss needs per-sequence statistics and the global one accumulates "
+            "across steps; use 'aux_loss' (computed as if unpacked) or set its coefficient to 0 "
+            "(Megatron-Bridge's DeepSeek-V3 / Kimi-K2 / GLM-4.5 providers set 'seq_aux_loss': set "
+            "provider.moe_router_load_balancing_type = 'aux_loss' or provider.moe_aux_loss_coeff "
+            "= 0.0 before provide())"
         )
     if config.moe_expert_capacity_factor is not None:
         raise ValueError(
-            "moe_expert_capacity_factor drops tokens by their rank among all tokens of a micro-batch, "
-            "which a tree (shared tokens once, padding present) cannot reproduce; set it to None "
-            "(dropless routing)"
+            "moe_expert_capacity_factor drops tokens by their rank among all tokens of a "
+            "micro-batch, which a tree (shared tokens once, padding present) cannot reproduce; set "
+            "it to None (dropless routing)"
         )
     if getattr(config, "moe_input_jitter_eps", None):
         raise ValueError("moe_input_jitter_eps is not supported with trees; set it to None")
@@ -135,7 +143,8 @@ class ExpertRowParallelLinear(RowParallelLinear):
 class TreeMoELayer(MoELayer):
     """``MoELayer`` whose router losses weigh each token by its multiplicity in the unpacked batch.
 
-    Pass the multiplicities as a float ``padding_mask`` [b, s] to the model (``tree_forward_backward``
+    Pass the multiplicities as a float ``padding_mask`` [b, s] to the model
+    (``tree_forward_backward``
     does, from ``token_multiplicity``); anything else behaves exactly like ``MoELayer``.
     """
 
@@ -146,10 +155,13 @@ class TreeMoELayer(MoELayer):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
         if getattr(self, "moe_layer_recompute", False):
             raise ValueError(
-                "MoE-only recompute (recompute_modules=['moe']) re-routes outside the layer's forward, "
-                "where the tree weights are gone; use full or core_attn recompute with trees"
+                "MoE-only recompute (recompute_modules=['moe']) re-routes outside the layer's "
+                "forward, where the tree weights are gone; use full or core_attn recompute with "
+                "trees"
             )
-        self._token_weights = padding_mask.transpose(0, 1).reshape(-1)  # [s * b], like the router's tokens
+        self._token_weights = padding_mask.transpose(0, 1).reshape(
+            -1
+        )  # [s * b], like the router's tokens
         try:
             return super().forward(hidden_states, intermediate_tensors, None)
         finally:
@@ -158,8 +170,15 @@ class TreeMoELayer(MoELayer):
     def route(self, hidden_states, padding_mask=None):
         weights = self._token_weights
         store = getattr(running_tree_plan(), "store", None)  # a trunk group's, or None
-        if weights is not None and store is not None and store.collecting and router_losses_on(self.config):
-            store.add_stats(self.router.layer_number, _routing_stats(self.router, hidden_states, weights))
+        if (
+            weights is not None
+            and store is not None
+            and store.collecting
+            and router_losses_on(self.config)
+        ):
+            store.add_stats(
+                self.router.layer_number, _routing_stats(self.router, hidden_states, weights)
+            )
         if weights is None or not (self.training and torch.is_grad_enabled()):
             return super().route(hidden_states, padding_mask)
         check_tree_moe_config(self.config)
@@ -174,10 +193,13 @@ class TreeMoELayer(MoELayer):
             group_stats = store.layer_stats.get(self.router.layer_number)
             if group_stats is None:
                 raise ValueError(
-                    f"layer {self.router.layer_number}: a trunk group's router losses need the group's routing "
-                    "statistics, collected by a first pass over its parts (tree_forward_backward does this)"
+                    f"layer {self.router.layer_number}: a trunk group's router losses need the "
+                    "group's routing statistics, collected by a first pass over its parts "
+                    "(tree_forward_backward does this)"
                 )
-        return _attach_weighted_losses(self.router, hidden_states, probs, weights, group_stats), routing_map
+        return _attach_weighted_losses(
+            self.router, hidden_states, probs, weights, group_stats
+        ), routing_map
 
 
 def _count_tokens_as_unpacked(counts, before, routing_map, weights) -> None:
@@ -199,7 +221,9 @@ def _routing_stats(router, hidden_states, weights, routing_map=None) -> torch.Te
     with torch.no_grad():
         if routing_map is None:
             logits = router.gating(hidden_states).reshape(-1, router.config.num_moe_experts)
-            routing_map, _ = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
+            routing_map, _ = compute_routing_scores_for_aux_loss(
+                logits, router.topk, router.score_function
+            )
         w = weights.to(routing_map.device, torch.float32)
         stats = torch.cat([(routing_map.float() * w[:, None]).sum(0), w.sum()[None]])
         group = router.tp_cp_group
@@ -221,21 +245,37 @@ def _attach_weighted_losses(router, hidden_states, probs, weights, group_stats=N
     logits = router.gating(hidden_states).reshape(-1, num_experts)  # [tokens, E]
     w = weights.to(logits.dtype)
     group = router.tp_cp_group
-    routing_map, scores = compute_routing_scores_for_aux_loss(logits, router.topk, router.score_function)
-    stats = _routing_stats(router, hidden_states, weights, routing_map=routing_map) if group_stats is None \
+    routing_map, scores = compute_routing_scores_for_aux_loss(
+        logits, router.topk, router.score_function
+    )
+    stats = (
+        _routing_stats(router, hidden_states, weights, routing_map=routing_map)
+        if group_stats is None
         else group_stats.to(logits.dtype)
-    total = stats[-1].clamp(min=1.0)  # W counts tokens (>= 1 with any real one); an all-padding fill-in: 0 losses
+    )
+    total = stats[-1].clamp(
+        min=1.0
+    )  # W counts tokens (>= 1 with any real one); an all-padding fill-in: 0 losses
     factor = total * _STEP_SCALE[-1] if _STEP_SCALE else 1.0
     num_layers = config.num_layers + (config.mtp_num_layers or 0)
     if z_coeff:
         z_loss = z_coeff * (torch.logsumexp(logits, dim=-1).square() * w).sum() / total
         probs = MoEAuxLossAutoScaler.apply(probs, z_loss * factor)
-        save_to_aux_losses_tracker("z_loss", z_loss.detach() / z_coeff, router.layer_number, num_layers)
+        save_to_aux_losses_tracker(
+            "z_loss", z_loss.detach() / z_coeff, router.layer_number, num_layers
+        )
     if aux_coeff:
-        aux = switch_load_balancing_loss_func(scores * w[:, None], stats[:-1], total, router.topk, num_experts, aux_coeff)
+        aux = switch_load_balancing_loss_func(
+            scores * w[:, None], stats[:-1], total, router.topk, num_experts, aux_coeff
+        )
         probs = MoEAuxLossAutoScaler.apply(probs, aux * factor)
-        save_to_aux_losses_tracker("load_balancing_loss", aux.detach() / aux_coeff, router.layer_number,
-                                   num_layers, reduce_group=group)
+        save_to_aux_losses_tracker(
+            "load_balancing_loss",
+            aux.detach() / aux_coeff,
+            router.layer_number,
+            num_layers,
+            reduce_group=group,
+        )
     return probs
 
 
@@ -251,14 +291,18 @@ def token_multiplicity(tree, positions: torch.Tensor | None = None) -> torch.Ten
 
 def _replaying_routers(chunk) -> list:
     """The routers of a model chunk that replay recorded routes (``moe_enable_routing_replay``)."""
-    return [m.router for m in chunk.modules()
-            if isinstance(m, MoELayer) and getattr(m.router, "router_replay", None) is not None]
+    return [
+        m.router
+        for m in chunk.modules()
+        if isinstance(m, MoELayer) and getattr(m.router, "router_replay", None) is not None
+    ]
 
 
 class RoutingReplay:
     """Feeds each micro-batch's recorded routes to Megatron's router replay during a tree step.
 
-    The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal on
+    The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal
+    on
     every sequence through a position), here laid out per packed position (for a trunk group, per
     position of the group's tree, from all its parts), cut to this rank's rows (CP split or trunk
     part, then the sequence-parallel shard the router sees) and set as each router's target for its
@@ -290,7 +334,10 @@ class RoutingReplay:
 
     def _routes(self, micro_batch: dict) -> torch.Tensor:
         if self.route_key not in micro_batch:
-            raise ValueError(f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the batch)")
+            raise ValueError(
+                f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the "
+                "batch)"
+            )
         return micro_batch[self.route_key]
 
     def _group_routes(self, packed) -> dict[int, torch.Tensor]:
@@ -319,11 +366,15 @@ class RoutingReplay:
             routes = self.group_routes[rows.group]
         else:
             routes = values_per_position(self._routes(micro_batch), tree)  # [N, layers, topk]
-            topk = routes.shape[-1]  # padding positions: experts 0..k-1, distinct as top-k indices are
-            routes[tree.num_tree_tokens:] = torch.arange(topk, dtype=routes.dtype, device=routes.device)
+            topk = routes.shape[
+                -1
+            ]  # padding positions: experts 0..k-1, distinct as top-k indices are
+            routes[tree.num_tree_tokens :] = torch.arange(
+                topk, dtype=routes.dtype, device=routes.device
+            )
         routes = rows.local(routes, dim=0)
         shard = routes.shape[0] // self.tp_shards
-        routes = routes[tp_rank * shard:(tp_rank + 1) * shard] if self.tp_shards > 1 else routes
+        routes = routes[tp_rank * shard : (tp_rank + 1) * shard] if self.tp_shards > 1 else routes
         pending = []
         for router in self.routers[id(chunk)]:
             target = routes[:, router.layer_number - 1].to(torch.int64)
@@ -337,9 +388,11 @@ class RoutingReplay:
         for router in self.routers[id(chunk)]:
             router.router_replay.set_router_replay_action(self.action.REPLAY_BACKWARD)
         if torch.is_grad_enabled() and output.requires_grad:
+
             def feed(grad):  # this micro-batch's backward starts here: its recomputation pops these
                 for router, target in pending:
                     router.router_replay.replay_backward_list = [target]
+
             output.register_hook(feed)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ autograd runs a backward). With sequence parallelism each tensor-parallel rank r
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,16 @@ class ExpertTokenCounter:
 
     def __init__(self, models: torch.nn.Module | Iterable[torch.nn.Module]):
         chunks = [models] if isinstance(models, torch.nn.Module) else list(models)
-        self._routers = [(f"{c}." * (len(chunks) > 1) + name, m) for c, chunk in enumerate(chunks)
-                         for name, m in chunk.named_modules() if isinstance(m, Router)]
+        self._routers = [
+            (f"{c}." * (len(chunks) > 1) + name, m)
+            for c, chunk in enumerate(chunks)
+            for name, m in chunk.named_modules()
+            if isinstance(m, Router)
+        ]
         if not self._routers:
-            raise ValueError("ExpertTokenCounter needs a model with MoE layers (no Megatron Router found)")
+            raise ValueError(
+                "ExpertTokenCounter needs a model with MoE layers (no Megatron Router found)"
+            )
         self.per_layer: dict[str, torch.Tensor] = {}
         self._handles: list = []
 
@@ -57,12 +63,14 @@ class ExpertTokenCounter:
             if _in_backward():
                 return
             routing_map = output[1]  # [tokens, num_experts], bool
-            counts = routing_map.reshape(-1, routing_map.shape[-1]).sum(0).to(torch.int64).detach().cpu()
+            counts = (
+                routing_map.reshape(-1, routing_map.shape[-1]).sum(0).to(torch.int64).detach().cpu()
+            )
             self.per_layer[name] = self.per_layer.get(name, torch.zeros_like(counts)) + counts
 
         return hook
 
-    def __enter__(self) -> "ExpertTokenCounter":
+    def __enter__(self) -> ExpertTokenCounter:
         self.per_layer = {}
         self._handles = [m.register_forward_hook(self._hook(name)) for name, m in self._routers]
         return self
@@ -78,9 +86,9 @@ class ExpertTokenCounter:
             raise ValueError("no routed tokens counted yet: run a forward inside the block")
         return torch.stack(list(self.per_layer.values())).sum(0)
 
-    def all_reduce(self, group=None) -> "ExpertTokenCounter":
+    def all_reduce(self, group=None) -> ExpertTokenCounter:
         """Sum the counts over the ranks of ``group`` (e.g. the data-parallel group), in place."""
-        for name, counts in self.per_layer.items():
+        for counts in self.per_layer.values():
             dist.all_reduce(counts, group=group)
         return self
 

@@ -27,8 +27,16 @@ class LocalNorm(torch.nn.Module):
         zero_centered_gamma: overrides ``config.layernorm_zero_centered_gamma`` when True.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str | None = None, **_unused):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+        **_unused,
+    ):
         super().__init__()
         self.normalization = normalization or config.normalization
         if self.normalization not in NORMALIZATIONS:
@@ -37,10 +45,14 @@ class LocalNorm(torch.nn.Module):
         self.eps = eps
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         init = torch.zeros if self.zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        self.weight = torch.nn.Parameter(
+            init(hidden_size, dtype=config.params_dtype, device=device)
+        )
         self.bias = None
         if self.normalization == "LayerNorm":
-            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+            self.bias = torch.nn.Parameter(
+                torch.zeros(hidden_size, dtype=config.params_dtype, device=device)
+            )
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 

@@ -1,6 +1,7 @@
 """What one tree step shares between its loops: each micro-batch's inputs, its forward through a
 model chunk (routing replay included), its loss in Megatron's protocol, and Megatron's schedule
-call. :func:`megatron_tree.mcore.step.tree_forward_backward` builds one :class:`StepRunner` per step;
+call. :func:`megatron_tree.mcore.step.tree_forward_backward` builds one :class:`StepRunner` per
+step;
 whole trees run through :func:`plain_forward_step`, trunk groups through
 :mod:`megatron_tree.mcore.trunk_step`.
 
@@ -9,7 +10,7 @@ Legend: T a micro-batch's sequence tokens, n its rows on this rank.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,16 @@ from ..core.tree import PackedTree
 from .moe import token_multiplicity
 
 
-def micro_batch_loss(outputs: dict, mb: dict, weights: torch.Tensor, count: float, scale: float, loss_fn,
-                     collect: Callable | None, report: bool = True):
+def micro_batch_loss(
+    outputs: dict,
+    mb: dict,
+    weights: torch.Tensor,
+    count: float,
+    scale: float,
+    loss_fn,
+    collect: Callable | None,
+    report: bool = True,
+):
     """Megatron's ``(loss, num_tokens, logs)`` of one micro-batch from its head outputs [T].
 
     ``loss`` is the weighted loss sum times ``scale``, ``num_tokens`` the loss-token count (0 when
@@ -48,21 +57,26 @@ def micro_batch_loss(outputs: dict, mb: dict, weights: torch.Tensor, count: floa
     else:
         inputs = {
             k: torch.where(keep.view(-1, *(1,) * (v.dim() - 1)), v, 0)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim()
-            and v.shape[0] == size else v
+            if isinstance(v, torch.Tensor)
+            and v.is_floating_point()
+            and v.dim()
+            and v.shape[0] == size
+            else v
             for k, v in mb.items()
         }
         per_token = loss_fn(outputs, inputs)
     if per_token.shape != (size,):
         raise ValueError(
-            f"loss_fn must return a per-token loss of shape [{size}] "
-            f"(the micro-batch's sequence tokens), got {tuple(per_token.shape)}"
+            f"loss_fn must return a per-token loss of shape [{size}] (the micro-batch's sequence "
+            f"tokens), got {tuple(per_token.shape)}"
         )
     total = (torch.where(keep, per_token.float(), 0.0) * weights).sum()
     reported = round(count) if report else 0
     # Filled on the device (torch.tensor(x, device=cuda) would copy from the host and wait).
     num_tokens = torch.full((), reported, dtype=torch.int, device=total.device)
-    pair = torch.stack([total.detach().double(), torch.full((), count, dtype=torch.float64, device=total.device)])
+    pair = torch.stack(
+        [total.detach().double(), torch.full((), count, dtype=torch.float64, device=total.device)]
+    )
     return total * scale, num_tokens, {"loss": pair}
 
 
@@ -86,7 +100,9 @@ class MicroBatchInputs:
         rows = mb["rows"]
         kwargs = {"attention_mask": tree_attention_mask(rows, store=store)}
         if self.moe:
-            kwargs["padding_mask"] = token_multiplicity(rows.tree, None if rows.is_whole else rows.positions)
+            kwargs["padding_mask"] = token_multiplicity(
+                rows.tree, None if rows.is_whole else rows.positions
+            )
         return mb["input_ids"], mb["position_ids"], kwargs
 
 
@@ -106,10 +122,30 @@ class StepRunner:
         replay: the step's :class:`~megatron_tree.mcore.moe.RoutingReplay`, or None.
     """
 
-    def __init__(self, chunks, config, *, gather, loss_fn, tp_group, prepare, weights, counts, scale, collect,
-                 max_token_id, num_micro_batches, replay=None):
+    def __init__(
+        self,
+        chunks,
+        config,
+        *,
+        gather,
+        loss_fn,
+        tp_group,
+        prepare,
+        weights,
+        counts,
+        scale,
+        collect,
+        max_token_id,
+        num_micro_batches,
+        replay=None,
+    ):
         self.chunks, self.config, self.replay = chunks, config, replay
-        self.gather_head, self.loss_fn, self.tp_group, self.prepare = gather, loss_fn, tp_group, prepare
+        self.gather_head, self.loss_fn, self.tp_group, self.prepare = (
+            gather,
+            loss_fn,
+            tp_group,
+            prepare,
+        )
         self.weights, self.counts, self.scale = weights, counts, scale
         self.collected: dict[int, dict] | None = {} if collect else None
         self.max_token_id, self.num_micro_batches = max_token_id, num_micro_batches
@@ -119,11 +155,14 @@ class StepRunner:
     def forward(self, model_chunk, mb: dict, store=None, prepared=None) -> torch.Tensor:
         """One micro-batch through one model chunk: its inputs (``prepared``, or prepared here),
         the routes it replays, the chunk's output."""
-        input_ids, position_ids, kwargs = prepared if prepared is not None else self.prepare(mb, store)
+        input_ids, position_ids, kwargs = (
+            prepared if prepared is not None else self.prepare(mb, store)
+        )
         pending = None
         if self.replay is not None:
-            pending = self.replay.before_forward(model_chunk, mb, mb["rows"],
-                                                 parallel_state.get_tensor_model_parallel_rank())
+            pending = self.replay.before_forward(
+                model_chunk, mb, mb["rows"], parallel_state.get_tensor_model_parallel_rank()
+            )
         output = model_chunk(input_ids, position_ids, **kwargs)
         if self.replay is not None:
             self.replay.after_forward(model_chunk, output, pending)
@@ -143,7 +182,9 @@ class StepRunner:
             inputs = prepared.pop(i) if model_chunk is last_chunk else prepared[i]
             output = self.forward(model_chunk, mb, prepared=inputs)
             if i >= self.num_micro_batches:  # a fill-in
-                return output, lambda out: self.loss(i, self.gather(out, mb["tree"], mb["rows"]), mb)
+                return output, lambda out: self.loss(
+                    i, self.gather(out, mb["tree"], mb["rows"]), mb
+                )
             return output, lambda out: loss_of(i, mb, out)
 
         return forward_step
@@ -165,14 +206,29 @@ class StepRunner:
         collect = None
         if self.collected is not None and real:
             collect = lambda out: self.collected.__setitem__(i, out)  # noqa: E731
-        loss, num_tokens, logs = micro_batch_loss(outputs, mb, weights, self.counts[i] if real else 0.0,
-                                                  self.scale, self.loss_fn, collect, self.report)
+        loss, num_tokens, logs = micro_batch_loss(
+            outputs,
+            mb,
+            weights,
+            self.counts[i] if real else 0.0,
+            self.scale,
+            self.loss_fn,
+            collect,
+            self.report,
+        )
         if self.extra_tokens and self.report:
             num_tokens, self.extra_tokens = num_tokens + self.extra_tokens, 0
         return loss, num_tokens, logs
 
-    def schedule(self, items: list[tuple[int, dict]], forward_step, *, forward_only: bool, count: int = 0,
-                 template: dict | None = None) -> list[dict]:
+    def schedule(
+        self,
+        items: list[tuple[int, dict]],
+        forward_step,
+        *,
+        forward_only: bool,
+        count: int = 0,
+        template: dict | None = None,
+    ) -> list[dict]:
         """One call of Megatron's schedule over ``items`` ((index, micro-batch) pairs), padded with
         all-padding fill-ins (shaped like ``template``, default the first item) to ``count`` items
         (expert-parallel ranks run as many), then to the multiple of the pipeline size the
@@ -186,7 +242,9 @@ class StepRunner:
         first = items[0][1] if items else template
         for k in range(count - len(items)):
             rows = first["rows"]  # a fill-in of the same rows per rank, split like the others
-            tree = PackedTree.all_padding(rows.num_rows * rows.cp_size, 0, first["input_ids"].device)
+            tree = PackedTree.all_padding(
+                rows.num_rows * rows.cp_size, 0, first["input_ids"].device
+            )
             split = None
             if rows.cp_size > 1:
                 split = context_parallel_split(tree, rows.cp_size, rows.cp_rank, rows.cp_group)
@@ -194,12 +252,19 @@ class StepRunner:
             mb.update({key: v[:0] for key, v in first.items() if key not in mb})
             items = items + [(self.num_micro_batches + k, mb)]
         chunks = self.chunks
-        self.num_scheduled = len(items)  # the call's micro-batch count (Megatron divides 2-tuple losses by it)
+        self.num_scheduled = len(
+            items
+        )  # the call's micro-batch count (Megatron divides 2-tuple losses by it)
         iterator = [iter(items) for _ in chunks] if len(chunks) > 1 else iter(items)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterator, model=chunks, num_microbatches=len(items),
-            # Megatron divides the sequence length by the CP size (and by TP under SP) for its p2p shapes.
-            seq_length=max(mb["rows"].num_rows * mb["rows"].cp_size for _, mb in items), micro_batch_size=1,
+            forward_step_func=forward_step,
+            data_iterator=iterator,
+            model=chunks,
+            num_microbatches=len(items),
+            # Megatron divides the sequence length by the CP size (and by TP under SP) for its p2p
+            # shapes.
+            seq_length=max(mb["rows"].num_rows * mb["rows"].cp_size for _, mb in items),
+            micro_batch_size=1,
             forward_only=forward_only,
         )
 
@@ -213,4 +278,6 @@ def plain_forward_step(step: StepRunner):
     parallelism every CP rank computes the whole loss (its gradient reaching only its own rows) and
     CP rank 0 reports the count, so that Megatron's sums over the CP group count each token once.
     """
-    return step.forward_step(lambda i, mb, output: step.loss(i, step.gather(output, mb["tree"], mb["rows"]), mb))
+    return step.forward_step(
+        lambda i, mb, output: step.loss(i, step.gather(output, mb["tree"], mb["rows"]), mb)
+    )

@@ -1,13 +1,17 @@
 """Rewrite a Megatron-Core layer/block spec so that every self-attention uses tree attention.
 
-The rewrite swaps ``SelfAttentionSubmodules.core_attention`` (or ``MLASelfAttentionSubmodules``') for
-:class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's ``attn_mask_type`` to
+The rewrite swaps ``SelfAttentionSubmodules.core_attention`` (or ``MLASelfAttentionSubmodules``')
+for
+:class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's
+``attn_mask_type`` to
 ``AttnMaskType.arbitrary``; an ``MLASelfAttention`` (DeepSeek-V3, Kimi-K2) becomes
-:class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part follows depth); an ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
+:class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part follows depth); an
+``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
 (the same module and parameters, with router losses computed as if unpacked); a ``GatedDeltaNet``
 (Qwen3-Next, Qwen3.5) becomes :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its
 convolution and recurrence follow the tree's root paths); every other submodule
-(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (DeepSeek sparse attention, Mamba layers, cross attention,
+(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot
+rewrite (DeepSeek sparse attention, Mamba layers, cross attention,
 unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
 skipped silently.
 """
@@ -18,13 +22,16 @@ import copy
 import functools
 from typing import Any
 
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -45,7 +52,9 @@ def _module_class(spec_or_class: Any) -> Any:
     module = spec_or_class.module if isinstance(spec_or_class, ModuleSpec) else spec_or_class
     if isinstance(module, tuple):
         module = import_module(module)
-    if isinstance(module, functools.partial):  # megatron-core >= 0.19 builds some modules from partials
+    if isinstance(
+        module, functools.partial
+    ):  # megatron-core >= 0.19 builds some modules from partials
         module = module.func
     return module
 
@@ -63,7 +72,8 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     ):
         raise ValueError(
             f"{where}: cannot rewrite {_class_name(layer_cls)} for tree attention; only "
-            "TransformerLayer specs are supported (Mamba layers are not: Nemotron-H cannot be tree-trained yet)"
+            "TransformerLayer specs are supported (Mamba layers are not: Nemotron-H cannot be "
+            "tree-trained yet)"
         )
     subs = layer_spec.submodules
     cross = getattr(subs, "cross_attention", IdentityOp)
@@ -78,8 +88,15 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     if attention_cls is IdentityOp:
         return layer_spec  # no attention in this layer: nothing to rewrite
     if _is_gated_delta_net(attention_cls):
-        _to_tree_module(attention, attention_cls, GatedDeltaNet, TreeGatedDeltaNet, where,
-                        "gated delta-net", "its recurrence would run across the tree's branches")
+        _to_tree_module(
+            attention,
+            attention_cls,
+            GatedDeltaNet,
+            TreeGatedDeltaNet,
+            where,
+            "gated delta-net",
+            "its recurrence would run across the tree's branches",
+        )
         return layer_spec
     latent = isinstance(attention_cls, type) and issubclass(attention_cls, MLASelfAttention)
     if not (
@@ -89,22 +106,30 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
         and isinstance(attention.submodules, (SelfAttentionSubmodules, MLASelfAttentionSubmodules))
     ):
         raise ValueError(
-            f"{where}: cannot rewrite self-attention {_class_name(attention_cls)} for tree attention; "
-            "use a spec whose self_attention is SelfAttention or MLASelfAttention"
+            f"{where}: cannot rewrite self-attention {_class_name(attention_cls)} for tree "
+            "attention; use a spec whose self_attention is SelfAttention or MLASelfAttention"
         )
     if latent:
-        _to_tree_module(attention, attention_cls, MLASelfAttention, TreeMLASelfAttention, where,
-                        "multi-latent attention", "its rotary angles would follow packed offsets")
+        _to_tree_module(
+            attention,
+            attention_cls,
+            MLASelfAttention,
+            TreeMLASelfAttention,
+            where,
+            "multi-latent attention",
+            "its rotary angles would follow packed offsets",
+        )
     core_cls = _module_class(attention.submodules.core_attention)
     if _class_name(core_cls) == "DSAttention":
         raise ValueError(
-            f"{where}: DeepSeek sparse attention (DSAttention: DeepSeek-V3.2, GLM-5) selects its keys "
-            "by content with an indexer, which tree training does not support; use a model without it"
+            f"{where}: DeepSeek sparse attention (DSAttention: DeepSeek-V3.2, GLM-5) selects its "
+            "keys by content with an indexer, which tree training does not support; use a model "
+            "without it"
         )
     if _class_name(core_cls) not in _KNOWN_CORE_ATTENTION:
         raise ValueError(
-            f"{where}: unknown core attention {_class_name(core_cls)}; tree attention replaces only "
-            f"{sorted(_KNOWN_CORE_ATTENTION)}"
+            f"{where}: unknown core attention {_class_name(core_cls)}; tree attention replaces "
+            f"only {sorted(_KNOWN_CORE_ATTENTION)}"
         )
     attention.params = {**attention.params, "attn_mask_type": AttnMaskType.arbitrary}
     attention.submodules.core_attention = core_attention_spec
@@ -115,14 +140,17 @@ def _is_gated_delta_net(cls: Any) -> bool:
     return GatedDeltaNet is not None and isinstance(cls, type) and issubclass(cls, GatedDeltaNet)
 
 
-def _to_tree_module(spec: Any, cls: type, stock: type, tree: type, where: str, kind: str, why: str) -> None:
+def _to_tree_module(
+    spec: Any, cls: type, stock: type, tree: type, where: str, kind: str, why: str
+) -> None:
     """The spec's ``stock`` module becomes its ``tree`` subclass (same parameters); a ``tree``
     subclass is kept; any other subclass of ``stock`` is refused (ValueError naming ``why``)."""
     if issubclass(cls, tree):
         return
     if cls is not stock or not isinstance(spec, ModuleSpec):
         raise ValueError(
-            f"{where}: custom {kind} {_class_name(cls)}: {why}; derive it from {tree.__module__}.{tree.__name__}"
+            f"{where}: custom {kind} {_class_name(cls)}: {why}; derive it from "
+            f"{tree.__module__}.{tree.__name__}"
         )
     spec.module = tree
 
@@ -130,12 +158,15 @@ def _to_tree_module(spec: Any, cls: type, stock: type, tree: type, where: str, k
 def _rewrite_moe(subs: Any, where: str) -> None:
     mlp = getattr(subs, "mlp", None)
     mlp_cls = _module_class(mlp) if mlp is not None else None
-    if not (isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer)) or issubclass(mlp_cls, TreeMoELayer):
+    if not (isinstance(mlp_cls, type) and issubclass(mlp_cls, MoELayer)) or issubclass(
+        mlp_cls, TreeMoELayer
+    ):
         return
     if mlp_cls is not MoELayer:
         raise ValueError(
-            f"{where}: custom MoE layer {_class_name(mlp_cls)}: its router losses would count a shared "
-            "tree token once; derive it from megatron_tree.mcore.moe.TreeMoELayer instead of MoELayer"
+            f"{where}: custom MoE layer {_class_name(mlp_cls)}: its router losses would count a "
+            "shared tree token once; derive it from megatron_tree.mcore.moe.TreeMoELayer instead "
+            "of MoELayer"
         )
     if isinstance(mlp, ModuleSpec):
         mlp.module = TreeMoELayer
@@ -143,11 +174,21 @@ def _rewrite_moe(subs: Any, where: str) -> None:
         subs.mlp = functools.partial(TreeMoELayer, *mlp.args, **mlp.keywords)
     else:
         raise ValueError(f"{where}: cannot rewrite the MoE layer given as {type(mlp).__name__}")
-    moe_subs = subs.mlp.submodules if isinstance(subs.mlp, ModuleSpec) else subs.mlp.keywords.get("submodules")
+    moe_subs = (
+        subs.mlp.submodules
+        if isinstance(subs.mlp, ModuleSpec)
+        else subs.mlp.keywords.get("submodules")
+    )
     experts = getattr(moe_subs, "experts", None)
-    expert_subs = experts.keywords.get("submodules") if isinstance(experts, functools.partial) else getattr(
-        experts, "submodules", None)
-    if _module_class(experts) is SequentialMLP and getattr(expert_subs, "linear_fc2", None) is RowParallelLinear:
+    expert_subs = (
+        experts.keywords.get("submodules")
+        if isinstance(experts, functools.partial)
+        else getattr(experts, "submodules", None)
+    )
+    if (
+        _module_class(experts) is SequentialMLP
+        and getattr(expert_subs, "linear_fc2", None) is RowParallelLinear
+    ):
         expert_subs.linear_fc2 = ExpertRowParallelLinear
 
 
@@ -157,7 +198,8 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
     Args:
         spec: a TransformerLayer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()`` or
             ``get_gpt_layer_with_transformer_engine_spec()``), a ``TransformerBlockSubmodules``
-            (e.g. ``get_gpt_decoder_block_spec(config, ...)``), a TransformerBlock ``ModuleSpec``, or
+            (e.g. ``get_gpt_decoder_block_spec(config, ...)``), a TransformerBlock ``ModuleSpec``,
+            or
             a list of layer specs. The input is not modified.
         backend: TreeCoreAttention backend (``"auto"``, ``"sdpa"``, ``"flex"``, ``"block_sparse"``).
         block_size: tile size of the flex / block-sparse backends.
@@ -171,7 +213,9 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     check_int("block_size", block_size, minimum=1)
-    core = ModuleSpec(module=TreeCoreAttention, params={"backend": backend, "block_size": block_size})
+    core = ModuleSpec(
+        module=TreeCoreAttention, params={"backend": backend, "block_size": block_size}
+    )
     spec = copy.deepcopy(spec)
 
     def rewrite_list(layer_specs, prefix):
@@ -199,11 +243,14 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
 
 
 def _swap_norms(spec: Any, norm: Any) -> Any:
-    """Every torch-norm builder (``WrappedTorchNorm``, the local spec's norm) in ``spec`` -> ``norm``."""
+    """Every torch-norm builder (``WrappedTorchNorm``, the local spec's norm) in ``spec`` ->
+    ``norm``."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def is_norm(value):
-        return value is WrappedTorchNorm or (isinstance(value, type) and value.__name__ in ("FusedLayerNorm",))
+        return value is WrappedTorchNorm or (
+            isinstance(value, type) and value.__name__ in ("FusedLayerNorm",)
+        )
 
     subs = getattr(spec, "submodules", None)
     if subs is None:
@@ -216,13 +263,16 @@ def _swap_norms(spec: Any, norm: Any) -> Any:
     return spec
 
 
-def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+def local_hybrid_block_spec(
+    config: Any, vp_stage: int | None = None, pp_rank: int | None = None
+) -> Any:
     """The block spec of a gated delta-net hybrid (Qwen3-Next, Qwen3.5) from Megatron-Core's local
     modules, for machines without transformer-engine.
 
     Megatron-Core 0.19's ``get_transformer_block_with_experimental_attention_variant_spec`` builds
     these models from transformer-engine modules only. This is the same layer pattern
-    (``config.linear_attention_freq``: gated delta-net or softmax attention; ``config.moe_layer_freq``:
+    (``config.linear_attention_freq``: gated delta-net or softmax attention;
+    ``config.moe_layer_freq``:
     MoE or dense MLP) with ``ColumnParallelLinear`` / ``RowParallelLinear`` / separate norms
     (:class:`~megatron_tree.mcore.norm.LocalNorm`, which has zero-centered gamma), sliced to the
     pipeline stage. Pass the result to :func:`tree_attention_spec` (the Megatron-Bridge patch does).
@@ -242,18 +292,35 @@ def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: i
 
     if config.experimental_attention_variant not in (None, "gated_delta_net"):
         raise ValueError(
-            f"experimental_attention_variant={config.experimental_attention_variant!r}: tree training "
-            "supports gated_delta_net (DeepSeek sparse attention selects keys by content, not by tree)"
+            f"experimental_attention_variant={config.experimental_attention_variant!r}: tree "
+            "training supports gated_delta_net (DeepSeek sparse attention selects keys by "
+            "content, not by tree)"
         )
-    linear = variants.get_linear_attention_pattern(config) if config.experimental_attention_variant else [0] * config.num_layers
-    moe = variants.get_moe_layer_pattern(config) if config.num_moe_experts else [0] * config.num_layers
+    linear = (
+        variants.get_linear_attention_pattern(config)
+        if config.experimental_attention_variant
+        else [0] * config.num_layers
+    )
+    moe = (
+        variants.get_moe_layer_pattern(config)
+        if config.num_moe_experts
+        else [0] * config.num_layers
+    )
     kinds = {}
     for sparse in set(moe):
-        base = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if sparse else None, moe_grouped_gemm=False,
-                                        qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        base = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts if sparse else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
         kinds[sparse] = _swap_norms(base, LocalNorm)
-    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear))
+    gdn = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear
+        ),
+    )
     layers = []
     for is_linear, sparse in zip(linear, moe):
         layer = copy.deepcopy(kinds[sparse])
@@ -262,17 +329,27 @@ def local_hybrid_block_spec(config: Any, vp_stage: int | None = None, pp_rank: i
         layers.append(layer)
     if config.pipeline_model_parallel_layout is not None:
         ids = config.pipeline_model_parallel_layout.get_layer_id_list(
-            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+        ids = range(
+            offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        )
     return TransformerBlockSubmodules(layer_specs=[layers[i] for i in ids], layer_norm=LocalNorm)
 
 
 # Modules that mix tokens along the sequence and know nothing of trees (by class name, so that
 # transformer-engine's and Mamba's classes are recognized without importing them).
-_STOCK_MIXERS = {"DotProductAttention", "TEDotProductAttention", "GatedDeltaNet", "MambaMixer",
-                 "MLASelfAttention", "DSAttention", "FlashAttention"}
+_STOCK_MIXERS = {
+    "DotProductAttention",
+    "TEDotProductAttention",
+    "GatedDeltaNet",
+    "MambaMixer",
+    "MLASelfAttention",
+    "DSAttention",
+    "FlashAttention",
+}
 
 
 def check_tree_model(model: Any) -> None:
@@ -290,8 +367,11 @@ def check_tree_model(model: Any) -> None:
         if isinstance(module, TransformerLayer):
             attention = module.self_attention
             core = getattr(attention, "core_attention", None)
-            if not (isinstance(attention, IdentityOp) or isinstance(core, TreeCoreAttention)
-                    or (TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet))):
+            if not (
+                isinstance(attention, IdentityOp)
+                or isinstance(core, TreeCoreAttention)
+                or (TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet))
+            ):
                 _refuse_mixer(model, f"{name}.self_attention", attention if core is None else core)
         elif type(module).__name__ in _STOCK_MIXERS:
             _refuse_mixer(model, name, module)
@@ -300,11 +380,13 @@ def check_tree_model(model: Any) -> None:
 
 def _refuse_mixer(model: Any, name: str, module: Any) -> None:
     kind = type(module).__name__
-    hint = {"MambaMixer": " Mamba layers (Nemotron-H) are not supported with trees yet."}.get(kind, "")
+    hint = {"MambaMixer": " Mamba layers (Nemotron-H) are not supported with trees yet."}.get(
+        kind, ""
+    )
     if type(model).__name__ == "HybridModel":
         hint += " For a HybridModel, build a TreeGPTModel with local_hybrid_block_spec instead."
     raise ValueError(
-        f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; build the "
-        "model with a spec from tree_attention_spec() (or through patch_bridge_for_tree_training / "
-        f"patch_megatron_bridge_for_tree_training).{hint}"
+        f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; "
+        "build the model with a spec from tree_attention_spec() (or through "
+        f"patch_bridge_for_tree_training / patch_megatron_bridge_for_tree_training).{hint}"
     )

@@ -24,8 +24,8 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,12 +86,18 @@ class TreeStepResult:
         ragged one its own layout (a list of [L_b], a nested tensor or THD [T],
         :mod:`megatron_tree.core.ragged`)."""
         if self.tree_outputs is None:
-            raise ValueError("no outputs were collected: pass collect_outputs=True (last pipeline stage)")
+            raise ValueError(
+                "no outputs were collected: pass collect_outputs=True (last pipeline stage)"
+            )
         layout = self.packed.input_layout
         return {
-            name: layout.restore(merge_packed_tree_results(
-                list(zip(values, self.packed.trees)), self.packed.batch_size, max_seq_len=max_seq_len
-            ))
+            name: layout.restore(
+                merge_packed_tree_results(
+                    list(zip(values, self.packed.trees)),
+                    self.packed.batch_size,
+                    max_seq_len=max_seq_len,
+                )
+            )
             for name, values in self.tree_outputs.items()
         }
 
@@ -109,9 +115,13 @@ class TreeStepResult:
         return (
             f"tree step: loss={loss} sequences={p.batch_size} trees={len(p)} (dummy "
             f"{p.num_dummy_trees}) tokens real={p.num_real_tokens} tree={p.num_tree_tokens} "
-            f"padded={p.num_padded_tokens} tree_token_ratio={p.tree_token_ratio:.4f}"
-            f"{self._trunk_summary()} {times}"
-            + ("" if self.expert_tokens is None else f" expert_tokens={self.expert_tokens.tolist()}")
+            f"padded={p.num_padded_tokens} "
+            f"tree_token_ratio={p.tree_token_ratio:.4f}{self._trunk_summary()} {times}"
+            + (
+                ""
+                if self.expert_tokens is None
+                else f" expert_tokens={self.expert_tokens.tolist()}"
+            )
         )
 
 
@@ -131,23 +141,26 @@ def _as_packed(batch, packing: dict, dp_group, pp_size: int, align: int) -> Pack
         given = sorted(k for k, v in packing.items() if v is not None)
         if given:
             raise ValueError(
-                f"{given} apply to packing a padded batch, but this batch is already packed; pass them "
-                "to build_packed_tree_batch instead"
+                f"{given} apply to packing a padded batch, but this batch is already packed; pass "
+                "them to build_packed_tree_batch instead"
             )
         if pp_size > 1 and len({mb["rows"].num_rows for mb in batch}) > 1:
             raise ValueError(
-                "the packed batch has trees of different lengths, which pipeline parallelism cannot "
-                "send between stages; pack with pad_to_max=True"
+                "the packed batch has trees of different lengths, which pipeline parallelism "
+                "cannot send between stages; pack with pad_to_max=True"
             )
         bad = [mb["rows"].num_rows for mb in batch if mb["rows"].num_rows % align]
         if bad:
             raise ValueError(
-                f"packed lengths {bad[:4]} are not multiples of {align} (the context-parallel size, "
-                f"times the tensor-parallel size under sequence parallelism); pack with parallel_size={align}"
+                f"packed lengths {bad[:4]} are not multiples of {align} (the context-parallel "
+                "size, times the tensor-parallel size under sequence parallelism); pack with "
+                f"parallel_size={align}"
             )
         return batch
     if packing["max_tokens_per_mb"] is None:
-        raise ValueError("max_tokens_per_mb is required to pack a padded batch (or pass a PackedTreeBatch)")
+        raise ValueError(
+            "max_tokens_per_mb is required to pack a padded batch (or pass a PackedTreeBatch)"
+        )
     pad_to_max = pp_size > 1 if packing["pad_to_max"] is None else packing["pad_to_max"]
     if pp_size > 1 and not pad_to_max:
         raise ValueError(
@@ -167,8 +180,9 @@ def _check_expert_parallel(config, dp_group, packing: dict, prepacked: bool) -> 
         return
     if dp_group is None:
         raise ValueError(
-            f"expert_model_parallel_size={ep}: expert-parallel ranks are data-parallel ranks and must run "
-            "the same number of trees; pass dp_group=parallel_state.get_data_parallel_group()"
+            f"expert_model_parallel_size={ep}: expert-parallel ranks are data-parallel ranks and "
+            "must run the same number of trees; pass "
+            "dp_group=parallel_state.get_data_parallel_group()"
         )
     if config.moe_token_dispatcher_type != "allgather" or prepacked:
         return  # a pre-packed batch: pack it with pad_to_max=True for this dispatcher
@@ -176,8 +190,8 @@ def _check_expert_parallel(config, dp_group, packing: dict, prepacked: bool) -> 
         packing["pad_to_max"] = True
     elif not packing["pad_to_max"]:
         raise ValueError(
-            "the allgather token dispatcher gathers equal-length token blocks from the expert-parallel "
-            "ranks: use pad_to_max=True (or the alltoall dispatcher)"
+            "the allgather token dispatcher gathers equal-length token blocks from the "
+            "expert-parallel ranks: use pad_to_max=True (or the alltoall dispatcher)"
         )
 
 
@@ -194,7 +208,9 @@ def _context_parallel_group(config, cp_group):
     return cp_group if size > 1 else None
 
 
-def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group) -> tuple[list, list, float]:
+def _step_weights(
+    packed: PackedTreeBatch, gather, normalization: str, dp_group
+) -> tuple[list, list, float]:
     """Per micro-batch (weights float32 [T], loss-token count) and the global count (all DP ranks).
 
     Each micro-batch's ``loss_mask`` must be [T], finite and >= 0 (checked here, on the host, one
@@ -206,14 +222,19 @@ def _step_weights(packed: PackedTreeBatch, gather, normalization: str, dp_group)
         mask = mb["loss_mask"] if "loss_mask" in mb else gather.default_loss_mask(tree)
         if mask.shape != (tree.num_sequence_tokens,):
             raise ValueError(
-                f"loss_mask of micro-batch {i} must be [{tree.num_sequence_tokens}] (one weight per "
-                f"token: [B, L] in the padded batch), got {tuple(mask.shape)}; squeeze a trailing dim"
+                f"loss_mask of micro-batch {i} must be [{tree.num_sequence_tokens}] (one weight "
+                f"per token: [B, L] in the padded batch), got {tuple(mask.shape)}; squeeze a "
+                "trailing dim"
             )
         check_weights(f"loss_mask (micro-batch {i})", mask)
-        if gather.rolled and tree.num_sequences and bool((mask[tree.cu_seqlens[1:] - 1] != 0).any()):
+        if (
+            gather.rolled
+            and tree.num_sequences
+            and bool((mask[tree.cu_seqlens[1:] - 1] != 0).any())
+        ):
             raise ValueError(
-                "loss_mask is nonzero at a sequence's last entry, which predicts no token (log-prob "
-                "entries are rolled: entry t is about token t + 1). Roll the mask too: "
+                "loss_mask is nonzero at a sequence's last entry, which predicts no token "
+                "(log-prob entries are rolled: entry t is about token t + 1). Roll the mask too: "
                 "loss_mask[:, :-1] = response_mask[:, 1:], with the last entry 0"
             )
         w, count = loss_weights(mask, tree.cu_seqlens, normalization=normalization)
@@ -235,7 +256,10 @@ def _schedule_mode(config, interleaved: bool):
     activations and the gradients it exchanges."""
     saved = config.calculate_per_token_loss, config.batch_p2p_comm
     config.calculate_per_token_loss = True
-    if interleaved and dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo":
+    if (
+        interleaved
+        and dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo"
+    ):
         config.batch_p2p_comm = False
     try:
         yield
@@ -248,7 +272,7 @@ def tree_forward_backward(
     batch: PackedTreeBatch | dict[str, torch.Tensor],
     loss_fn: LossFn | None,
     *,
-    gather: LogProbs | Values = LogProbs(),
+    gather: LogProbs | Values = LogProbs(),  # noqa: B008 (frozen, immutable)
     normalization: str = "token",
     tp_group=None,
     dp_group=None,
@@ -279,7 +303,8 @@ def tree_forward_backward(
             here with the packing arguments below. Per-token inputs: ``loss_mask`` (optional; for
             log-probs it is rolled, entry t weights the loss about token t + 1) and what ``loss_fn``
             reads (``old_logprobs``, ``advantages``, ``returns``, ...).
-        loss_fn: ``loss_fn(outputs, micro_batch) -> [T]`` per-token loss; ``outputs`` holds the head's
+        loss_fn: ``loss_fn(outputs, micro_batch) -> [T]`` per-token loss; ``outputs`` holds the
+        head's
             outputs [T], ``micro_batch`` the packed inputs [T]. None with ``forward_only=True``.
         gather: what to read from the model's output: ``LogProbs(temperature=...)`` or ``Values()``.
         normalization: ``"token"`` (mean over all loss tokens) or ``"sequence"`` (mean of the
@@ -319,7 +344,8 @@ def tree_forward_backward(
             micro-batch's (plus the trunk's keys and values), for one more forward of the trunk:
             with chains of trunk parts kept alive instead, memory grows with the trunk's length.
             Needs dropout 0.
-        max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a padded
+        max_tokens_per_mb, block_size, parallel_size, pad_to_max, share_prefixes: packing of a
+        padded
             ``batch`` (see ``build_packed_tree_batch``; ``pad_to_max`` defaults to True under
             pipeline parallelism, and packed lengths are aligned to the CP size, times the TP size
             under sequence parallelism). Rejected with a packed ``batch``.
@@ -327,20 +353,30 @@ def tree_forward_backward(
     Returns:
         :class:`TreeStepResult`; its loss equals the unpacked batch's.
     """
-    for name, value in dict(forward_only=forward_only, collect_outputs=collect_outputs,
-                            dp_grad_average=dp_grad_average, moe_stats=moe_stats).items():
+    for name, value in dict(
+        forward_only=forward_only,
+        collect_outputs=collect_outputs,
+        dp_grad_average=dp_grad_average,
+        moe_stats=moe_stats,
+    ).items():
         check_bool(name, value)
-    for name, value in dict(pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
-                            recompute_trunks=recompute_trunks).items():
+    for name, value in dict(
+        pad_to_max=pad_to_max,
+        share_prefixes=share_prefixes,
+        share_trunks=share_trunks,
+        recompute_trunks=recompute_trunks,
+    ).items():
         check_bool(name, value, optional=True)
     if loss_fn is None and not forward_only:
-        raise ValueError("loss_fn is required for a training step; pass loss_fn or forward_only=True")
+        raise ValueError(
+            "loss_fn is required for a training step; pass loss_fn or forward_only=True"
+        )
     chunks = model if isinstance(model, list) else [model]
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
         raise ValueError(
-            f"got {len(chunks)} model chunks but the virtual pipeline size is {vpp}; pass one chunk "
-            "per virtual stage (the list Megatron's get_model returns)"
+            f"got {len(chunks)} model chunks but the virtual pipeline size is {vpp}; pass one "
+            "chunk per virtual stage (the list Megatron's get_model returns)"
         )
     for chunk in chunks:
         check_tree_model(chunk)
@@ -351,11 +387,19 @@ def tree_forward_backward(
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if share_trunks is None and not isinstance(batch, PackedTreeBatch):
         share_trunks = True  # on where it pays, for every model and layout
-    packing = dict(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size, parallel_size=parallel_size,
-                   pad_to_max=pad_to_max, share_prefixes=share_prefixes, share_trunks=share_trunks,
-                   route_key=None if isinstance(batch, PackedTreeBatch) else route_key)
+    packing = dict(
+        max_tokens_per_mb=max_tokens_per_mb,
+        block_size=block_size,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
+        share_prefixes=share_prefixes,
+        share_trunks=share_trunks,
+        route_key=None if isinstance(batch, PackedTreeBatch) else route_key,
+    )
     _check_expert_parallel(config, dp_group, packing, prepacked=isinstance(batch, PackedTreeBatch))
-    align = config.context_parallel_size * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    align = config.context_parallel_size * (
+        config.tensor_model_parallel_size if config.sequence_parallel else 1
+    )
     packed = _as_packed(batch, packing, dp_group, pp_size, align)
     vocab_size = getattr(_unwrap(chunks[0]), "vocab_size", None)
     if vocab_size is not None and packed.max_token_id >= vocab_size:
@@ -364,31 +408,68 @@ def tree_forward_backward(
             f"model's vocabulary [0, {vocab_size})"
         )
     weights, counts, total = _step_weights(packed, gather, normalization, dp_group)
-    scale = _loss_scale(config, counts, total, forward_only, [dp_group, cp_group] if dp_grad_average else [])
+    scale = _loss_scale(
+        config, counts, total, forward_only, [dp_group, cp_group] if dp_grad_average else []
+    )
     device = next(chunks[0].parameters()).device
     on_device = _split_for_context_parallel(packed, cp_group).to(device)
     weights = [w.to(device=device, dtype=torch.float32) for w in weights]
     timings = {"prepare": time.perf_counter() - t0}
 
-    step = StepRunner(chunks, config, gather=gather, loss_fn=loss_fn, tp_group=tp_group,
-                 prepare=MicroBatchInputs(chunks, cp_group), weights=weights, counts=counts, scale=scale,
-                 collect=collect_outputs, max_token_id=packed.max_token_id, num_micro_batches=len(packed),
-                 replay=None if route_key is None else RoutingReplay(chunks, route_key, on_device))
+    step = StepRunner(
+        chunks,
+        config,
+        gather=gather,
+        loss_fn=loss_fn,
+        tp_group=tp_group,
+        prepare=MicroBatchInputs(chunks, cp_group),
+        weights=weights,
+        counts=counts,
+        scale=scale,
+        collect=collect_outputs,
+        max_token_id=packed.max_token_id,
+        num_micro_batches=len(packed),
+        replay=None if route_key is None else RoutingReplay(chunks, route_key, on_device),
+    )
     t1 = time.perf_counter()
-    ep_group = dp_group if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 \
+    ep_group = (
+        dp_group
+        if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1
         else None
+    )
     counter = ExpertTokenCounter(chunks) if moe_stats else contextlib.nullcontext()
     if _any_rank(check_trunk_parts(on_device), ep_group):  # EP ranks run the same calls
         with step_loss_scale(scale), _closing(step.replay), counter:
-            logs = _run_trunk_groups(step, on_device, recompute_trunks, pp_size, forward_only, ep_group)
+            logs = _run_trunk_groups(
+                step, on_device, recompute_trunks, pp_size, forward_only, ep_group
+            )
         timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
-        return _result(logs, total, packed, step.collected, timings,
-                       counter.totals() if moe_stats and counter.per_layer else None)
-    with _schedule_mode(config, interleaved=len(chunks) > 1), step_loss_scale(scale), _closing(step.replay), counter:
-        logs = step.schedule(list(enumerate(on_device)), plain_forward_step(step), forward_only=forward_only)
+        return _result(
+            logs,
+            total,
+            packed,
+            step.collected,
+            timings,
+            counter.totals() if moe_stats and counter.per_layer else None,
+        )
+    with (
+        _schedule_mode(config, interleaved=len(chunks) > 1),
+        step_loss_scale(scale),
+        _closing(step.replay),
+        counter,
+    ):
+        logs = step.schedule(
+            list(enumerate(on_device)), plain_forward_step(step), forward_only=forward_only
+        )
     timings["forward" if forward_only else "forward_backward"] = time.perf_counter() - t1
-    return _result(logs, total, packed, step.collected, timings,
-                   counter.totals() if moe_stats and counter.per_layer else None)
+    return _result(
+        logs,
+        total,
+        packed,
+        step.collected,
+        timings,
+        counter.totals() if moe_stats and counter.per_layer else None,
+    )
 
 
 def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepResult:
@@ -400,8 +481,13 @@ def _result(logs, total, packed, collected, timings, expert_tokens) -> TreeStepR
     if collected:
         first = next(iter(collected.values()))
         tree_outputs = {name: [collected[i][name] for i in range(len(packed))] for name in first}
-    result = TreeStepResult(loss=loss, packed=packed, seconds=timings, tree_outputs=tree_outputs,
-                            expert_tokens=expert_tokens)
+    result = TreeStepResult(
+        loss=loss,
+        packed=packed,
+        seconds=timings,
+        tree_outputs=tree_outputs,
+        expert_tokens=expert_tokens,
+    )
     logger.info(result.log_line())
     return result
 
@@ -416,19 +502,30 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(value.item())
 
 
-def _run_trunk_groups(step, on_device, recompute_trunks, pp_size: int, forward_only: bool, ep_group) -> list:
+def _run_trunk_groups(
+    step, on_device, recompute_trunks, pp_size: int, forward_only: bool, ep_group
+) -> list:
     """A batch with trunk groups: the one-stage loop, or Megatron's schedules with the trunk parts
     recomputed (pipeline parallelism, expert parallelism, MoE router losses, or
     ``recompute_trunks=True``)."""
     config, chunks = step.config, step.chunks
     scheduled = pp_size > 1 or len(chunks) > 1 or ep_group is not None or router_losses_on(config)
-    if recompute_trunks is None and any(mb["rows"].records and mb["rows"].index for mb in on_device):
-        recompute_trunks = True  # a trunk longer than a micro-batch: keep one micro-batch's activations
+    if recompute_trunks is None and any(
+        mb["rows"].records and mb["rows"].index for mb in on_device
+    ):
+        recompute_trunks = (
+            True  # a trunk longer than a micro-batch: keep one micro-batch's activations
+        )
     recompute_trunks = _recompute_trunks(config, recompute_trunks, scheduled, forward_only)
     with _schedule_mode(config, interleaved=len(chunks) > 1):
-        if recompute_trunks or forward_only and scheduled:
-            return run_trunks_scheduled(step, on_device, forward_only=forward_only, ep_group=ep_group,
-                                        router_stats=router_losses_on(config) and not forward_only)
+        if recompute_trunks or (forward_only and scheduled):
+            return run_trunks_scheduled(
+                step,
+                on_device,
+                forward_only=forward_only,
+                ep_group=ep_group,
+                router_stats=router_losses_on(config) and not forward_only,
+            )
         return run_with_trunks(step, on_device, forward_only=forward_only)
 
 
@@ -441,34 +538,41 @@ def _recompute_trunks(config, recompute_trunks, scheduled: bool, forward_only: b
         recompute_trunks = scheduled
     if scheduled and not recompute_trunks:
         raise ValueError(
-            "with pipeline or expert parallelism or MoE router losses, trunk reuse runs through Megatron's "
-            "schedules with the trunk parts recomputed: recompute_trunks=False needs one pipeline stage, no "
-            "expert parallelism and no router losses"
+            "with pipeline or expert parallelism or MoE router losses, trunk reuse runs through "
+            "Megatron's schedules with the trunk parts recomputed: recompute_trunks=False needs "
+            "one pipeline stage, no expert parallelism and no router losses"
         )
     dropout = max(config.hidden_dropout, config.attention_dropout)
     if recompute_trunks and not forward_only and dropout > 0:
         raise ValueError(
-            f"recomputed trunk parts must reproduce their first pass, but the model has dropout {dropout} "
-            "(hidden_dropout / attention_dropout): set them to 0 (RL training usually does), or pack with "
-            "share_trunks=False"
+            "recomputed trunk parts must reproduce their first pass, but the model has dropout "
+            f"{dropout} (hidden_dropout / attention_dropout): set them to 0 (RL training usually "
+            "does), or pack with share_trunks=False"
         )
     return recompute_trunks
 
 
 def _loss_scale(config, counts, total, forward_only, averaged_over) -> float:
     """What the step multiplies each micro-batch's loss sum by (1 when Megatron divides)."""
-    megatron_divides = bool(config.calculate_per_token_loss and config.finalize_model_grads_func is not None)
-    if not forward_only and config.finalize_model_grads_func is not None and not config.calculate_per_token_loss:
+    megatron_divides = bool(
+        config.calculate_per_token_loss and config.finalize_model_grads_func is not None
+    )
+    if (
+        not forward_only
+        and config.finalize_model_grads_func is not None
+        and not config.calculate_per_token_loss
+    ):
         raise ValueError(
-            "trees hold different numbers of tokens, so Megatron's per-micro-batch loss mean would weight "
-            "tokens unequally; set config.calculate_per_token_loss=True (Megatron DDP then sums "
-            "gradients and finalize_model_grads divides them by the global token count)"
+            "trees hold different numbers of tokens, so Megatron's per-micro-batch loss mean would "
+            "weight tokens unequally; set config.calculate_per_token_loss=True (Megatron DDP then "
+            "sums gradients and finalize_model_grads divides them by the global token count)"
         )
     if megatron_divides:
         if any(c != round(c) for c in counts):
             raise ValueError(
-                "Megatron counts loss tokens as integers, but the loss mask gives fractional counts; use a "
-                "0/1 loss_mask (with normalization='token') or run without finalize_model_grads_func"
+                "Megatron counts loss tokens as integers, but the loss mask gives fractional "
+                "counts; use a 0/1 loss_mask (with normalization='token') or run without "
+                "finalize_model_grads_func"
             )
         return 1.0
     # The caller's reduction averages over these groups (data x context parallel under Megatron
@@ -496,8 +600,13 @@ def _split_for_context_parallel(packed: PackedTreeBatch, cp_group) -> PackedTree
         new = micro_batch(mb["tree"], context_parallel_split(mb["rows"], size, rank, cp_group))
         new.update({k: v for k, v in mb.items() if k not in new})
         split.append(new)
-    return PackedTreeBatch(split, packed.batch_size, packed.num_real_tokens, packed.max_token_id,
-                           cost_model=packed.cost_model)
+    return PackedTreeBatch(
+        split,
+        packed.batch_size,
+        packed.num_real_tokens,
+        packed.max_token_id,
+        cost_model=packed.cost_model,
+    )
 
 
 def _tensor_parallel_group(config, tp_group):
@@ -508,7 +617,7 @@ def _tensor_parallel_group(config, tp_group):
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
     if size != tp_size:
         raise ValueError(
-            f"the model was built with tensor_model_parallel_size={tp_size} but tp_group has {size} ranks; "
-            "pass the model's tensor-parallel group (or None for Megatron's)"
+            f"the model was built with tensor_model_parallel_size={tp_size} but tp_group has "
+            f"{size} ranks; pass the model's tensor-parallel group (or None for Megatron's)"
         )
     return tp_group if size > 1 else None

@@ -14,7 +14,8 @@ values, and a trunk part's backward needs the gradients every later part leaves 
 * :func:`run_trunks_scheduled` (everything else, or ``recompute_trunks=True``): Megatron's own
   schedules, called three times, with the trunk parts run twice.
 
-Both take every micro-batch's inputs from the step's one preparation (``StepRunner.forward``: rows, mask,
+Both take every micro-batch's inputs from the step's one preparation (``StepRunner.forward``: rows,
+mask,
 MoE multiplicities, routing replay; context parallelism included).
 Legend: T_G tokens of the group's sequences, L layers.
 """
@@ -49,7 +50,8 @@ class _KeptOutputs:
     def keep(self, rows, outputs: dict[str, torch.Tensor], graph: bool = False) -> None:
         key = (rows.group, rows.index)
         self.leaves[key] = {
-            k: v.detach().requires_grad_(self.requires_grad and v.is_floating_point()) for k, v in outputs.items()
+            k: v.detach().requires_grad_(self.requires_grad and v.is_floating_point())
+            for k, v in outputs.items()
         }
         if graph:
             self.graphs[key] = outputs
@@ -86,13 +88,17 @@ def check_trunk_parts(packed) -> bool:
         rows = mb["rows"]
         if rows.group is None:
             if expected is not None:
-                raise ValueError(f"micro-batch {i} interrupts trunk group {expected[0]}; keep a group's parts together")
+                raise ValueError(
+                    f"micro-batch {i} interrupts trunk group {expected[0]}; keep a group's parts "
+                    "together"
+                )
             continue
         found = True
         if (rows.group, rows.index) != (expected or (rows.group, 0)):
             raise ValueError(
                 f"micro-batch {i} is part {rows.index} of trunk group {rows.group}, expected "
-                f"{expected or (rows.group, 0)}: a group's parts must run in order, trunk parts first"
+                f"{expected or (rows.group, 0)}: a group's parts must run in order, trunk parts "
+                "first"
             )
         expected = None if rows.ends_group else (rows.group, rows.index + 1)
     if expected is not None:
@@ -105,7 +111,8 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
     model chunk; returns Megatron-style logs.
 
     Args:
-        step: the step's shared state (``megatron_tree.mcore.runner.StepRunner``: preparation, head, loss).
+        step: the step's shared state (``megatron_tree.mcore.runner.StepRunner``: preparation, head,
+        loss).
         packed: the micro-batches on the model's device (this CP rank's rows).
     """
     model, config = step.chunks[0], step.config
@@ -114,7 +121,10 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
     last = len(packed) - 1
     kept = _KeptOutputs(requires_grad=not forward_only)
     store: KeyValueStore | None = None
-    with contextlib.ExitStack() as sync, torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
+    with (
+        contextlib.ExitStack() as sync,
+        torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only),
+    ):
         if not forward_only:
             sync.enter_context(_no_sync(config))
 
@@ -154,7 +164,9 @@ def run_with_trunks(step, packed, *, forward_only: bool) -> list[dict]:
                 store.clear()
                 kept.drop(rows.group)
     if not forward_only and config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+        config.finalize_model_grads_func(
+            [model], total_tokens if config.calculate_per_token_loss else None
+        )
     return logs
 
 
@@ -188,15 +200,20 @@ def _held_grad_sync(config):
     with contextlib.ExitStack() as stack:
         for enter in no_sync:
             stack.enter_context(enter())
-        config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = None, None, None
+        config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = (
+            None,
+            None,
+            None,
+        )
         try:
             yield
         finally:
             config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func = saved
 
 
-def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, router_stats: bool = False
-                         ) -> list[dict]:
+def run_trunks_scheduled(
+    step, packed, *, forward_only: bool, ep_group=None, router_stats: bool = False
+) -> list[dict]:
     """Run a batch with trunk groups through Megatron's schedules (any pipeline layout).
 
     Megatron's schedules run the backward passes in forward order, but a trunk part's backward
@@ -225,10 +242,16 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, rou
     stores: dict[int, KeyValueStore] = {}
     kept = _KeptOutputs(requires_grad)
     items = list(enumerate(packed))
-    first_items = [(i, mb) for i, mb in items if mb["rows"].records or router_stats and mb["rows"].group is not None]
+    first_items = [
+        (i, mb)
+        for i, mb in items
+        if mb["rows"].records or (router_stats and mb["rows"].group is not None)
+    ]
     others = [(i, mb) for i, mb in items if not mb["rows"].records]
-    last_first = sorted([(i, mb) for i, mb in items if mb["rows"].records],
-                        key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index))
+    last_first = sorted(
+        [(i, mb) for i, mb in items if mb["rows"].records],
+        key=lambda item: (item[1]["rows"].group, -item[1]["rows"].index),
+    )
     phase = {"collect": False}
 
     def store_of(rows):
@@ -265,8 +288,12 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, rou
         rows = mb["rows"]
         full = step.gather(output, rows.tree, rows)
         before = kept.read(rows, rows.index)
-        outputs = {k: v[rows.group_tokens] + (0 if before is None else before[k]) for k, v in full.items()}
-        loss, *rest = step.loss(i, outputs, mb)  # Megatron's (loss, num_tokens, logs) or (loss, logs)
+        outputs = {
+            k: v[rows.group_tokens] + (0 if before is None else before[k]) for k, v in full.items()
+        }
+        loss, *rest = step.loss(
+            i, outputs, mb
+        )  # Megatron's (loss, num_tokens, logs) or (loss, logs)
         leaves = kept.leaves[(rows.group, rows.index)]
         for k, v in full.items():
             if v.requires_grad:
@@ -277,18 +304,31 @@ def run_trunks_scheduled(step, packed, *, forward_only: bool, ep_group=None, rou
     template = packed[0]
     phase["collect"] = True
     with torch.no_grad():
-        logs = step.schedule(first_items, forward_step_of(first_pass), forward_only=True, count=counts[0],
-                             template=template)
+        logs = step.schedule(
+            first_items,
+            forward_step_of(first_pass),
+            forward_only=True,
+            count=counts[0],
+            template=template,
+        )
     phase["collect"] = False
     if forward_only:
-        return logs + step.schedule(others, forward_step_of(branch), forward_only=True, count=counts[1],
-                                    template=template)
+        return logs + step.schedule(
+            others, forward_step_of(branch), forward_only=True, count=counts[1], template=template
+        )
     with _held_grad_sync(step.config):
-        logs += step.schedule(others, forward_step_of(branch), forward_only=False, count=counts[1], template=template)
+        logs += step.schedule(
+            others, forward_step_of(branch), forward_only=False, count=counts[1], template=template
+        )
     if step.config.calculate_per_token_loss and step.config.finalize_model_grads_func is not None:
         step.extra_tokens = sum(round(step.counts[i]) for i, _ in others)
-    logs += step.schedule(last_first, forward_step_of(recompute), forward_only=False, count=counts[2],
-                          template=template)
+    logs += step.schedule(
+        last_first,
+        forward_step_of(recompute),
+        forward_only=False,
+        count=counts[2],
+        template=template,
+    )
     for store in stores.values():
         store.clear()
     return logs

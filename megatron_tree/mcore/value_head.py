@@ -21,7 +21,8 @@ class ValueHead(torch.nn.Linear):
     """hidden [s, b, H] (or its sequence shard [s/tp, b, H]) -> values [s, b, 1], called the way
     GPTModel calls its ``output_layer``.
 
-    Replicated across tensor-parallel ranks: its input (the final hidden states) is complete on every
+    Replicated across tensor-parallel ranks: its input (the final hidden states) is complete on
+    every
     rank, so each rank computes the full output and the full weight gradient, and no gradient
     collective is needed.
 
@@ -70,7 +71,8 @@ class ValueHead(torch.nn.Linear):
         self.tp_group = tp_group
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        """hidden [s, b, H] ([s/tp, b, H] under sequence parallelism) -> (values [s, b, 1], None)."""
+        """hidden [s, b, H] ([s/tp, b, H] under sequence parallelism) -> (values [s, b, 1],
+        None)."""
         if self.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.tp_group
@@ -84,7 +86,8 @@ def attach_value_head(model, *, bias: bool = True, init_std: float | None = None
     Under sequence parallelism (``config.sequence_parallel`` with more than one tensor-parallel
     rank) the head takes the model's sequence-sharded final hidden states [s/tp, b, H] and gathers
     them over the model's tensor-parallel group, so the model still returns values [b, s, 1] for the
-    whole sequence on every rank (see :class:`ValueHead` for why its gradients need no TP reduction).
+    whole sequence on every rank (see :class:`ValueHead` for why its gradients need no TP
+    reduction).
 
     Args:
         model: a GPTModel (e.g. ``TreeGPTModel``), possibly wrapped in Float16Module, whose
@@ -118,8 +121,11 @@ def attach_value_head(model, *, bias: bool = True, init_std: float | None = None
         tp_group = get_tensor_model_parallel_group_if_none(None)
     sequence_parallel = bool(config.sequence_parallel) and tp_group.size() > 1
     head = ValueHead(
-        config.hidden_size, bias=bias, dtype=config.params_dtype,
-        sequence_parallel=sequence_parallel, tp_group=tp_group,
+        config.hidden_size,
+        bias=bias,
+        dtype=config.params_dtype,
+        sequence_parallel=sequence_parallel,
+        tp_group=tp_group,
     )
     device = next(gpt.parameters()).device
     with torch.no_grad():

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,9 @@ def single_process_world(seed: int = 1234) -> None:
 
     megatron_cpu.apply()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=_file_init_method(tempfile.mkdtemp()), rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=_file_init_method(tempfile.mkdtemp()), rank=0, world_size=1
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     mp_random.model_parallel_cuda_manual_seed(seed)
@@ -51,7 +54,9 @@ def reinitialize_model_parallel(*, tp: int = 1, cp: int = 1, seed: int = 1234) -
     megatron_cpu.apply()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
     mp_random.model_parallel_cuda_manual_seed(seed)
 
 
@@ -59,8 +64,9 @@ def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict |
     torch.set_num_threads(1)
     result: Any
     try:
-        dist.init_process_group("gloo", init_method=_file_init_method(directory), rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=_file_init_method(directory), rank=rank, world_size=world_size
+        )
         if layout is not None:
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel import random as mp_random
@@ -69,9 +75,12 @@ def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict |
 
             megatron_cpu.apply()
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
-                context_parallel_size=layout["cp"], virtual_pipeline_model_parallel_size=layout["vpp"],
-                expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
+                tensor_model_parallel_size=layout["tp"],
+                pipeline_model_parallel_size=layout["pp"],
+                context_parallel_size=layout["cp"],
+                virtual_pipeline_model_parallel_size=layout["vpp"],
+                expert_model_parallel_size=layout["ep"],
+                expert_tensor_parallel_size=layout["etp"],
             )
             mp_random.model_parallel_cuda_manual_seed(1234)
         result = ("ok", fn(rank, *args))
@@ -110,17 +119,28 @@ def run_spawned(
         ep, etp: expert parallel size ``ep`` and expert tensor parallel size ``etp`` (default: the
             TP size), carved by Megatron out of the data x context x tensor parallel ranks
             (``ep x etp x pp`` must divide ``world_size``).
-        megatron: set up Megatron's parallel_state (with the CPU runtime patch and the model-parallel
+        megatron: set up Megatron's parallel_state (with the CPU runtime patch and the
+        model-parallel
             seed 1234); False gives a plain gloo world (``dist.group.WORLD``).
     """
     layout = None
     if megatron:
-        layout = {"tp": world_size // (pp * cp) if tp is None else tp, "pp": pp, "cp": cp, "vpp": vpp, "ep": ep,
-                  "etp": etp}
+        layout = {
+            "tp": world_size // (pp * cp) if tp is None else tp,
+            "pp": pp,
+            "cp": cp,
+            "vpp": vpp,
+            "ep": ep,
+            "etp": etp,
+        }
     with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_worker, args=(world_size, directory, fn, args, layout), nprocs=world_size, join=True)
-        results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False)
-                   for r in range(world_size)]
+        mp.spawn(
+            _worker, args=(world_size, directory, fn, args, layout), nprocs=world_size, join=True
+        )
+        results = [
+            torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]
     errors = [f"rank {r}:\n{res[1]}" for r, res in enumerate(results) if res[0] == "error"]
     if errors:
         raise RuntimeError("spawned worker failed\n" + "\n".join(errors))

@@ -24,47 +24,120 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 # Qwen3-MoE renormalizes the chosen experts' weights (norm_topk_prob, as in Qwen3-30B-A3B);
 # Qwen2-MoE does not and adds a sigmoid-gated shared expert (FFN 48).
 MOE_TINY = {
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0, head_dim=16),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
-                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
-                      router_aux_loss_coef=0.0),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.0,
+        head_dim=16,
+    ),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.0,
+    ),
 }
 
 
 # Gated delta-net hybrids (transformers >= 5.8, the Megatron-Bridge stack): 4 layers, three gated
 # delta-net layers then one attention layer (the real models' pattern), 2 key / 4 value heads of 16.
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-_GDN_TINY = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                 full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, head_dim=16)
-_MOE_HYBRID = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                   shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
-                   mlp_only_layers=[], router_aux_loss_coef=0.0)
-HYBRID_TINY = {"qwen3_next": {**_GDN_TINY, **_MOE_HYBRID}, "qwen3_5_text": dict(_GDN_TINY),
-               "qwen3_5_moe_text": {**_GDN_TINY, **_MOE_HYBRID}}
+_GDN_TINY = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    head_dim=16,
+)
+_MOE_HYBRID = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.0,
+)
+HYBRID_TINY = {
+    "qwen3_next": {**_GDN_TINY, **_MOE_HYBRID},
+    "qwen3_5_text": dict(_GDN_TINY),
+    "qwen3_5_moe_text": {**_GDN_TINY, **_MOE_HYBRID},
+}
 
 
 # Frontier MoE families (tiny; HF classes in transformers 4.57 and 5.12 unless noted), two layers:
 # DeepSeek-V3 (multi-latent attention with unequal query-key 16 + 8 rope / value 12 head dims, YaRN
-# x4 over 16 positions with both mscales, layer 0 dense then routed + shared experts, sigmoid routing
+# x4 over 16 positions with both mscales, layer 0 dense then routed + shared experts, sigmoid
+# routing
 # with expert bias in 2 groups, scaled by 2.5); GLM-4.5 (half-rotary attention with q/k norms and
 # biases, a dense first layer, routed + shared experts); gpt-oss (5.x: sinks, sliding window 8 then
-# full attention, YaRN, biased experts with its clamped SwiGLU). Kimi-K2 is DeepSeek-V3's architecture
+# full attention, YaRN, biased experts with its clamped SwiGLU). Kimi-K2 is DeepSeek-V3's
+# architecture
 # under its own model type (its HF code is remote); see :func:`register_kimi_k2`.
 FRONTIER_ARCHS = ("deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss")
 FRONTIER_TINY = {
-    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-                        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
-                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
-                                          beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=1.0)),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                     first_k_dense_replace=1, head_dim=16, n_group=1, topk_group=1, norm_topk_prob=True,
-                     routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
-                    layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=16,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.707,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        head_dim=16,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 
 
@@ -72,7 +145,8 @@ def register_kimi_k2() -> None:
     """Make ``model_type="kimi_k2"`` / ``KimiK2ForCausalLM`` (Megatron-Bridge's Kimi-K2 bridge)
     loadable offline in this process: Kimi-K2 checkpoints run DeepSeek-V3's modeling code from their
     own repository (``trust_remote_code``), so the stand-in is HF's DeepSeek-V3 classes under that
-    model type, with DeepSeek-V3's checkpoint conversion (per-expert weights -> fused experts; without
+    model type, with DeepSeek-V3's checkpoint conversion (per-expert weights -> fused experts;
+    without
     it HF would leave the experts random). Idempotent."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -89,7 +163,10 @@ def register_kimi_k2() -> None:
     from transformers import conversion_mapping
 
     conversion_mapping.register_checkpoint_conversion_mapping(
-        "kimi_k2", conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3"), overwrite=True)
+        "kimi_k2",
+        conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3"),
+        overwrite=True,
+    )
 
 
 def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> None:
@@ -125,13 +202,16 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
     common.update(HYBRID_TINY.get(arch, {}))
     common.update(FRONTIER_TINY.get(arch, {}))
     common.update(overrides)
-    if arch == "kimi_k2":  # written as DeepSeek-V3 (per-expert weights, as Kimi-K2 ships), renamed below
+    if (
+        arch == "kimi_k2"
+    ):  # written as DeepSeek-V3 (per-expert weights, as Kimi-K2 ships), renamed below
         common.update(FRONTIER_TINY["deepseek_v3"])
     config = AutoConfig.for_model("deepseek_v3" if arch == "kimi_k2" else arch, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
-        # Hybrids' norms are zero-centered (scale 1 + weight), except the gated delta-net's output norm;
+        # Hybrids' norms are zero-centered (scale 1 + weight), except the gated delta-net's output
+        # norm;
         # their matrices are drawn smaller (0.1), or fp32 rounding alone moves HF's own log-probs by
         # ~2e-5 (measured against HF in fp64), above the 1e-5 parity bar.
         centered = arch in HYBRID_ARCHS
@@ -149,20 +229,26 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
 
 
 def _rename_to_kimi_k2(path: str) -> None:
-    """A DeepSeek-V3 checkpoint as a Kimi-K2 one: its model type, architecture and routing fields."""
+    """A DeepSeek-V3 checkpoint as a Kimi-K2 one: its model type, architecture and routing
+    fields."""
     import json
     from pathlib import Path
 
     register_kimi_k2()
     config_file = Path(path) / "config.json"
     config = json.loads(config_file.read_text())
-    config.update(model_type="kimi_k2", architectures=["KimiK2ForCausalLM"], scoring_func="sigmoid",
-                  topk_method="noaux_tc")
+    config.update(
+        model_type="kimi_k2",
+        architectures=["KimiK2ForCausalLM"],
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )
     config_file.write_text(json.dumps(config, indent=2))
 
 
 def make_hf_checkpoints(root, archs=ARCHS) -> dict[str, str]:
-    """Tiny checkpoints under ``root``: one per architecture of ``archs`` (default ``ARCHS``), or one
+    """Tiny checkpoints under ``root``: one per architecture of ``archs`` (default ``ARCHS``), or
+    one
     per case of a dict ``{name: (arch, HF config overrides)}``; returns {arch or name: path}."""
     from pathlib import Path
 
@@ -174,8 +260,11 @@ def make_hf_checkpoints(root, archs=ARCHS) -> dict[str, str]:
     return paths
 
 
-def hf_references(paths: dict[str, str], seqs: list[torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
-    """:func:`hf_logprobs` of every checkpoint of ``paths`` on ``seqs``: {name: {sequence: log-probs}}."""
+def hf_references(
+    paths: dict[str, str], seqs: list[torch.Tensor]
+) -> dict[str, dict[int, torch.Tensor]]:
+    """:func:`hf_logprobs` of every checkpoint of ``paths`` on ``seqs``: {name: {sequence:
+    log-probs}}."""
     return {name: hf_logprobs(path, seqs) for name, path in paths.items()}
 
 
@@ -200,7 +289,8 @@ def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
 
 
 def recurrent_sequences(seed: int = 0) -> list[torch.Tensor]:
-    """:func:`branching_sequences` plus the tries a recurrent layer gets wrong first: a one-token and
+    """:func:`branching_sequences` plus the tries a recurrent layer gets wrong first: a one-token
+    and
     a two-token segment between branch points (a child's 3-token convolution window then reaches
     two and three segments up), a branch at a root's first token, and a chain of one-token
     segments each with a leaf."""
@@ -212,8 +302,12 @@ def recurrent_sequences(seed: int = 0) -> list[torch.Tensor]:
     stem = rand(6)
     one = torch.cat([stem, rand(1)])  # one-token segment (a branch point below and above it)
     two = torch.cat([one, rand(2)])  # two-token segment
-    seqs = [torch.cat([one, rand(5)]), torch.cat([two, rand(4)]), torch.cat([two, rand(7)]),
-            torch.cat([stem, rand(9)])]
+    seqs = [
+        torch.cat([one, rand(5)]),
+        torch.cat([two, rand(4)]),
+        torch.cat([two, rand(7)]),
+        torch.cat([stem, rand(9)]),
+    ]
     root = rand(1)
     seqs += [torch.cat([root, rand(8)]), torch.cat([root, rand(3)])]
     ladder = rand(4)
@@ -242,7 +336,12 @@ def trunk_sequences(seed: int = 0) -> list[torch.Tensor]:
     task_a, task_b = torch.cat([system, rand(10)]), torch.cat([system, rand(8)])
     seqs = [torch.cat([task_a, rand(n)]) for n in (22, 16, 20, 12)]
     turn = torch.cat([task_b, rand(14)])
-    seqs += [turn, torch.cat([turn, rand(9)]), torch.cat([task_b, rand(26)]), torch.cat([task_b, rand(20)])]
+    seqs += [
+        turn,
+        torch.cat([turn, rand(9)]),
+        torch.cat([task_b, rand(26)]),
+        torch.cat([task_b, rand(20)]),
+    ]
     seqs += [torch.cat([system[:1], rand(25)]), task_a[:29].clone(), task_a.clone()]
     other = rand(30)
     seqs += [torch.cat([other, rand(n)]) for n in (20, 11, 17, 24)]
@@ -273,14 +372,23 @@ def long_context_sequences(seed: int = 0) -> list[torch.Tensor]:
 def pack(seqs: list[torch.Tensor], *, block_size: int = 16, max_tokens: int = 512) -> list[dict]:
     """``seqs`` packed into whole trees (no trunk reuse: every micro-batch's rows are its tree)."""
     batch = pad_sequences(seqs)
-    return list(build_packed_tree_batch(batch, max_tokens_per_mb=max_tokens, block_size=block_size, pad_to_max=False,
-                                        share_trunks=False))
+    return list(
+        build_packed_tree_batch(
+            batch,
+            max_tokens_per_mb=max_tokens,
+            block_size=block_size,
+            pad_to_max=False,
+            share_trunks=False,
+        )
+    )
 
 
 def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.Tensor]:
     """Per-sequence next-token log-probs [L_i - 1] from packed logits [1, N, V], by batch index."""
     tree = micro_batch["tree"]
-    logp = torch.log_softmax(logits[0] if logits.dtype == torch.float64 else logits[0].float(), dim=-1)
+    logp = torch.log_softmax(
+        logits[0] if logits.dtype == torch.float64 else logits[0].float(), dim=-1
+    )
     out = {}
     for i in range(tree.num_sequences):
         idx = tree.sequence_token_index(i)
@@ -288,14 +396,17 @@ def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.
     return out
 
 
-def megatron_bridge_tree_model(path: str, *, tp: int = 1, cp: int = 1, backend: str = "auto", **provider_fields):
+def megatron_bridge_tree_model(
+    path: str, *, tp: int = 1, cp: int = 1, backend: str = "auto", **provider_fields
+):
     """The tree model Megatron-Bridge builds from the HF checkpoint at ``path`` under
     ``patch_megatron_bridge_for_tree_training`` (fp32, no DDP; ``provider_fields`` set on the
     provider before it is finalized, e.g. recompute or router settings). Needs parallel_state."""
     from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
     from ..patches import megatron_bridge_te
 
-    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it where transformer-engine is missing
+    # Megatron-Bridge imports only with it where transformer-engine is missing
+    megatron_bridge_te.apply()
     from megatron.bridge import AutoBridge
 
     with patch_megatron_bridge_for_tree_training(backend=backend):
@@ -309,7 +420,9 @@ def megatron_bridge_tree_model(path: str, *, tp: int = 1, cp: int = 1, backend: 
     return provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
 
 
-def tree_logprobs(model, seqs: list[torch.Tensor], *, alone: bool = False) -> dict[int, torch.Tensor]:
+def tree_logprobs(
+    model, seqs: list[torch.Tensor], *, alone: bool = False
+) -> dict[int, torch.Tensor]:
     """Per-sequence log-probs of a tree model (vocab-parallel logits gathered over TP), the
     sequences packed into whole trees, or each packed alone (``alone``), by index in ``seqs``."""
     from megatron.core import tensor_parallel
@@ -321,7 +434,11 @@ def tree_logprobs(model, seqs: list[torch.Tensor], *, alone: bool = False) -> di
     with torch.no_grad():
         for g, group in enumerate(groups):
             for mb in pack(group):
-                logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"]))
+                logits = model(
+                    mb["input_ids"],
+                    mb["position_ids"],
+                    attention_mask=tree_attention_mask(mb["tree"]),
+                )
                 logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
                 for i, values in packed_logprobs(logits, mb).items():
                     out[g if alone else i] = values
@@ -335,8 +452,15 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
 
     from ..mcore.step import tree_forward_backward
 
-    result = tree_forward_backward(model, pad_sequences(seqs), None, forward_only=True, collect_outputs=True,
-                                   tp_group=ps.get_tensor_model_parallel_group(), **packing)
+    result = tree_forward_backward(
+        model,
+        pad_sequences(seqs),
+        None,
+        forward_only=True,
+        collect_outputs=True,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        **packing,
+    )
     merged = result.merged_outputs()["logprobs"]
     return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
 
@@ -344,8 +468,11 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
 PARITY_LOG_ENV = "MEGATRON_TREE_PARITY_LOG"
 
 
-def record_parity(model_type: str, bridge: str, max_logprob_err: float, *, layout: str = "TP=1") -> None:
-    """Append one parity result (a JSON line: model type, bridge, stack, layout, max |log-prob - HF|)
+def record_parity(
+    model_type: str, bridge: str, max_logprob_err: float, *, layout: str = "TP=1"
+) -> None:
+    """Append one parity result (a JSON line: model type, bridge, stack, layout, max |log-prob -
+    HF|)
     to the file ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns the
     lines of a suite run into the README's supported-models table."""
     import json
@@ -363,17 +490,29 @@ def record_parity(model_type: str, bridge: str, max_logprob_err: float, *, layou
         except metadata.PackageNotFoundError:
             return None
 
-    stack = {"python": platform.python_version(), "megatron-core": version("megatron-core"),
-             "bridge": version({"megatron-bridge": "megatron-bridge", "mbridge": "mbridge"}.get(bridge, bridge) or ""),
-             "transformers": version("transformers"), "torch": version("torch")}
-    row = {"model_type": model_type, "bridge": bridge, "layout": layout, "max_logprob_err": float(max_logprob_err),
-           "stack": stack}
+    stack = {
+        "python": platform.python_version(),
+        "megatron-core": version("megatron-core"),
+        "bridge": version(
+            {"megatron-bridge": "megatron-bridge", "mbridge": "mbridge"}.get(bridge, bridge) or ""
+        ),
+        "transformers": version("transformers"),
+        "torch": version("torch"),
+    }
+    row = {
+        "model_type": model_type,
+        "bridge": bridge,
+        "layout": layout,
+        "max_logprob_err": float(max_logprob_err),
+        "stack": stack,
+    }
     with open(target, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def max_err(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
-    """Largest absolute difference between two {sequence: log-probs} maps over the same sequences."""
+    """Largest absolute difference between two {sequence: log-probs} maps over the same
+    sequences."""
     assert a.keys() == b.keys()
     return max(float((a[i] - b[i]).abs().max()) for i in a)
 
@@ -382,7 +521,9 @@ def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Reference: HuggingFace on each sequence alone."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     out = {}
     with torch.no_grad():
@@ -414,10 +555,15 @@ def recompute_fields(mode: str, *modules: str) -> dict:
         raise ValueError(f"recompute mode {mode!r} must be one of {RECOMPUTE_MODES}")
     return {
         "none": {},
-        "full": {"recompute_granularity": "full", "recompute_method": "uniform",
-                 "recompute_num_layers": 1},
-        "selective": {"recompute_granularity": "selective",
-                      "recompute_modules": ["core_attn", *modules]},
+        "full": {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        },
+        "selective": {
+            "recompute_granularity": "selective",
+            "recompute_modules": ["core_attn", *modules],
+        },
     }[mode]
 
 
@@ -432,10 +578,20 @@ def small_gpt_config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        use_cpu_initialization=True, masked_softmax_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
@@ -452,7 +608,8 @@ def build_gpt_model(
     seed: int = 0,
     vp_stage: int | None = None,
 ):
-    """A local-spec GPT for this pipeline stage (and virtual stage ``vp_stage``): ``TreeGPTModel`` with tree attention, or the stock
+    """A local-spec GPT for this pipeline stage (and virtual stage ``vp_stage``): ``TreeGPTModel``
+    with tree attention, or the stock
     ``GPTModel`` (the reference), with untied output weights and rope. A config with
     ``num_moe_experts`` gets Megatron's local block spec (SequentialMLP experts in the layers
     ``moe_layer_freq`` names; see :func:`small_moe_config`).
@@ -471,16 +628,23 @@ def build_gpt_model(
     if config.num_moe_experts:  # the block spec: MoE and dense layers as config.moe_layer_freq says
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                          normalization=config.normalization, vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=False,
+            normalization=config.normalization,
+            vp_stage=vp_stage,
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
-                                        multi_latent_attention=config.multi_latent_attention)
+        spec = get_gpt_layer_local_spec(
+            normalization=config.normalization,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+        )
     if config.multi_latent_attention and not tree:
         # Megatron's local core attention cannot run MLA (it is TE-only): the reference's is ours.
         from .reference import CausalCoreAttention
 
-        for layer in (spec.layer_specs if hasattr(spec, "layer_specs") else [spec]):
+        for layer in spec.layer_specs if hasattr(spec, "layer_specs") else [spec]:
             layer.submodules.self_attention.submodules.core_attention = CausalCoreAttention
     cls = GPTModel
     if tree:
@@ -509,20 +673,47 @@ def small_mla_config(*, rope_type: str = "yarn", **overrides):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     base = small_gpt_config(num_query_groups=None).__dict__
-    fields = {k: base[k] for k in (
-        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization",
-        "gated_linear_unit", "add_bias_linear", "use_cpu_initialization", "masked_softmax_fusion",
-        "hidden_dropout", "attention_dropout", "params_dtype", "pipeline_dtype")}
-    fields.update(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
-                  qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, rope_type=rope_type,
-                  rotary_base=10000, rotary_scaling_factor=4.0 if rope_type == "yarn" else 1.0,
-                  original_max_position_embeddings=16, mscale=0.707, mscale_all_dim=1.0,
-                  apply_rope_fusion=False)
+    fields = {
+        k: base[k]
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "normalization",
+            "gated_linear_unit",
+            "add_bias_linear",
+            "use_cpu_initialization",
+            "masked_softmax_fusion",
+            "hidden_dropout",
+            "attention_dropout",
+            "params_dtype",
+            "pipeline_dtype",
+        )
+    }
+    fields.update(
+        multi_latent_attention=True,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+        qk_layernorm=True,
+        rope_type=rope_type,
+        rotary_base=10000,
+        rotary_scaling_factor=4.0 if rope_type == "yarn" else 1.0,
+        original_max_position_embeddings=16,
+        mscale=0.707,
+        mscale_all_dim=1.0,
+        apply_rope_fusion=False,
+    )
     fields.update(overrides)
     return MLATransformerConfig(**fields)
 
 
-def small_moe_config(*, dispatcher: str = "allgather", num_experts: int = 4, topk: int = 2, **overrides):
+def small_moe_config(
+    *, dispatcher: str = "allgather", num_experts: int = 4, topk: int = 2, **overrides
+):
     """A ``small_gpt_config`` whose MLPs are mixtures of experts: ``num_experts`` experts of FFN 32,
     top-``topk`` softmax routing renormalized over the chosen experts, no token dropping (no
     capacity factor), the ``dispatcher`` token dispatcher, the expert-parallel size of
@@ -531,11 +722,18 @@ def small_moe_config(*, dispatcher: str = "allgather", num_experts: int = 4, top
     from megatron.core import parallel_state as ps
 
     fields = dict(
-        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
-        moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False, moe_router_pre_softmax=False,
-        moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_router_load_balancing_type="aux_loss",
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+        moe_router_pre_softmax=False,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_router_load_balancing_type="aux_loss",
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(), init_method_std=0.15,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        init_method_std=0.15,
     )
     fields.update(overrides)
     return small_gpt_config(**fields)
@@ -545,8 +743,11 @@ def moe_layer_spec(config):
     """The local layer spec of ``config``'s MoE layers (SequentialMLP experts, no grouped GEMM)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    normalization=config.normalization)
+    return get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization=config.normalization,
+    )
 
 
 def global_expert_name(name: str, *, ep_rank: int, num_local_experts: int) -> str:

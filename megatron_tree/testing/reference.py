@@ -8,7 +8,7 @@ float64 log-softmax on the gathered logits, the loss normalization written out h
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -81,17 +81,37 @@ class CausalCoreAttention(torch.nn.Module):
     -> [s, b, np * hv].
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type="self",
+        attention_dropout=None,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         s, b, heads, dim = query.shape
         repeat = heads // key.shape[2]
         key, value = key.repeat_interleave(repeat, dim=2), value.repeat_interleave(repeat, dim=2)
-        scale = dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
+        scale = dim**-0.5 if self.softmax_scale is None else self.softmax_scale
         scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * scale
         future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
         probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(value.dtype)
@@ -99,15 +119,17 @@ class CausalCoreAttention(torch.nn.Module):
 
 
 def stage_parameter_name(name: str, first_layer: int) -> str:
-    """A pipeline stage's parameter name in the unsplit model (``decoder.layers.j`` -> ``j + first``)."""
+    """A pipeline stage's parameter name in the unsplit model (``decoder.layers.j`` -> ``j +
+    first``)."""
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + first_layer)
     return ".".join(parts)
 
 
-def parameter_grads(model, *, prefix: str = "", main_grad: bool = False,
-                    require_all: bool = False) -> dict[str, torch.Tensor]:
+def parameter_grads(
+    model, *, prefix: str = "", main_grad: bool = False, require_all: bool = False
+) -> dict[str, torch.Tensor]:
     """Detached copies of ``model``'s parameter gradients by name, for :func:`gradient_errors`.
 
     Args:
@@ -129,7 +151,9 @@ def parameter_grads(model, *, prefix: str = "", main_grad: bool = False,
     return grads
 
 
-def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+def gradient_errors(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """Relative error ``|got - want| / |want|`` per parameter (names must match)."""
     if got.keys() != want.keys():
         raise ValueError(
@@ -137,7 +161,10 @@ def gradient_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
             f"want {sorted(want.keys() - got.keys())[:4]}"
         )
     return {
-        name: float((got[name].float() - want[name].float()).norm() / want[name].float().norm().clamp(min=1e-30))
+        name: float(
+            (got[name].float() - want[name].float()).norm()
+            / want[name].float().norm().clamp(min=1e-30)
+        )
         for name in want
     }
 
@@ -153,7 +180,11 @@ def finalize_sequence_parallel_grads(model) -> None:
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
 
     ddp_like = types.SimpleNamespace(module=model, ddp_config=DistributedDataParallelConfig())
-    _allreduce_non_tensor_model_parallel_grads([ddp_like], model.config, ps.get_tensor_model_parallel_group())
+    _allreduce_non_tensor_model_parallel_grads(
+        [ddp_like], model.config, ps.get_tensor_model_parallel_group()
+    )

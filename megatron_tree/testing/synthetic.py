@@ -12,7 +12,9 @@ import random
 import torch
 
 
-def pad_sequences(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | None = None) -> dict:
+def pad_sequences(
+    sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] | None = None
+) -> dict:
     """Right-pad 1-D token tensors into a batch dict (``loss_mask`` included when given)."""
     if not sequences:
         raise ValueError("sequences is empty; pass at least one 1-D token tensor")
@@ -33,11 +35,16 @@ def pad_sequences(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor] 
 
 def random_trie_sequences(seed: int, num_sequences: int, max_len: int) -> list[torch.Tensor]:
     """Random sequences with much sharing, for property tests: each one copies a random prefix of an
-    earlier one (possibly empty or whole) and appends 1-39 tokens from {0, 1, 2}, cut at ``max_len``."""
+    earlier one (possibly empty or whole) and appends 1-39 tokens from {0, 1, 2}, cut at
+    ``max_len``."""
     g = torch.Generator().manual_seed(seed)
     seqs: list[torch.Tensor] = []
     for _ in range(num_sequences):
-        base = seqs[int(torch.randint(len(seqs), (), generator=g))] if seqs else torch.zeros(0, dtype=torch.int64)
+        base = (
+            seqs[int(torch.randint(len(seqs), (), generator=g))]
+            if seqs
+            else torch.zeros(0, dtype=torch.int64)
+        )
         cut = int(torch.randint(len(base) + 1, (), generator=g))
         tail = torch.randint(0, 3, (int(torch.randint(1, 40, (), generator=g)),), generator=g)
         seqs.append(torch.cat([base[:cut], tail])[:max_len])
@@ -87,7 +94,8 @@ def multi_turn_batch(
 ) -> dict:
     """Agent trajectories where every turn extends the one before it.
 
-    One system prompt is shared by all tasks; each task prompt by its rollouts. A rollout of ``turns``
+    One system prompt is shared by all tasks; each task prompt by its rollouts. A rollout of
+    ``turns``
     turns yields one sequence per turn (the whole history up to and including that turn's action),
     so every earlier turn's sequence is a prefix of the later ones. ``turns`` is a fixed count or
     ``(min, max)``, drawn uniformly per rollout.
@@ -103,7 +111,9 @@ def multi_turn_batch(
     if isinstance(turns, int):
         turns = (turns, turns)
     if not (1 <= turns[0] <= turns[1]):
-        raise ValueError(f"turns={turns} must be an int >= 1 or a (min, max) pair with 1 <= min <= max")
+        raise ValueError(
+            f"turns={turns} must be an int >= 1 or a (min, max) pair with 1 <= min <= max"
+        )
     system = tokens(system_len)
     sequences, loss_masks = [], []
     for _ in range(num_tasks):
@@ -114,9 +124,15 @@ def multi_turn_batch(
             for turn in range(num_turns):
                 if turn > 0:
                     obs = tokens(length(observation_len))
-                    history, mask = torch.cat([history, obs]), torch.cat([mask, torch.zeros(len(obs))])
+                    history, mask = (
+                        torch.cat([history, obs]),
+                        torch.cat([mask, torch.zeros(len(obs))]),
+                    )
                 action = tokens(length(action_len))
-                history, mask = torch.cat([history, action]), torch.cat([mask, torch.ones(len(action))])
+                history, mask = (
+                    torch.cat([history, action]),
+                    torch.cat([mask, torch.ones(len(action))]),
+                )
                 sequences.append(history)
                 loss_masks.append(mask)
     return _shuffled(sequences, loss_masks, g)
@@ -146,9 +162,15 @@ def rl_batch(seqs: list[torch.Tensor], *, response_start: int = 5, seed: int = 1
     return batch
 
 
-def long_history_sequences(*, history_len: int = 24000, num_tasks: int = 10, task_len: tuple[int, int] = (200, 600),
-                           second_turn_every: int = 3, vocab_size: int = 1024, seed: int = 7
-                           ) -> list[torch.Tensor]:
+def long_history_sequences(
+    *,
+    history_len: int = 24000,
+    num_tasks: int = 10,
+    task_len: tuple[int, int] = (200, 600),
+    second_turn_every: int = 3,
+    vocab_size: int = 1024,
+    seed: int = 7,
+) -> list[torch.Tensor]:
     """A long shared history (an agent's context) with ``num_tasks`` tasks below it; every
     ``second_turn_every``-th task also has a second turn (an observation of 50-150 tokens and an
     action of 100-300). Token ids in [1, vocab_size)."""
@@ -163,5 +185,7 @@ def long_history_sequences(*, history_len: int = 24000, num_tasks: int = 10, tas
         first = torch.cat([history, tokens(rng.randint(*task_len))])
         seqs.append(first)
         if i % second_turn_every == 0:
-            seqs.append(torch.cat([first, tokens(rng.randint(50, 150)), tokens(rng.randint(100, 300))]))
+            seqs.append(
+                torch.cat([first, tokens(rng.randint(50, 150)), tokens(rng.randint(100, 300))])
+            )
     return seqs

@@ -64,30 +64,66 @@ def register_cpu_platform() -> None:
         vendor_name = "cpu"
         device_module = cpu_module
 
-        def is_available(self): return True
-        def is_platform_available(self, use_smi_check=False): return True
-        def current_device(self): return torch.device("cpu")
-        def device_count(self): return 0
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, device_index=0): return None, None
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+        def is_available(self):
+            return True
+
+        def is_platform_available(self, use_smi_check=False):
+            return True
+
+        def current_device(self):
+            return torch.device("cpu")
+
+        def device_count(self):
+            return 0
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, device_index=0):
+            return None, None
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
 
         @contextmanager
         def nvtx_range(self, msg):
             yield
 
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
 
     set_platform(PlatformCPU())
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
@@ -154,8 +190,12 @@ def use_local_spec_in_mbridge() -> None:
     def local_spec(self, vp_stage=None):
         self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
         extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
-                                          normalization=self.config.normalization, **extra)
+        return get_gpt_decoder_block_spec(
+            self.config,
+            use_transformer_engine=False,
+            normalization=self.config.normalization,
+            **extra,
+        )
 
     original = bridge_module.Bridge._weight_name_mapping_mcore_to_hf
 
@@ -172,18 +212,30 @@ def use_local_spec_in_mbridge() -> None:
 class _NoStream:
     """A CPU stand-in for a CUDA stream: work on the CPU is already synchronous."""
 
-    def wait_stream(self, other): pass
-    def wait_event(self, event): pass
-    def synchronize(self): pass
-    def record_event(self, event=None): return event
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event
 
 
 class _CudaOnCpu:
     """``torch.cuda`` with no-op streams; everything else is torch.cuda itself."""
 
-    def current_stream(self, device=None): return _NoStream()
-    def stream(self, stream): return nullcontext()
-    def Stream(self, *args, **kwargs): return _NoStream()
+    def current_stream(self, device=None):
+        return _NoStream()
+
+    def stream(self, stream):
+        return nullcontext()
+
+    def Stream(self, *args, **kwargs):
+        return _NoStream()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -218,9 +270,13 @@ class _TorchOnCpu:
 # local_multi_tensor_l2_norm). On verl's Megatron-Bridge path also the DDP wrapper that
 # Megatron-Bridge's get_model calls (megatron/training/models/dist_utils.py:303, _ddp_wrap:
 # ``torch.cuda.Stream()`` -> "CUDA driver version is insufficient for CUDA runtime version").
-_CUDA_FACTORY_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
-                         "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils",
-                         "megatron.training.models.dist_utils")
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+    "megatron.training.models.dist_utils",
+)
 
 
 def redirect_cuda_in_optimizer_and_ddp() -> None:
@@ -235,7 +291,8 @@ def bshd_padding_mask_for_local_attention(engine) -> None:
     (models/mcore/util.py preprocess_bshd_engine); TE's causal attention ignores it, but Megatron's
     local DotProductAttention (the only one on a CPU) reads a [B, 1, S, S] mask, True = masked, and
     the [B, S] one fails in masked_fill_ ("size of tensor a (S) must match ... b (B)"). A forward
-    pre-hook on each model chunk turns it into causal | padded-key. Call after engine.initialize()."""
+    pre-hook on each model chunk turns it into causal | padded-key. Call after
+    engine.initialize()."""
     from verl.utils.megatron_utils import unwrap_model
 
     def hook(module, args, kwargs):
@@ -260,7 +317,9 @@ def cpu_grad_clipping() -> None:
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        grads = [
+            getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None
+        ]
         coeff = max_norm / (total_norm + 1.0e-6)
         if isinstance(coeff, torch.Tensor):
             coeff = coeff.clamp_max(1.0)
@@ -275,8 +334,10 @@ def cpu_grad_clipping() -> None:
 def import_megatron_bridge_without_te() -> None:
     """verl's Megatron-Bridge path (``vanilla_mbridge=False``) imports ``from megatron.bridge import
     AutoBridge`` (verl/models/mcore/bridge.py), which without transformer-engine raises
-    ``ModuleNotFoundError: No module named 'transformer_engine'`` (megatron/bridge/peft/lora_layers.py
-    imports it unguarded). megatron_tree's import patch (``megatron_tree.patches.megatron_bridge_te``,
+    ``ModuleNotFoundError: No module named 'transformer_engine'``
+    (megatron/bridge/peft/lora_layers.py
+    imports it unguarded). megatron_tree's import patch
+    (``megatron_tree.patches.megatron_bridge_te``,
     a no-op with transformer-engine) lets it import. Skipped without Megatron-Bridge."""
     if not _installed("megatron.bridge"):
         return
@@ -288,15 +349,17 @@ def import_megatron_bridge_without_te() -> None:
 @contextmanager
 def local_spec_in_megatron_bridge():
     """For verl's STOCK engine on the Megatron-Bridge path, inside the block: the providers that
-    ``AutoBridge.to_megatron_provider`` returns use Megatron-Bridge's local layer spec instead of its
+    ``AutoBridge.to_megatron_provider`` returns use Megatron-Bridge's local layer spec instead of
+    its
     default transformer-engine spec, which without transformer-engine fails in ``provide()``
     (gpt_layer_specs.py:233, ``TESpecProvider()`` -> TypeError: 'NoneType' object is not callable).
     The TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider`` switches
-    off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of it."""
-    from megatron_tree.bridges.megatron_bridge import te_layer_specs
-
+    off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of
+    it."""
     from megatron.bridge.models import gpt_provider
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
+    from megatron_tree.bridges.megatron_bridge import te_layer_specs
 
     original = AutoBridge.to_megatron_provider
 
@@ -325,15 +388,30 @@ def setup_cpu(skip: str = "") -> None:
     per-config / per-engine ones are called by the script: give_pad_token, force_fp32,
     seed_megatron_rng_tracker (after EngineRegistry.new), bshd_padding_mask_for_local_attention
     (after engine.initialize())."""
-    for step in (apply_megatron_cpu_patch, apply_mbridge_compat, use_local_spec_in_mbridge,
-                 import_megatron_bridge_without_te, redirect_cuda_in_optimizer_and_ddp, cpu_grad_clipping,
-                 init_gloo_world, register_cpu_platform):
+    for step in (
+        apply_megatron_cpu_patch,
+        apply_mbridge_compat,
+        use_local_spec_in_mbridge,
+        import_megatron_bridge_without_te,
+        redirect_cuda_in_optimizer_and_ddp,
+        cpu_grad_clipping,
+        init_gloo_world,
+        register_cpu_platform,
+    ):
         if step.__name__ not in skip:
             step()
 
 
-def build_engine(path: str, *, vendor: str | None, model_type: str = "language_model", micro_batch_size: int = 2,
-                 lr: float = 1e-3, tree_max_tokens: int = 128, vanilla_mbridge: bool = True):
+def build_engine(
+    path: str,
+    *,
+    vendor: str | None,
+    model_type: str = "language_model",
+    micro_batch_size: int = 2,
+    lr: float = 1e-3,
+    tree_max_tokens: int = 128,
+    vanilla_mbridge: bool = True,
+):
     """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
     checkpoint at ``path`` (fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own);
     initialized. ``vanilla_mbridge``: verl's mbridge path (True) or its default Megatron-Bridge path
@@ -348,16 +426,31 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
         os.environ.pop("VERL_ENGINE_VENDOR", None)
     model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
-    engine_config = McoreEngineConfig(strategy="megatron", vanilla_mbridge=vanilla_mbridge, use_remove_padding=False,
-                                      use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-                                      use_distributed_optimizer=False, sequence_parallel=False)
+    engine_config = McoreEngineConfig(
+        strategy="megatron",
+        vanilla_mbridge=vanilla_mbridge,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
+        use_distributed_optimizer=False,
+        sequence_parallel=False,
+    )
     force_fp32(engine_config)
-    engine = EngineRegistry.new(model_type=model_type, backend="megatron", model_config=model_config,
-                                engine_config=engine_config, checkpoint_config=CheckpointConfig(),
-                                optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10))
+    engine = EngineRegistry.new(
+        model_type=model_type,
+        backend="megatron",
+        model_config=model_config,
+        engine_config=engine_config,
+        checkpoint_config=CheckpointConfig(),
+        optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10),
+    )
     seed_megatron_rng_tracker(engine_config.seed)
     if vendor:
-        engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = 16, tree_max_tokens, "block_sparse"
+        engine.tree_block_size, engine.tree_max_tokens, engine.tree_backend = (
+            16,
+            tree_max_tokens,
+            "block_sparse",
+        )
     stock_on_megatron_bridge = not vendor and not vanilla_mbridge
     with local_spec_in_megatron_bridge() if stock_on_megatron_bridge else nullcontext():
         engine.initialize()
@@ -366,32 +459,55 @@ def build_engine(path: str, *, vendor: str | None, model_type: str = "language_m
     return engine, model_config
 
 
-def rollout_batch(vocab: int, *, prompts: int = 3, samples: int = 2, seed: int = 0,
-                  prompt_tokens: tuple[int, int] = (5, 12)):
+def rollout_batch(
+    vocab: int,
+    *,
+    prompts: int = 3,
+    samples: int = 2,
+    seed: int = 0,
+    prompt_tokens: tuple[int, int] = (5, 12),
+):
     """verl's rollout layout ({prompts [B, P] left-padded, responses [B, R] right-padded, input_ids,
     attention_mask, response_mask, position_ids}) for ``prompts`` x ``samples`` sequences sharing
     their prompt (of ``prompt_tokens`` [low, high) tokens), and the sequences themselves."""
     g = torch.Generator().manual_seed(seed)
     pairs = []
     for _ in range(prompts):
-        prompt = torch.randint(1, vocab, (int(torch.randint(*prompt_tokens, (1,), generator=g)),), generator=g)
-        pairs += [(prompt, torch.randint(1, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g))
-                  for _ in range(samples)]
+        prompt = torch.randint(
+            1, vocab, (int(torch.randint(*prompt_tokens, (1,), generator=g)),), generator=g
+        )
+        pairs += [
+            (
+                prompt,
+                torch.randint(
+                    1, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g
+                ),
+            )
+            for _ in range(samples)
+        ]
     return rollout_layout(pairs)
 
 
-def rollout_layout(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
+def rollout_layout(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict, list[torch.Tensor]]:
     """verl's rollout layout of (prompt, response) pairs (1-D each): {prompts [B, P] left-padded,
     responses [B, R] right-padded, input_ids [B, P + R], attention_mask, response_mask [B, R],
     position_ids}, and the sequences themselves."""
     width_p, width_r = max(len(p) for p, _ in pairs), max(len(r) for _, r in pairs)
-    batch = {k: torch.zeros(len(pairs), w, dtype=torch.long) for k, w in
-             (("prompts", width_p), ("responses", width_r), ("attention_mask", width_p + width_r),
-              ("response_mask", width_r))}
+    batch = {
+        k: torch.zeros(len(pairs), w, dtype=torch.long)
+        for k, w in (
+            ("prompts", width_p),
+            ("responses", width_r),
+            ("attention_mask", width_p + width_r),
+            ("response_mask", width_r),
+        )
+    }
     for i, (p, r) in enumerate(pairs):
-        batch["prompts"][i, width_p - len(p):] = p
+        batch["prompts"][i, width_p - len(p) :] = p
         batch["responses"][i, : len(r)] = r
-        batch["attention_mask"][i, width_p - len(p): width_p + len(r)] = 1
+        batch["attention_mask"][i, width_p - len(p) : width_p + len(r)] = 1
         batch["response_mask"][i, : len(r)] = 1
     batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], 1)
     batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
@@ -405,6 +521,13 @@ def engine_batch(padded: dict, micro_batch_size: int = 2, **meta):
     from verl.workers.utils.padding import left_right_2_no_padding
 
     td = left_right_2_no_padding(tu.get_tensordict({k: v.clone() for k, v in padded.items()}))
-    tu.assign_non_tensor(td, temperature=1.0, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
-                         max_token_len_per_gpu=4096, use_fused_kernels=False, **meta)
+    tu.assign_non_tensor(
+        td,
+        temperature=1.0,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
+        max_token_len_per_gpu=4096,
+        use_fused_kernels=False,
+        **meta,
+    )
     return td
