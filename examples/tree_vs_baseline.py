@@ -13,9 +13,8 @@ the first tree's attention mask.
     python examples/tree_vs_baseline.py --small               # a reduced size (seconds)
     torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
-    python examples/tree_vs_baseline.py --model qwen3_moe_tiny   # mixture of experts (8 experts,
-    top-2)
-    python examples/tree_vs_baseline.py --model qwen35_tiny      # gated delta-net hybrid
+    python examples/tree_vs_baseline.py --model qwen3_moe_tiny # mixture of experts (8 experts,
+    top-2) python examples/tree_vs_baseline.py --model qwen35_tiny # gated delta-net hybrid
     (Megatron-Bridge)
 
 ``--model qwen35_tiny`` builds a tiny Qwen3.5 (``examples/configs/qwen35_tiny``: three gated

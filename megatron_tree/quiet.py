@@ -1,9 +1,8 @@
 """Hide *known* upstream noise (warnings, log records, a few bare prints) behind one summary line.
 
 The main job (``examples/tree_vs_baseline.py``) imports Megatron-Core, mbridge, transformers and
-torch;
-on a machine without transformer-engine/apex they emit a wall of well-understood warnings before the
-job's first own line. :func:`known_upstream_warnings` suppresses only messages that match
+torch; on a machine without transformer-engine/apex they emit a wall of well-understood warnings
+before the job's first own line. :func:`known_upstream_warnings` suppresses only messages that match
 :data:`KNOWN` (a regex and a category label each), counts them, and at the end prints one line::
 
     [demo] 9 known upstream warnings hidden (transformer-engine/apex absent: 7, deprecations: 1,

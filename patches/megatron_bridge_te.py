@@ -2,8 +2,7 @@
 
 Upstream symptom (megatron-bridge 0.6.2, ``TARGET_MEGATRON_BRIDGE``): ``from megatron.bridge import
 AutoBridge`` raises ``ModuleNotFoundError: No module named 'transformer_engine'`` on machines
-without
-transformer-engine (every CPU machine): ``megatron/bridge/peft/lora_layers.py`` imports
+without transformer-engine (every CPU machine): ``megatron/bridge/peft/lora_layers.py`` imports
 ``transformer_engine.pytorch`` unguarded, and the package imports it on the way to ``AutoBridge``
 (through the PEFT bridges). Every other transformer-engine import in Megatron-Bridge and
 megatron-core is guarded.

@@ -1,10 +1,10 @@
 """Run Megatron-Core on a CPU-only torch build: an explicit, reversible runtime patch.
 
 Megatron-Core (0.16.1, 0.17.x and 0.19.x verified) calls CUDA in a few places that tests and demos
-on a CPU machine cannot avoid
-(model construction, the model-parallel RNG tracker, activation recompute, the default causal mask,
-the MoE router and alltoall token dispatcher), and its CPU norms refuse sequence parallelism. This
-module redirects exactly those calls to the CPU and lifts that one refusal:
+on a CPU machine cannot avoid (model construction, the model-parallel RNG tracker, activation
+recompute, the default causal mask, the MoE router and alltoall token dispatcher), and its CPU norms
+refuse sequence parallelism. This module redirects exactly those calls to the CPU and lifts that one
+refusal:
 
 ==========================================================  =======================================
 patched symbol                                              CPU behaviour
@@ -12,9 +12,8 @@ patched symbol                                              CPU behaviour
 ``torch.cuda.current_device``                               returns ``torch.device("cpu")``
 ``megatron.core.tensor_parallel.random._get_cuda_rng_state``  the CPU generator's state
 ``megatron.core.tensor_parallel.random._set_cuda_rng_state``  sets the CPU generator's state
-``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``  seeds a state on the CPU
-generator
-``megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed``  (and its re-export in
+``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add`` seeds a state on the CPU generator
+``megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed`` (and its re-export in
                                                             ``megatron.core.tensor_parallel``) seeds
                                                             the CPU generator and the tracker states
 ``megatron.core.transformer.utils.get_default_causal_mask``  builds the mask on the CPU (also the
@@ -46,7 +45,7 @@ generator
                                                             the shared experts' overlap stream
                                                             (``moe_shared_expert_overlap``, on in
                                                             DeepSeek-V3 / GLM-4.5 bridges)
-``megatron.core.transformer.multi_latent_attention.HAVE_TE``  ``False`` where it is True (0.16.x
+``megatron.core.transformer.multi_latent_attention.HAVE_TE`` ``False`` where it is True (0.16.x
 stubs
                                                             TE's classes with mocks when it is
                                                             missing, so its MLA reads True and fails
@@ -70,13 +69,12 @@ unconditionally, so every MoE forward without transformer-engine raises ``NameEr
 do there). The alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``, all three
 versions) creates ``torch.cuda.Stream()`` in its constructor and moves its split sizes to the host
 on that stream (``_maybe_dtoh_and_synchronize``: ``torch.cuda.current_stream``,
-``torch.cuda.stream``,
-``record_event``). On a CPU the tensors are already on the host, so the stand-in streams do
-nothing, which is exactly the synchronous behaviour the code falls back to. That host copy also
-turns the split sizes into NumPy arrays for ``all_to_all_single``; upstream skips tensors that are
-not on CUDA, and a torch tensor as split sizes is a ``TypeError`` (``incompatible function
-arguments``), so the patched copy converts CPU tensors as well. The allgather
-dispatcher needs neither. The flex dispatcher (DeepEP / HybridEP) is GPU-only and not covered.
+``torch.cuda.stream``, ``record_event``). On a CPU the tensors are already on the host, so the
+stand-in streams do nothing, which is exactly the synchronous behaviour the code falls back to. That
+host copy also turns the split sizes into NumPy arrays for ``all_to_all_single``; upstream skips
+tensors that are not on CUDA, and a torch tensor as split sizes is a ``TypeError`` (``incompatible
+function arguments``), so the patched copy converts CPU tensors as well. The allgather dispatcher
+needs neither. The flex dispatcher (DeepEP / HybridEP) is GPU-only and not covered.
 
 Sequence parallelism on the local spec. Without apex or transformer-engine (always the case on a
 CPU) the local spec's norms are ``WrappedTorchNorm``, a factory for ``torch.nn.LayerNorm`` /

@@ -1,10 +1,9 @@
 """The frontier MoE families through NVIDIA Megatron-Bridge with trees: DeepSeek-V3 and Kimi-K2
 (multi-latent attention with YaRN, dense first layer, routed + shared experts, sigmoid routing with
 expert bias in groups), GLM-4.5 (partial rotary, q/k norms, routed + shared experts), gpt-oss
-(sinks,
-sliding / full layers, biased experts) and Qwen3-MoE. Tiny random checkpoints, fp32, CPU: every
-sequence of a branching multi-turn trie gets the log-probs HuggingFace gives it alone, the step's
-gradients equal the unpacked ones, and DeepSeek-V3 holds at TP=2 and EP=2. Runs in the
+(sinks, sliding / full layers, biased experts) and Qwen3-MoE. Tiny random checkpoints, fp32, CPU:
+every sequence of a branching multi-turn trie gets the log-probs HuggingFace gives it alone, the
+step's gradients equal the unpacked ones, and DeepSeek-V3 holds at TP=2 and EP=2. Runs in the
 Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``, Python 3.12); skipped elsewhere."""
 
 from __future__ import annotations

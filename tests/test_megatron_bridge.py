@@ -1,7 +1,7 @@
 """NVIDIA Megatron-Bridge + ``patch_megatron_bridge_for_tree_training``: HF checkpoints load into
-tree
-models that give every sequence of a branching trie the log-probs HuggingFace gives it alone, at
-TP=1 and TP=2. Runs in the Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``, Python
+tree models that give every sequence of a branching trie the log-probs HuggingFace gives it alone,
+at TP=1 and TP=2. Runs in the Megatron-Bridge stack (``MEGATRON_TREE_BRIDGE=megatron-bridge``,
+Python
 3.12); skipped elsewhere, with the reason shown."""
 
 from __future__ import annotations

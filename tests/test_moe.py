@@ -1,7 +1,6 @@
 """Mixture-of-experts models with trees: the spec rewrite leaves the MoE MLP alone, and the tree
-step
-of a local-spec MoE GPT (4 experts, top-2, allgather and alltoall dispatchers) equals the unpacked
-per-sequence step at EP=1, EP=2 and EP=2 x TP=2 (sequence parallel, expert TP 1).
+step of a local-spec MoE GPT (4 experts, top-2, allgather and alltoall dispatchers) equals the
+unpacked per-sequence step at EP=1, EP=2 and EP=2 x TP=2 (sequence parallel, expert TP 1).
 
 Token-choice routing without a capacity factor routes every token on its own hidden state, which
 is the same in a tree as in the sequence alone, so log-probs, the main loss and its gradients are

@@ -2,10 +2,9 @@
 
 Shared by both bridge patches: HF ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter`` pick the best
 ``topk_group`` of ``n_group`` expert groups, each ranked by the sum of its top-2 scores, route
-inside
-them, and divide the chosen sigmoid scores by their sum only with ``norm_topk_prob``. Megatron ranks
-a group by its top ``topk // group_topk`` scores and always renormalizes (top-k > 1). Checkpoints
-outside what Megatron computes are refused, not loaded with different routing.
+inside them, and divide the chosen sigmoid scores by their sum only with ``norm_topk_prob``.
+Megatron ranks a group by its top ``topk // group_topk`` scores and always renormalizes (top-k > 1).
+Checkpoints outside what Megatron computes are refused, not loaded with different routing.
 """
 
 from __future__ import annotations

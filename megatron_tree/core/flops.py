@@ -5,12 +5,11 @@ uses: its top-k routed experts, the shared experts and the router; see :class:`G
 costs ``2 * heads * (query-key dim + value dim)`` per allowed (query, key) pair per attention layer
 (QK^T and PV: ``4 * heads * head_dim`` for standard attention; multi-latent attention's query-key
 dim is its no-rope plus rope dims, its value dim its own); a gated delta-net layer (hybrids) costs
-per
-token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state (read,
-update, output: three matrix-vector products), no pairs. The allowed pairs are read off
-``subtree_end`` in O(N)
-(equivalently, the sum over tokens of depth + 1: a token sees its ancestors and itself); a backward
-is twice a forward. Padding is not counted: the model gives the ideal of the layout.
+per token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state
+(read, update, output: three matrix-vector products), no pairs. The allowed pairs are read off
+``subtree_end`` in O(N) (equivalently, the sum over tokens of depth + 1: a token sees its ancestors
+and itself); a backward is twice a forward. Padding is not counted: the model gives the ideal of the
+layout.
 
 The cost is linear in (tokens, pairs), so packing can weigh any part of a trie by
 :func:`cost_weights` without laying it out.

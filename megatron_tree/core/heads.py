@@ -2,8 +2,8 @@
 
 A head object tells :func:`megatron_tree.tree_forward_backward` how to turn the last stage's output
 tensor (this rank's rows under context parallelism) into per-token outputs [T] for the loss, and
-which loss mask to use when the caller gives
-none. New heads (MoE statistics, several value heads, ...) are new classes, not new step flags.
+which loss mask to use when the caller gives none. New heads (MoE statistics, several value heads,
+...) are new classes, not new step flags.
 
 Legend: N packed length, T the tree's sequence tokens, V vocabulary, tp tensor-parallel size.
 """

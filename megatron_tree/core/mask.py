@@ -242,10 +242,9 @@ def tree_block_layout(
     With a depth ``window`` a tile also needs ``min depth(q) - max depth(keys) <= window`` over the
     queries q of the tile below the key block's largest ``subtree_end`` (the only ones that can see
     it) to hold an allowed pair (a conservative test: the pairs of a listed tile are masked
-    exactly),
-    and ``max depth(queries) - min depth(keys) <= window`` to be full. Deep in a long branch, key
-    blocks more than a window above the query tile are then skipped: that is where windows save
-    work.
+    exactly), and ``max depth(queries) - min depth(keys) <= window`` to be full. Deep in a long
+    branch, key blocks more than a window above the query tile are then skipped: that is where
+    windows save work.
 
     Args:
         tree: a :class:`PackedTree`, or its ``subtree_end`` [N] with N a multiple of ``block_size``.

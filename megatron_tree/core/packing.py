@@ -451,9 +451,8 @@ def build_packed_tree_batch(
 
     Two sequences in the same tree share their whole common prefix, whatever their input order.
     Sequences sharing a prefix are kept in one tree when it fits; a larger group is cut at its
-    branch
-    points into subtrees, each repeating only its ancestors' path (and nothing when it joins a tree
-    holding that path), and groups and subtrees share trees (as separate roots)
+    branch points into subtrees, each repeating only its ancestors' path (and nothing when it joins
+    a tree holding that path), and groups and subtrees share trees (as separate roots)
     first-fit-decreasing.
 
     Args:

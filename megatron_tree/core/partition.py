@@ -255,8 +255,7 @@ class Bin:
 
 def pack_pieces(pieces: list[Piece], capacity: int) -> list[Bin]:
     """First-fit-decreasing by full size, sharing-aware: each piece goes to the bin where it adds
-    the
-    fewest tokens (the one holding most of its path; the first such bin on ties), within
+    the fewest tokens (the one holding most of its path; the first such bin on ties), within
     ``capacity``."""
     bins: list[Bin] = []
     for piece in sorted(pieces, key=lambda p: (-p.full_tokens, p.first)):

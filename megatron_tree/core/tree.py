@@ -16,10 +16,9 @@ class PackedTree:
     """One micro-batch's trie, flattened in pre-order so that every subtree is a contiguous range.
 
     The whole attention structure is carried by ``subtree_end``: key position ``k`` is visible to
-    the
-    query positions ``[k, subtree_end[k])`` (its own subtree), so
-    ``allowed(q, k) = (k <= q) & (q < subtree_end[k])``. Padding positions ``p >= num_tree_tokens``
-    have ``subtree_end[p] == p + 1`` (each sees only itself, so no softmax row is empty).
+    the query positions ``[k, subtree_end[k])`` (its own subtree), so ``allowed(q, k) = (k <= q) &
+    (q < subtree_end[k])``. Padding positions ``p >= num_tree_tokens`` have ``subtree_end[p] == p +
+    1`` (each sees only itself, so no softmax row is empty).
 
     Attributes:
         input_ids: int64 [N]. Token of each packed position (``pad_token_id`` on padding).

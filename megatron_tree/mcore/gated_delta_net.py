@@ -3,10 +3,9 @@
 The same module, parameters and state-dict names as ``megatron.core.ssm.gated_delta_net
 .GatedDeltaNet`` (``in_proj``, ``conv1d``, ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``);
 :func:`~megatron_tree.mcore.spec.tree_attention_spec` swaps it in. Its forward takes the tree from
-the
-micro-batch's mask (``attention_mask.plan``): the causal convolution reads each token's ancestors,
-the delta rule runs per segment of the compressed trie from its parent segment's final state
-(:mod:`megatron_tree.core.recurrent`), so every token gets what its sequence alone gives it.
+the micro-batch's mask (``attention_mask.plan``): the causal convolution reads each token's
+ancestors, the delta rule runs per segment of the compressed trie from its parent segment's final
+state (:mod:`megatron_tree.core.recurrent`), so every token gets what its sequence alone gives it.
 
 The layer's per-token inputs (the convolution's input and the gate logits) play the part of an
 attention layer's keys and values: :meth:`~megatron_tree.core.rows.TreeRows.keys_values` completes

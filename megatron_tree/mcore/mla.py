@@ -26,9 +26,8 @@ class TreeMLASelfAttention(MLASelfAttention):
 
     Same constructor, parameters and state dict as ``MLASelfAttention``. Refused (ValueError):
     ``apply_rope_fusion`` (the fused MLA RoPE kernels rotate by packed offset),
-    ``cache_mla_latents``
-    (an inference cache) and ``qk_clip`` / ``log_max_attention_logit`` (they read the max logit
-    that the stock core attention records).
+    ``cache_mla_latents`` (an inference cache) and ``qk_clip`` / ``log_max_attention_logit`` (they
+    read the max logit that the stock core attention records).
     """
 
     def __init__(self, config, submodules, layer_number: int, *args, **kwargs):

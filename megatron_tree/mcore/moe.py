@@ -144,8 +144,8 @@ class TreeMoELayer(MoELayer):
     """``MoELayer`` whose router losses weigh each token by its multiplicity in the unpacked batch.
 
     Pass the multiplicities as a float ``padding_mask`` [b, s] to the model
-    (``tree_forward_backward``
-    does, from ``token_multiplicity``); anything else behaves exactly like ``MoELayer``.
+    (``tree_forward_backward`` does, from ``token_multiplicity``); anything else behaves exactly
+    like ``MoELayer``.
     """
 
     _token_weights: torch.Tensor | None = None
@@ -302,8 +302,7 @@ class RoutingReplay:
     """Feeds each micro-batch's recorded routes to Megatron's router replay during a tree step.
 
     The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal
-    on
-    every sequence through a position), here laid out per packed position (for a trunk group, per
+    on every sequence through a position), here laid out per packed position (for a trunk group, per
     position of the group's tree, from all its parts), cut to this rank's rows (CP split or trunk
     part, then the sequence-parallel shard the router sees) and set as each router's target for its
     layer. Before a micro-batch's forward the routers replay forward; the routes an activation

@@ -1,8 +1,7 @@
 """What one tree step shares between its loops: each micro-batch's inputs, its forward through a
 model chunk (routing replay included), its loss in Megatron's protocol, and Megatron's schedule
 call. :func:`megatron_tree.mcore.step.tree_forward_backward` builds one :class:`StepRunner` per
-step;
-whole trees run through :func:`plain_forward_step`, trunk groups through
+step; whole trees run through :func:`plain_forward_step`, trunk groups through
 :mod:`megatron_tree.mcore.trunk_step`.
 
 Legend: T a micro-batch's sequence tokens, n its rows on this rank.

@@ -1,19 +1,16 @@
 """Rewrite a Megatron-Core layer/block spec so that every self-attention uses tree attention.
 
 The rewrite swaps ``SelfAttentionSubmodules.core_attention`` (or ``MLASelfAttentionSubmodules``')
-for
-:class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's
-``attn_mask_type`` to
-``AttnMaskType.arbitrary``; an ``MLASelfAttention`` (DeepSeek-V3, Kimi-K2) becomes
-:class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part follows depth); an
-``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer`
-(the same module and parameters, with router losses computed as if unpacked); a ``GatedDeltaNet``
-(Qwen3-Next, Qwen3.5) becomes :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its
-convolution and recurrence follow the tree's root paths); every other submodule
-(TE or local linear layers, norms, dense MLPs, experts, routers) is kept. Attention it cannot
-rewrite (DeepSeek sparse attention, Mamba layers, cross attention,
-unknown attention or core-attention modules) raises ``ValueError`` naming the layer: nothing is
-skipped silently.
+for :class:`megatron_tree.mcore.core_attention.TreeCoreAttention` and sets the attention's
+``attn_mask_type`` to ``AttnMaskType.arbitrary``; an ``MLASelfAttention`` (DeepSeek-V3, Kimi-K2)
+becomes :class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part follows depth); an
+``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer` (the same module and parameters,
+with router losses computed as if unpacked); a ``GatedDeltaNet`` (Qwen3-Next, Qwen3.5) becomes
+:class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its convolution and recurrence
+follow the tree's root paths); every other submodule (TE or local linear layers, norms, dense MLPs,
+experts, routers) is kept. Attention it cannot rewrite (DeepSeek sparse attention, Mamba layers,
+cross attention, unknown attention or core-attention modules) raises ``ValueError`` naming the
+layer: nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -199,8 +196,7 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
         spec: a TransformerLayer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()`` or
             ``get_gpt_layer_with_transformer_engine_spec()``), a ``TransformerBlockSubmodules``
             (e.g. ``get_gpt_decoder_block_spec(config, ...)``), a TransformerBlock ``ModuleSpec``,
-            or
-            a list of layer specs. The input is not modified.
+            or a list of layer specs. The input is not modified.
         backend: TreeCoreAttention backend (``"auto"``, ``"sdpa"``, ``"flex"``, ``"block_sparse"``).
         block_size: tile size of the flex / block-sparse backends.
 
@@ -272,10 +268,10 @@ def local_hybrid_block_spec(
     Megatron-Core 0.19's ``get_transformer_block_with_experimental_attention_variant_spec`` builds
     these models from transformer-engine modules only. This is the same layer pattern
     (``config.linear_attention_freq``: gated delta-net or softmax attention;
-    ``config.moe_layer_freq``:
-    MoE or dense MLP) with ``ColumnParallelLinear`` / ``RowParallelLinear`` / separate norms
-    (:class:`~megatron_tree.mcore.norm.LocalNorm`, which has zero-centered gamma), sliced to the
-    pipeline stage. Pass the result to :func:`tree_attention_spec` (the Megatron-Bridge patch does).
+    ``config.moe_layer_freq``: MoE or dense MLP) with ``ColumnParallelLinear`` /
+    ``RowParallelLinear`` / separate norms (:class:`~megatron_tree.mcore.norm.LocalNorm`, which has
+    zero-centered gamma), sliced to the pipeline stage. Pass the result to
+    :func:`tree_attention_spec` (the Megatron-Bridge patch does).
 
     Returns:
         TransformerBlockSubmodules.

@@ -15,8 +15,7 @@ values, and a trunk part's backward needs the gradients every later part leaves 
   schedules, called three times, with the trunk parts run twice.
 
 Both take every micro-batch's inputs from the step's one preparation (``StepRunner.forward``: rows,
-mask,
-MoE multiplicities, routing replay; context parallelism included).
+mask, MoE multiplicities, routing replay; context parallelism included).
 Legend: T_G tokens of the group's sequences, L layers.
 """
 

@@ -22,8 +22,7 @@ class ValueHead(torch.nn.Linear):
     GPTModel calls its ``output_layer``.
 
     Replicated across tensor-parallel ranks: its input (the final hidden states) is complete on
-    every
-    rank, so each rank computes the full output and the full weight gradient, and no gradient
+    every rank, so each rank computes the full output and the full weight gradient, and no gradient
     collective is needed.
 
     With ``sequence_parallel=True`` its input is the rank's shard of the sequence, [s/tp, b, H]

@@ -290,8 +290,7 @@ def branching_sequences(seed: int = 0) -> list[torch.Tensor]:
 
 def recurrent_sequences(seed: int = 0) -> list[torch.Tensor]:
     """:func:`branching_sequences` plus the tries a recurrent layer gets wrong first: a one-token
-    and
-    a two-token segment between branch points (a child's 3-token convolution window then reaches
+    and a two-token segment between branch points (a child's 3-token convolution window then reaches
     two and three segments up), a branch at a root's first token, and a chain of one-token
     segments each with a leaf."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -472,8 +471,8 @@ def record_parity(
     model_type: str, bridge: str, max_logprob_err: float, *, layout: str = "TP=1"
 ) -> None:
     """Append one parity result (a JSON line: model type, bridge, stack, layout, max |log-prob -
-    HF|)
-    to the file ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns the
+    HF|) to the file ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns
+    the
     lines of a suite run into the README's supported-models table."""
     import json
     import os
@@ -609,10 +608,9 @@ def build_gpt_model(
     vp_stage: int | None = None,
 ):
     """A local-spec GPT for this pipeline stage (and virtual stage ``vp_stage``): ``TreeGPTModel``
-    with tree attention, or the stock
-    ``GPTModel`` (the reference), with untied output weights and rope. A config with
-    ``num_moe_experts`` gets Megatron's local block spec (SequentialMLP experts in the layers
-    ``moe_layer_freq`` names; see :func:`small_moe_config`).
+    with tree attention, or the stock ``GPTModel`` (the reference), with untied output weights and
+    rope. A config with ``num_moe_experts`` gets Megatron's local block spec (SequentialMLP experts
+    in the layers ``moe_layer_freq`` names; see :func:`small_moe_config`).
 
     The same ``seed`` and config give the same weights for both kinds (tree attention has no
     parameters of its own), so a reference can also load the tree model's state dict.

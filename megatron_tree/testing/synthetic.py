@@ -95,10 +95,9 @@ def multi_turn_batch(
     """Agent trajectories where every turn extends the one before it.
 
     One system prompt is shared by all tasks; each task prompt by its rollouts. A rollout of
-    ``turns``
-    turns yields one sequence per turn (the whole history up to and including that turn's action),
-    so every earlier turn's sequence is a prefix of the later ones. ``turns`` is a fixed count or
-    ``(min, max)``, drawn uniformly per rollout.
+    ``turns`` turns yields one sequence per turn (the whole history up to and including that turn's
+    action), so every earlier turn's sequence is a prefix of the later ones. ``turns`` is a fixed
+    count or ``(min, max)``, drawn uniformly per rollout.
     """
     g = torch.Generator().manual_seed(seed)
 

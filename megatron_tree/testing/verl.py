@@ -335,8 +335,7 @@ def import_megatron_bridge_without_te() -> None:
     """verl's Megatron-Bridge path (``vanilla_mbridge=False``) imports ``from megatron.bridge import
     AutoBridge`` (verl/models/mcore/bridge.py), which without transformer-engine raises
     ``ModuleNotFoundError: No module named 'transformer_engine'``
-    (megatron/bridge/peft/lora_layers.py
-    imports it unguarded). megatron_tree's import patch
+    (megatron/bridge/peft/lora_layers.py imports it unguarded). megatron_tree's import patch
     (``megatron_tree.patches.megatron_bridge_te``,
     a no-op with transformer-engine) lets it import. Skipped without Megatron-Bridge."""
     if not _installed("megatron.bridge"):
@@ -350,8 +349,7 @@ def import_megatron_bridge_without_te() -> None:
 def local_spec_in_megatron_bridge():
     """For verl's STOCK engine on the Megatron-Bridge path, inside the block: the providers that
     ``AutoBridge.to_megatron_provider`` returns use Megatron-Bridge's local layer spec instead of
-    its
-    default transformer-engine spec, which without transformer-engine fails in ``provide()``
+    its default transformer-engine spec, which without transformer-engine fails in ``provide()``
     (gpt_layer_specs.py:233, ``TESpecProvider()`` -> TypeError: 'NoneType' object is not callable).
     The TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider`` switches
     off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of
