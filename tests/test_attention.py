@@ -291,3 +291,96 @@ def test_spec_rewrite_rejects_what_it_cannot_rewrite():
 
     with pytest.raises(ValueError, match="cannot rewrite a spec of type dict"):
         tree_attention_spec({})
+
+
+# ------------------------------------------------------------------ chains-only micro-batches
+
+
+def _unshared_sequences(seed: int = 0) -> list[torch.Tensor]:
+    """Sequences that share no token: distinct first tokens (so distinct roots), odd lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.cat([torch.tensor([first]), torch.randint(1, 50, (n,), generator=g)])
+        for first, n in zip((51, 52, 53, 54), (12, 1, 30, 7))
+    ]
+
+
+def test_chains_only_micro_batch_runs_causal_kernel(monkeypatch, caplog):
+    """A micro-batch whose sequences share nothing runs plain causal attention per sequence (no
+    tree kernel), equal to the brute-force tree mask in fp64, forward and backward; the choice is
+    logged. Sharing (a common prefix, or a sequence that is a prefix of another) keeps the tree."""
+    from megatron_tree.core import attention as tree_attn
+
+    calls = []
+    causal = tree_attn._causal_chains
+    monkeypatch.setattr(
+        tree_attn, "_causal_chains", lambda *a, **kw: calls.append(a[3]) or causal(*a, **kw)
+    )
+    mb = pack(_unshared_sequences(), block_size=16)[0]
+    tree = mb["tree"]
+    assert mb["rows"].chains == (13, 2, 31, 8)  # host facts from packing, in tree order
+    q, k, v = _qkv(tree.padded_length)
+    masked = build_attention_mask_from_trie(tree)
+    ref = attention_reference(q, k, v, masked)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    with caplog.at_level("DEBUG", logger="megatron_tree.core.mask"):
+        masks = [tree_attention_mask(mb["rows"]), tree_attention_mask(tree)]
+    assert "4 unshared sequences" in caplog.text
+    for mask in masks:
+        out = tree_attention(q, k, v, mask)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        assert (out - ref).abs().max() < FP64_TOL
+        for got, want in zip(grads, ref_grads):
+            assert (got - want).abs().max() < FP64_TOL
+    assert calls == [(13, 2, 31, 8)] * 2
+
+    calls.clear()
+    seqs = _unshared_sequences()
+    for shared in (seqs + [seqs[2][:9]], seqs + [torch.cat([seqs[0], torch.tensor([5])])]):
+        tree = pack(shared, block_size=16)[0]["tree"]
+        assert tree_attention_mask(tree).plan.chains is None
+        q, k, v = _qkv(tree.padded_length, grad=False)
+        tree_attention(q, k, v, tree_attention_mask(tree))
+        with pytest.raises(ValueError, match="backend='causal'.*has a tree mask"):
+            tree_attention(q, k, v, tree_attention_mask(tree), backend="causal")
+    assert calls == []
+
+
+def test_chains_with_window_or_sink_keep_the_tree_kernel(monkeypatch):
+    from megatron_tree.core import attention as tree_attn
+
+    monkeypatch.setattr(tree_attn, "_causal_chains", None)  # any call fails
+    tree = pack(_unshared_sequences(), block_size=16)[0]["tree"]
+    q, k, v = _qkv(tree.padded_length, grad=False)
+    masked = build_attention_mask_from_trie(tree)
+    mask = tree_attention_mask(tree)
+    out = tree_attention(q, k, v, mask, softmax_offset=torch.zeros(4, dtype=torch.float64))
+    assert out.shape == (tree.padded_length, 1, 32)
+    windowed = tree_attention(q, k, v, mask, window_size=(3, 0))
+    assert windowed.shape == out.shape and not torch.allclose(windowed, out)
+    with pytest.raises(ValueError, match="has a window or sink"):
+        tree_attention(q, k, v, mask, backend="causal", window_size=(3, 0))
+    assert (tree_attention(q, k, v, masked, backend="sdpa") - out).abs().max() > 0  # sink moved it
+
+
+def test_flex_recompile_limit_raises_instead_of_running_eagerly():
+    """Past torch's recompile limit the compiled flex raises (torch would otherwise warn and run
+    FlexAttention eagerly, materializing the score matrix). New head dims force new graphs."""
+    import torch._dynamo
+
+    from megatron_tree.core import attention as tree_attn
+
+    torch._dynamo.reset()
+    tree_attn._COMPILED_FLEX = None
+    tree = _tree()
+    mask = tree_attention_mask(tree)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            q, k, v = (t.float() for t in _qkv(tree.padded_length, dim=8, grad=False))
+            tree_attention(q, k, v, mask, backend="flex", block_size=16, compile_flex=True)
+            q, k, v = (t.float() for t in _qkv(tree.padded_length, dim=16, grad=False))
+            with pytest.raises(tree_attn.FlexRecompileError, match="recompile_limit=1"):
+                tree_attention(q, k, v, mask, backend="flex", block_size=16, compile_flex=True)
+    finally:
+        torch._dynamo.reset()
+        tree_attn._COMPILED_FLEX = None

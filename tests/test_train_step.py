@@ -52,14 +52,20 @@ def _config(recompute: str = "none", **overrides):
     )
 
 
-def _build(kind: str, critic: bool, recompute: str = "none", state: dict | None = None):
+def _build(
+    kind: str,
+    critic: bool,
+    recompute: str = "none",
+    state: dict | None = None,
+    backend: str = "block_sparse",
+):
     """kind: "tree" (tree attention + depth RoPE) or "reference" (stock GPTModel)."""
     model = build_gpt_model(
         _config(recompute),
         tree=kind == "tree",
         vocab_size=VOCAB,
         critic=critic,
-        backend="block_sparse",
+        backend=backend,
         block_size=16,
     )
     if state is not None:
@@ -123,6 +129,28 @@ def test_step_equals_unpacked_step(world, critic, recompute):
     got_loss, want_loss, got, want = _compare_tree_to_reference(critic, recompute)
     assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
     _assert_grads_close(got, want)
+
+
+def test_unshared_micro_batches_run_causal_attention_and_equal_unpacked(world, caplog):
+    """With backend "auto", micro-batches whose sequences share nothing run the dense causal
+    kernel (counted in the step's log line), the others a tree kernel; the step equals the
+    unpacked one either way."""
+    g = torch.Generator().manual_seed(3)
+    unshared = [
+        torch.cat([torch.tensor([100 + i]), torch.randint(1, 90, (n,), generator=g)])
+        for i, n in enumerate((20, 9, 27, 14))
+    ]
+    batch = _batch(branching_sequences() + unshared)
+    reference = _build("reference", critic=False)
+    want_loss = _reference_step(reference, batch, critic=False)
+    tree = _build("tree", False, state=reference.state_dict(), backend="auto")
+    with caplog.at_level("INFO", logger="megatron_tree.mcore.step"):
+        result = _tree_step(tree, batch, critic=False)
+    chains = [mb["rows"].chains for mb in result.packed]
+    assert any(c is None for c in chains) and any(c for c in chains)
+    assert f"causal_micro_batches={sum(c is not None for c in chains)}" in caplog.text
+    assert float(result.loss) == pytest.approx(float(want_loss), rel=LOSS_RTOL)
+    _assert_grads_close(parameter_grads(tree), parameter_grads(reference))
 
 
 def test_sequence_normalization_and_forward_only(world):

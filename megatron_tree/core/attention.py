@@ -20,7 +20,16 @@ Backends:
   backward on CPU. No dropout.
 * ``"block_sparse"``: computes only the (query block, key block) tiles that hold an allowed pair,
   as one batched SDPA per group of query blocks. CPU and GPU, forward and backward, dropout.
-* ``"auto"``: ``"flex"`` on CUDA without dropout, otherwise ``"block_sparse"``.
+* ``"causal"``: for a micro-batch whose sequences share nothing (each a chain; its plan's
+  ``chains``, see :func:`~megatron_tree.core.mask.tree_attention_mask`): torch SDPA with
+  ``is_causal=True`` on each sequence (FlashAttention on CUDA), no mask at all; padding positions
+  see only themselves. Refused for any other mask, a depth window or a sink.
+* ``"auto"``: ``"causal"`` for a chains-only micro-batch (without window or sink), else ``"flex"``
+  on CUDA without dropout, otherwise ``"block_sparse"``. So tree training is never slower than the
+  baseline's kernel when nothing is shared.
+
+The compiled ``flex`` path never falls back to torch's eager FlexAttention (which materializes the
+whole score matrix): past torch's recompile limit it raises :class:`FlexRecompileError`.
 
 Every backend takes a sliding window over depth (``window_size``, Megatron's ``(left, 0)``: a query
 sees its ancestors at most ``left`` levels up, see :func:`~megatron_tree.core.mask.allowed`) and an
@@ -39,23 +48,61 @@ import torch.nn.functional as F
 
 from .mask import TreeMask, TreeMaskPlan, depth_window, encoding_from_dense
 
-BACKENDS = ("auto", "sdpa", "flex", "block_sparse")
+BACKENDS = ("auto", "sdpa", "flex", "block_sparse", "causal")
 
 _COMPILED_FLEX = None
+
+
+class FlexRecompileError(RuntimeError):
+    """The compiled FlexAttention hit torch's recompile limit, where torch would otherwise run it
+    eagerly (materializing the full [N, N] score matrix) with only a warning."""
 
 
 def compiled_flex_attention():
     """torch.compile'd ``flex_attention`` with dynamic shapes, built once per process.
 
     ``dynamic=True`` makes the packed length symbolic, so trees of new lengths reuse the graph
-    instead of compiling one per length (and hitting the recompile limit).
+    instead of compiling one per length. ``fullgraph=True`` turns torch's silent eager fallback
+    past the recompile limit into an error (see :func:`_run_compiled_flex`).
     """
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True, fullgraph=True)
     return _COMPILED_FLEX
+
+
+def _run_compiled_flex(*args, **kwargs):
+    """Call the compiled flex; a recompile-limit hit raises :class:`FlexRecompileError`."""
+    import torch._dynamo
+
+    config, exc_types = torch._dynamo.config, torch._dynamo.exc
+    # Older torch honours only the config flag (fullgraph alone may still fall back); its name
+    # before torch 2.6 was fail_on_cache_limit_hit.
+    flag = next(
+        name
+        for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
+        if hasattr(config, name)
+    )
+    limit_hit = tuple(
+        getattr(exc_types, name)
+        for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+        if hasattr(exc_types, name)
+    )
+    try:
+        with config.patch(**{flag: True}):
+            return compiled_flex_attention()(*args, **kwargs)
+    except limit_hit as exc:
+        limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
+        raise FlexRecompileError(
+            f"the compiled FlexAttention was recompiled more than torch._dynamo.config."
+            f"recompile_limit={limit} times (each new dtype, head count or size, GQA ratio, block "
+            "size, depth window or sink compiles a graph of its own; packed lengths do not). Past "
+            "the limit torch would run FlexAttention eagerly, materializing the full score "
+            "matrix. Raise torch._dynamo.config.recompile_limit to the number of attention "
+            "variants your model has, or run `TORCH_LOGS=recompiles` to see what recompiles"
+        ) from exc
 
 
 def _dense_form(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
@@ -145,7 +192,7 @@ def tree_attention(
         dropout_p: attention-probability dropout (already 0 when not training).
         block_size: tile size of the ``flex`` and ``block_sparse`` backends.
         compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA
-        only.
+            only. ``False`` on CUDA is refused (torch's eager flex materializes the score matrix).
         window_size: Megatron's sliding window ``(left, 0)`` over depth (see the module docstring),
             or None; ``(-1, 0)`` is no window.
         softmax_offset: float [np], the sink logit of each query head (zeros for Megatron's
@@ -176,8 +223,23 @@ def tree_attention(
     if mask_rows not in (1, b):
         raise ValueError(f"attention_mask has {mask_rows} rows for a micro-batch of {b} rows")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    chains = None if plan is None else plan.chains
     if backend == "auto":
-        backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
+        if chains is not None and window is None and softmax_offset is None:
+            backend = "causal"
+        else:
+            backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
+    if backend == "causal" and (chains is None or window is not None or softmax_offset is not None):
+        raise ValueError(
+            "backend='causal' runs a micro-batch whose sequences share nothing, without a depth "
+            "window or sink; this one "
+            + (
+                "has a tree mask (or a mask without its plan: pass tree_attention_mask(tree))"
+                if chains is None
+                else "has a window or sink"
+            )
+            + ": use backend='auto'"
+        )
     if backend == "flex" and dropout_p > 0.0:
         raise ValueError(
             "the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'"
@@ -192,7 +254,9 @@ def tree_attention(
     attend = dict(
         scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset
     )
-    if backend == "sdpa":
+    if backend == "causal":
+        out = _causal_chains(q, k, v, chains, scale=scale, dropout_p=dropout_p, gqa=attend["gqa"])
+    elif backend == "sdpa":
         keep = (~dense).unsqueeze(1) if plan is None else plan.dense_allowed(window)
         out = _attend(q, k, v, keep, **attend)
     elif backend == "flex":
@@ -248,6 +312,30 @@ def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
     return out.reshape(*lead, heads, nq, v.shape[-1])
 
 
+def _causal_chains(q, k, v, chains, *, scale, dropout_p, gqa) -> torch.Tensor:
+    """Causal attention on each chain. q [b, np, N, hn], k [b, ng, N, hn], v [b, ng, N, hv],
+    ``chains`` the lengths of the runs of positions, padding after them -> [b, np, N, hv]."""
+    outs, start = [], 0
+    for length in chains:
+        part = slice(start, start + length)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, part],
+                k[:, :, part],
+                v[:, :, part],
+                dropout_p=dropout_p,
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+        start += length
+    if start < q.shape[2]:  # padding: each position sees itself only, so its output is its value
+        pad = v[:, :, start:]
+        outs.append(pad.repeat_interleave(q.shape[1] // v.shape[1], dim=1) if gqa else pad)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 def _flex(
     q, k, v, plan: TreeMaskPlan, *, scale, gqa, block_size, compile_flex, window, sink
 ) -> torch.Tensor:
@@ -269,12 +357,13 @@ def _flex(
     q = F.pad(q, (0, 0, 0, padded_q - sq)) if padded_q != sq else q
     if padded_k != sk:
         k, v = (F.pad(t, (0, 0, 0, padded_k - sk)) for t in (k, v))
+    if q.is_cuda and not compile_flex:
+        raise ValueError(
+            "compile_flex=False on CUDA would run torch's eager FlexAttention, which materializes "
+            "the full score matrix; leave compile_flex=None (compiled on CUDA)"
+        )
     # torch 2.13 compiles flex on CPU for inference without the LSE: a sink runs eagerly there.
-    fn = (
-        compiled_flex_attention()
-        if compile_flex and (sink is None or q.is_cuda)
-        else flex_attention
-    )
+    fn = _run_compiled_flex if compile_flex and (sink is None or q.is_cuda) else flex_attention
     if sink is None:
         return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
     out, aux = fn(

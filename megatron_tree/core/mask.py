@@ -25,13 +25,16 @@ B tile (block) size, nb = N / B, M key blocks a query block sees.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .rows import KeyValueStore, TreeRows
+from .rows import KeyValueStore, TreeRows, chain_lengths
 from .tree import PackedTree
+
+logger = logging.getLogger(__name__)
 
 PLAN_GROUPS = 4  # block-sparse plan: query blocks grouped by how many key blocks they see
 
@@ -429,6 +432,9 @@ class TreeMaskPlan:
             values through :meth:`keys_values`.
         store: the trunk group's :class:`~megatron_tree.core.rows.KeyValueStore` (a trunk-reuse
             part records its keys there, or extends the ones recorded).
+        chains: host ints, the lengths of the chains of a tree whose sequences share nothing
+            (:attr:`~megatron_tree.core.rows.TreeRows.chains`): its attention is causal within
+            each chain, so ``"auto"`` runs the dense causal kernel instead of a tree kernel.
     """
 
     def __init__(
@@ -437,10 +443,20 @@ class TreeMaskPlan:
         rows: TreeRows | None = None,
         *,
         store: KeyValueStore | None = None,
+        chains: tuple[int, ...] | None = None,
     ):
+        if chains is not None and (
+            rows is not None or subtree_end.shape[0] != 1 or sum(chains) > subtree_end.shape[-1]
+        ):
+            raise ValueError(
+                f"chains={chains} describe a whole tree of at least {sum(chains)} positions, got "
+                f"an encoding of shape {tuple(subtree_end.shape)}"
+                + (" for some rows of a tree" if rows is not None else "")
+            )
         self.subtree_end = subtree_end
         self.rows = rows
         self.store = store
+        self.chains = chains
         queries = None if rows is None else rows.encoding()[1]
         self._queries = None if queries is None else queries.to(subtree_end.device)
         self._forms: dict[Any, Any] = {}
@@ -584,6 +600,10 @@ def tree_attention_mask(
     layers; the depths a window needs come from ``subtree_end`` itself, :func:`tree_depth`). A plain
     ``subtree_end`` tensor works too, but then each layer derives its own.
 
+    A whole tree whose sequences share no token (its :attr:`~.rows.TreeRows.chains`, read at
+    packing; from a bare :class:`PackedTree`, read here) carries them in its plan, and the
+    ``"auto"`` backend then runs plain causal attention per sequence (logged at debug level).
+
     Args:
         tree: the micro-batch's :class:`PackedTree` (or its ``subtree_end``), or its
             :class:`~megatron_tree.core.rows.TreeRows` (``micro_batch["rows"]``).
@@ -594,10 +614,13 @@ def tree_attention_mask(
         store: a trunk-reuse part's :class:`~megatron_tree.core.rows.KeyValueStore` (one per
             trunk group and step).
     """
+    chains = None
     if isinstance(tree, TreeRows):
         tree, rows = tree.tree, tree if rows is None else rows
     if rows is not None and rows.is_whole:
-        rows = None
+        rows, chains = None, rows.chains
+    elif rows is None and isinstance(tree, PackedTree):
+        chains = chain_lengths(tree)
     if rows is not None:
         if rows.tree.padded_length != _subtree_end_of(tree).shape[-1]:
             raise ValueError(
@@ -617,4 +640,11 @@ def tree_attention_mask(
         raise ValueError(
             f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}"
         )
-    return TreeMask(subtree_end)
+    if chains is not None:
+        logger.debug(
+            "micro-batch of %d unshared sequences (%d positions): dense causal attention",
+            len(chains),
+            subtree_end.shape[-1],
+        )
+    plan = TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]), chains=chains)
+    return TreeMask(subtree_end, plan)

@@ -65,6 +65,9 @@ class TreeRows:
         pair_offsets: n + 1 host ints, entry r the tree's predicted (non-root) nodes whose parent
             is one of the first r rows (the log-prob gather's chunk bounds without a device read);
             empty when not computed.
+        chains: host ints, when the rows are a whole tree whose sequences share no token: the
+            sequences' lengths in packed order (each a chain, so its attention is plain causal
+            attention; the positions after them are padding). None otherwise.
     """
 
     tree: PackedTree
@@ -82,6 +85,7 @@ class TreeRows:
     num_parts: int = 1
     group_tokens: torch.Tensor | None = None
     pair_offsets: tuple[int, ...] = ()
+    chains: tuple[int, ...] | None = None
 
     @classmethod
     def whole(cls, tree: PackedTree) -> TreeRows:
@@ -90,7 +94,12 @@ class TreeRows:
         reach = int(tree.position_ids.max()) + 1 if n else 1
         positions = torch.arange(n, device=tree.input_ids.device)
         return cls(
-            tree, positions, tree.num_tree_tokens, reach, pair_offsets=pair_offsets(tree, positions)
+            tree,
+            positions,
+            tree.num_tree_tokens,
+            reach,
+            pair_offsets=pair_offsets(tree, positions),
+            chains=chain_lengths(tree),
         )
 
     # -- shape ---------------------------------------------------------------------------------
@@ -208,6 +217,7 @@ class TreeRows:
             num_real=int((mine < self.tree.num_tree_tokens).sum()),
             reach=int(depth.max()) + 1 if len(mine) else 1,
             pair_offsets=pair_offsets(self.tree, mine),
+            chains=None,  # a CP rank's rows attend to other ranks' keys: the tree kernel
         )
 
     def to(self, device, tree: PackedTree | None = None) -> TreeRows:
@@ -265,6 +275,19 @@ def _local_index(num_positions: int, positions: torch.Tensor) -> torch.Tensor:
     index = torch.full((num_positions,), -1, dtype=torch.int64, device=positions.device)
     index[positions] = torch.arange(positions.shape[0], device=positions.device)
     return index
+
+
+def chain_lengths(tree: PackedTree) -> tuple[int, ...] | None:
+    """The sequences' lengths in packed order when ``tree`` shares no token between them, else
+    None (host ints; one device read, and only for such trees).
+
+    A position with two children, or one that ends a sequence and continues another, lies in two
+    sequences, so the tree has fewer unique tokens than sequence tokens; with as many, every
+    sequence is a chain of its own, laid out contiguously in tree order.
+    """
+    if tree.num_tree_tokens != tree.num_sequence_tokens:
+        return None
+    return tuple(length for length in tree.sequence_lengths.tolist() if length)
 
 
 def pair_offsets(tree: PackedTree, positions: torch.Tensor) -> tuple[int, ...]:

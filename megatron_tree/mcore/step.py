@@ -108,6 +108,12 @@ class TreeStepResult:
         trunks = [p.num_real for p in parts if p.is_trunk]
         return f" trunks={len(trunks)} (tokens {sum(trunks)}) branches={len(parts) - len(trunks)}"
 
+    def _kernel_summary(self) -> str:
+        """How many micro-batches share nothing (each sequence a chain): their attention runs the
+        dense causal kernel rather than a tree kernel (see :mod:`megatron_tree.core.attention`)."""
+        chains = sum(mb["rows"].chains is not None for mb in self.packed)
+        return f" causal_micro_batches={chains}" if chains else ""
+
     def log_line(self) -> str:
         p = self.packed
         times = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in self.seconds.items())
@@ -116,7 +122,8 @@ class TreeStepResult:
             f"tree step: loss={loss} sequences={p.batch_size} trees={len(p)} (dummy "
             f"{p.num_dummy_trees}) tokens real={p.num_real_tokens} tree={p.num_tree_tokens} "
             f"padded={p.num_padded_tokens} "
-            f"tree_token_ratio={p.tree_token_ratio:.4f}{self._trunk_summary()} {times}"
+            f"tree_token_ratio={p.tree_token_ratio:.4f}{self._trunk_summary()}"
+            f"{self._kernel_summary()} {times}"
             + (
                 ""
                 if self.expert_tokens is None
