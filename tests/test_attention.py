@@ -384,3 +384,29 @@ def test_flex_recompile_limit_raises_instead_of_running_eagerly():
     finally:
         torch._dynamo.reset()
         tree_attn._COMPILED_FLEX = None
+
+
+def test_flex_kernel_choice(monkeypatch):
+    """FA4 only where it can run, each refusal named; the override is validated; CPU is Triton."""
+    import importlib.util
+
+    from megatron_tree.core import attention as tree_attn
+
+    q = torch.zeros(1, 2, 4, 8)
+    monkeypatch.setenv(tree_attn.FLEX_BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="MEGATRON_TREE_FLEX_BACKEND='fast'"):
+        tree_attn.flex_kernel_options(q, q, block_size=128, sink=False)
+    monkeypatch.setenv(tree_attn.FLEX_BACKEND_ENV, "flash")
+    assert tree_attn.flex_kernel_options(q, q, block_size=128, sink=False) is None  # CPU
+
+    tree_attn._fa4_unusable.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "not installed" in tree_attn._fa4_unusable(9, 128, 128, 128, False)
+    tree_attn._fa4_unusable.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert tree_attn._fa4_unusable(9, 128, 128, 128, False) == ""
+    assert "compute capability 8" in tree_attn._fa4_unusable(8, 128, 128, 128, False)
+    assert "head dims 192 / 128" in tree_attn._fa4_unusable(9, 192, 128, 128, False)
+    assert "block_size=64" in tree_attn._fa4_unusable(10, 64, 64, 64, False)
+    assert "sink" in tree_attn._fa4_unusable(9, 64, 64, 128, True)
+    tree_attn._fa4_unusable.cache_clear()

@@ -28,6 +28,13 @@ Backends:
   on CUDA without dropout, otherwise ``"block_sparse"``. So tree training is never slower than the
   baseline's kernel when nothing is shared.
 
+On CUDA, ``flex`` uses FlexAttention's FlashAttention-4 backend (``BACKEND="FLASH"``) where the
+``flash-attn-4`` package (``flash_attn.cute``) is installed, on Hopper or Blackwell, with 128 x 128
+tiles (``block_size=128``, the tile FA4 needs on Hopper for head dims <= 128; the block mask
+carries its full-block lists, which FA4 needs) and no sink; otherwise its Triton kernel. The
+environment variable ``MEGATRON_TREE_FLEX_BACKEND`` (``auto``, ``triton``, ``flash``) overrides;
+``flash`` where FA4 cannot run raises. The choice is logged once per process and variant.
+
 The compiled ``flex`` path never falls back to torch's eager FlexAttention (which materializes the
 whole score matrix): past torch's recompile limit it raises :class:`FlexRecompileError`.
 
@@ -41,7 +48,11 @@ the sink column (SDPA has no sink); ``flex`` rescales its output by ``sigmoid(ls
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +60,9 @@ import torch.nn.functional as F
 from .mask import TreeMask, TreeMaskPlan, depth_window, encoding_from_dense
 
 BACKENDS = ("auto", "sdpa", "flex", "block_sparse", "causal")
+FLEX_BACKEND_ENV = "MEGATRON_TREE_FLEX_BACKEND"
+
+logger = logging.getLogger(__name__)
 
 _COMPILED_FLEX = None
 
@@ -312,6 +326,48 @@ def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
     return out.reshape(*lead, heads, nq, v.shape[-1])
 
 
+def flex_kernel_options(q, v, *, block_size: int, sink: bool) -> dict | None:
+    """FlexAttention ``kernel_options`` for these inputs: FA4 (``{"BACKEND": "FLASH"}``) where it
+    can run (see the module docstring), None (Triton) otherwise."""
+    choice = os.environ.get(FLEX_BACKEND_ENV, "auto").lower()
+    if choice not in ("auto", "triton", "flash"):
+        raise ValueError(f"{FLEX_BACKEND_ENV}={choice!r}: use auto, triton or flash")
+    if choice == "triton" or not q.is_cuda:
+        return None
+    why_not = _fa4_unusable(
+        torch.cuda.get_device_capability(q.device)[0], q.shape[-1], v.shape[-1], block_size, sink
+    )
+    if why_not and choice == "flash":
+        raise ValueError(f"{FLEX_BACKEND_ENV}=flash, but FlashAttention-4 cannot run: {why_not}")
+    _log_flex_choice("Triton" if why_not else "FlashAttention-4", why_not)
+    return None if why_not else {"BACKEND": "FLASH"}
+
+
+@functools.cache
+def _fa4_unusable(major: int, head_dim: int, value_dim: int, block_size: int, sink: bool) -> str:
+    """Why FA4 cannot run these inputs ('' when it can)."""
+    try:
+        installed = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:
+        installed = False
+    if not installed:
+        return "flash-attn-4 (flash_attn.cute) is not installed"
+    if major not in (9, 10):
+        return f"compute capability {major}.x (FA4 runs on Hopper 9.x and Blackwell 10.x)"
+    if head_dim != value_dim or head_dim > 128:
+        return f"head dims {head_dim} / {value_dim} (equal and <= 128 wanted)"
+    if block_size != 128:
+        return f"block_size={block_size} (FA4's Hopper tile is 128)"
+    if sink:
+        return "an attention sink (its LSE rescaling is checked on Triton only)"
+    return ""
+
+
+@functools.cache
+def _log_flex_choice(kernel: str, why_not: str) -> None:
+    logger.info("flex attention kernel: %s%s", kernel, f" ({why_not})" if why_not else "")
+
+
 def _causal_chains(q, k, v, chains, *, scale, dropout_p, gqa) -> torch.Tensor:
     """Causal attention on each chain. q [b, np, N, hn], k [b, ng, N, hn], v [b, ng, N, hv],
     ``chains`` the lengths of the runs of positions, padding after them -> [b, np, N, hv]."""
@@ -364,11 +420,11 @@ def _flex(
         )
     # torch 2.13 compiles flex on CPU for inference without the LSE: a sink runs eagerly there.
     fn = _run_compiled_flex if compile_flex and (sink is None or q.is_cuda) else flex_attention
+    options = flex_kernel_options(q, v, block_size=block_size, sink=sink is not None)
+    call = dict(block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=options)
     if sink is None:
-        return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)[:, :, :sq]
-    out, aux = fn(
-        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
-    )
+        return fn(q, k, v, **call)[:, :, :sq]
+    out, aux = fn(q, k, v, **call, return_aux=AuxRequest(lse=True))
     # With a sink logit o per head: out' = out * e^lse / (e^lse + e^o) = out * sigmoid(lse - o).
     lse = aux.lse.to(torch.promote_types(aux.lse.dtype, torch.float32))
     rescale = torch.sigmoid(lse - sink.to(lse.dtype)[None, :, None])  # [1, np, padded nq]
