@@ -5,7 +5,14 @@
   in fp32 with flex;
 * the flex kernel forward and backward against an fp64 brute force;
 * packed-vs-unpacked parameter gradients of a ``TreeGPTModel`` with flex, with and without
-recompute.
+  recompute;
+* flex with a depth window and an attention sink against block_sparse;
+* the training step in bf16 with flex on a small ``TreeGPTModel``: trunk reuse, and the
+  context-parallel code path on one rank, against the fp32 unpacked reference (log-probs within
+  ``BF16_FACTOR`` of the same model's error on each sequence alone in bf16).
+
+Flex runs with 128-token tiles throughout: on an H100/H200 the Triton kernels' default tiles are
+64-128 queries by 64-128 keys, and a BlockMask tile that is not a multiple of them is rejected.
 
 Each test records its measured ``value`` and its ``bar`` with ``record_property`` (the runner prints
 them from the junit XML).
@@ -52,12 +59,17 @@ BACKENDS = ("flex", "block_sparse", "sdpa")
 @pytest.fixture(scope="module", autouse=True)
 def world(tmp_path_factory):
     """A 1-process NCCL world (file rendezvous, no TCP port) and Megatron parallel_state at TP=1."""
+    import torch._dynamo
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    # The module compiles flex for many (dtype, head dim, GQA, mask_mod, sink) variants, more than
+    # dynamo's default of 8 recompilations of one function, past which it would run flex eagerly.
+    dynamo = torch._dynamo.config
+    saved_limit, dynamo.recompile_limit = dynamo.recompile_limit, max(dynamo.recompile_limit, 64)
     torch.cuda.set_device(DEV)
     # In a full-suite run an earlier module (single_process_world) may have left its gloo world.
     if parallel_state.model_parallel_is_initialized():
@@ -71,6 +83,7 @@ def world(tmp_path_factory):
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    dynamo.recompile_limit = saved_limit
 
 
 def _cpu(logprobs: dict) -> dict:
@@ -234,10 +247,12 @@ def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
 def test_flex_window_sink_vs_block_sparse(case, record_property):
     """Compiled flex on CUDA with a depth window (7, 0) and a learnable sink, forward and backward
     (the sink's gradient included), against block_sparse (exact tiles, fp32) on the same GPU; the
-    second case runs one context-parallel rank's query rows against the whole tree's keys."""
+    second case runs one context-parallel rank's query rows against the whole tree's keys. Three
+    branching tries in one tree (432 tokens, 4 tiles of 128)."""
     from megatron_tree.core.context_parallel import context_parallel_split
 
-    tree = pack(branching_sequences(), block_size=16)[0]["tree"].to(DEV)
+    seqs = branching_sequences() + branching_sequences(seed=1) + branching_sequences(seed=2)
+    tree = pack(seqs, block_size=16)[0]["tree"].to(DEV)
     n = tree.padded_length
     g = torch.Generator(device=DEV).manual_seed(1)
     q, k, v = (torch.randn(n, 1, h, 32, generator=g, device=DEV) for h in (4, 2, 2))
@@ -256,7 +271,7 @@ def test_flex_window_sink_vs_block_sparse(case, record_property):
             leaves[2],
             tree_attention_mask(tree, split),
             backend=backend,
-            block_size=16,
+            block_size=128,
             window_size=(7, 0),
             softmax_offset=leaves[3],
         )
@@ -267,3 +282,129 @@ def test_flex_window_sink_vs_block_sparse(case, record_property):
     record_property("value", f"{err:.3e} (N={n})")
     record_property("bar", f"<= {GPU_FP32_KERNEL_TOL:g}")
     assert err <= GPU_FP32_KERNEL_TOL, err
+
+
+# --------------------------------------------------------------------- the bf16 training step
+
+STEP_CAPACITY = 64  # tokens per micro-batch: trunk_sequences' prompt groups are larger (trunks)
+STEP_TILE = 128  # flex tile (see the module docstring); the packing aligns to 16 as on the CPU
+
+
+def _step_config(bf16: bool):
+    """A small GPT (3 layers, hidden 128, 4 heads in 2 groups: head dim 32, for the Triton tiles),
+    in fp32 or in bf16 parameters."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return small_gpt_config(
+        num_layers=3,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        gated_linear_unit=False,
+        add_qkv_bias=True,
+        init_method_std=0.15,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+    )
+
+
+def _step_loss(outputs, mb):
+    from megatron_tree.core.losses import ppo_clipped_loss
+
+    return ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)
+
+
+def _split_one_rank(packed):
+    """Every micro-batch as the rows of context-parallel rank 0 of 1 (the world's one process):
+    the CP code path (keys all-gathered over the group, outputs summed over it, the flex mask over
+    query positions) with one rank. The step takes CP only from a model with CP > 1, so the split
+    is done here, as ``tree_forward_backward`` does it for CP > 1."""
+    import torch.distributed as dist
+
+    from megatron_tree.core.batch import PackedTreeBatch, micro_batch
+    from megatron_tree.core.context_parallel import context_parallel_split
+
+    split = []
+    for mb in packed:
+        rows = context_parallel_split(mb["rows"], 1, 0, dist.group.WORLD)
+        new = micro_batch(mb["tree"], rows)
+        assert not new["rows"].is_whole and new["rows"].cp_size == 1
+        new.update({k: v for k, v in mb.items() if k not in new})
+        split.append(new)
+    return PackedTreeBatch(
+        split,
+        packed.batch_size,
+        packed.num_real_tokens,
+        packed.max_token_id,
+        cost_model=packed.cost_model,
+    )
+
+
+@pytest.mark.parametrize("layout", ["trunk reuse", "cp=1"])
+def test_bf16_step_vs_unpacked(layout, record_property):
+    """One training step of a bf16 ``TreeGPTModel`` (flex) on ``trunk_sequences`` in 64-token
+    micro-batches, with trunk reuse (trunk parts record their keys, branches extend them) or through
+    the context-parallel path on one rank (no trunks), against the stock GPTModel in fp32 on every
+    sequence alone (log-probs from a float64 log-softmax). The bar: the same bf16 tree model run on
+    each sequence alone (a one-sequence chain) errs by some amount against that reference; the step
+    may err by at most ``BF16_FACTOR`` times it. Gradients are recorded (relative to the fp32
+    reference's), not gated: bf16 has no bar for them yet."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.core.heads import LogProbs
+    from megatron_tree.core.packing import build_packed_tree_batch
+    from megatron_tree.mcore.step import tree_forward_backward
+    from megatron_tree.testing.models import build_gpt_model, trunk_sequences
+    from megatron_tree.testing.reference import (
+        gradient_errors,
+        parameter_grads,
+        unpacked_reference_step,
+    )
+    from megatron_tree.testing.synthetic import rl_batch
+
+    seqs = trunk_sequences()
+    batch = rl_batch(seqs, response_start=5)
+    lengths = [len(s) for s in seqs]
+
+    reference = build_gpt_model(_step_config(False), tree=False, vocab_size=VOCAB).to(DEV).train()
+    want_outputs: dict = {}
+    unpacked_reference_step(reference, batch, _step_loss, outputs=want_outputs)
+    want = {i: want_outputs[i]["logprobs"][: n - 1].float().cpu() for i, n in enumerate(lengths)}
+    want_grads = parameter_grads(reference, require_all=True)
+
+    model = build_gpt_model(
+        _step_config(True), tree=True, vocab_size=VOCAB, backend="flex", block_size=STEP_TILE
+    )
+    model.load_state_dict(reference.state_dict())  # fp32 weights rounded to bf16
+    model = model.to(DEV).train()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        alone = max_err(_cpu(_unpacked_logprobs(model, seqs, chain=True)), want)
+
+    packed = build_packed_tree_batch(
+        batch,
+        max_tokens_per_mb=STEP_CAPACITY,
+        block_size=16,
+        pad_to_max=False,
+        share_trunks=layout == "trunk reuse",
+    )
+    if layout == "trunk reuse":
+        assert any(mb["rows"].records for mb in packed), "no trunk part: the test lost its point"
+    else:
+        packed = _split_one_rank(packed)
+    result = tree_forward_backward(
+        model,
+        packed,
+        _step_loss,
+        gather=LogProbs(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        collect_outputs=True,
+    )
+    merged = result.merged_outputs(max_seq_len=batch["input_ids"].shape[1])["logprobs"]
+    got = {i: merged[i, : n - 1] for i, n in enumerate(lengths)}
+    err = max_err(_cpu(got), want)
+    grad_err = gradient_errors(parameter_grads(model, require_all=True), want_grads)
+    worst = max(grad_err, key=grad_err.get)
+    record_property("value", f"{err:.3e} (grads not gated: max rel {grad_err[worst]:.2e}, {worst})")
+    record_property("bar", f"<= {BF16_FACTOR:g}x unpacked bf16 {alone:.3e}")
+    assert all(torch.isfinite(g).all() for g in parameter_grads(model).values())
+    assert err <= BF16_FACTOR * alone, (err, alone)
