@@ -31,6 +31,11 @@ SDPA flash|>= 50%|PASS``; the bar is ``--bar`` (0.5: at least half of flash atte
 throughput per useful pair). The exit status is non-zero when a length fails with an error (its
 row then says FAIL with the error), not when a ratio misses the bar (the row says so).
 
+A last row checks the kernel choice when nothing is shared: one micro-batch of unshared sequences
+(``--chains`` of them, lengths +-40% around the mean, the largest length in all) timed with
+``backend="auto"`` (which runs the dense causal kernel on each sequence for such a micro-batch)
+against the tree kernel (``--backend``) on the same inputs; the bar is that auto is not slower.
+
 ``--small``: the same code path on the CPU in seconds: lengths 256 and 512, fp32, 4 query heads in
 2 groups of dimension 32, ``backend="block_sparse"`` (torch has no FlexAttention backward on the
 CPU) with 64-token tiles, and SDPA's math backend as the baseline.
@@ -70,8 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", help="append check|value|bar|result lines to this file")
     p.add_argument("--small", action="store_true", help="CPU smoke run (fp32, block_sparse)")
+    p.add_argument("--chains", type=int, default=32, help="sequences of the chains-only row")
     args = p.parse_args(argv)
     if args.small:
+        args.chains = min(args.chains, 4)
         args.lengths = args.lengths or [256, 512]
         args.heads, args.groups, args.head_dim = 4, 2, 32
         args.block_size, args.backend, args.warmup, args.reps = 64, "block_sparse", 1, 3
@@ -117,6 +124,39 @@ def grpo_tree(length: int, seed: int, vocab: int = 32000):
             f"expected one tree of {length} tokens, got {[t.num_tree_tokens for t in packed.trees]}"
         )
     return packed.trees[0]
+
+
+def chains_tree(length: int, num_sequences: int, seed: int, vocab: int = 32000):
+    """One packed micro-batch of ``num_sequences`` sequences sharing no token (distinct first
+    tokens), ``length`` tokens in all, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    draws = 0.6 + 0.8 * torch.rand(num_sequences, generator=g, dtype=torch.float64)
+    lengths = (draws * length / draws.sum()).floor().to(torch.int64).clamp(min=2)
+    lengths[-1] += length - int(lengths.sum())
+    firsts = torch.randperm(vocab - 1, generator=g)[:num_sequences] + 1
+    seqs = [
+        torch.cat([firsts[i : i + 1], torch.randint(1, vocab, (n - 1,), generator=g)])
+        for i, n in enumerate(lengths.tolist())
+    ]
+    packed = build_packed_tree_batch(
+        pad_sequences(seqs), max_tokens_per_mb=length, block_size=128, pad_to_max=False
+    )
+    if len(packed) != 1 or packed[0]["rows"].chains is None:
+        raise RuntimeError("expected one micro-batch of unshared sequences")
+    return packed.trees[0]
+
+
+def bench_chains(length: int, args) -> dict:
+    """ms of forward + backward with backend "auto" (causal per sequence) and with the tree
+    kernel, on one chains-only micro-batch."""
+    tree = chains_tree(length, args.chains, args.seed + 1).to(args.device)
+    mask = tree_attention_mask(tree)
+    g = torch.Generator(device=args.device).manual_seed(args.seed)
+    ms = {}
+    for backend in ("auto", args.backend):
+        run = argparse.Namespace(**{**vars(args), "backend": backend})
+        ms[backend] = _time_tree(tree, mask, run, g)[1]
+    return ms
 
 
 def visible_pairs(tree) -> int:
@@ -285,6 +325,22 @@ def main(argv=None) -> int:
             f"{check}|{r['tree_tflops']:.3g} TFLOP/s = {r['ratio']:.0%} of causal SDPA "
             f"{sdpa_name}|>= {args.bar:.0%}|{'PASS' if ok else 'FAIL'}"
         )
+    length = max(args.lengths)
+    check = f"chains-only {_label(length)} ({args.chains} sequences): auto vs {args.backend}"
+    try:
+        ms = bench_chains(length, args)
+        speed = ms[args.backend] / ms["auto"]
+        print(
+            f"{check}: {ms['auto']:.2f} ms (causal per sequence) vs {ms[args.backend]:.2f} ms "
+            f"(tree kernel), {speed:.2f}x",
+            flush=True,
+        )
+        rows.append(f"{check}|{speed:.2f}x|>= 1.00x|{'PASS' if speed >= 1.0 else 'FAIL'}")
+    except Exception as exc:
+        failed = True
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:120].replace("|", "/")
+        rows.append(f"{check}|error: {message}|>= 1.00x|FAIL")
     if args.rows:
         with open(args.rows, "a") as f:
             f.writelines(row + "\n" for row in rows)
