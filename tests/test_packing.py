@@ -779,8 +779,8 @@ def test_property_tests_draw_the_same_examples_on_every_run():
 
         @settings(max_examples=20)
         @given(st.lists(st.integers(0, 10**9), min_size=3, max_size=3))
-        def prop(values, drawn=drawn):
-            drawn.append(values)
+        def prop(values):
+            drawn.append(values)  # noqa: B023 (prop runs inside this iteration)
 
         prop()
     assert len(runs[0]) == 20 and runs[0] == runs[1]

@@ -238,22 +238,7 @@ def tree_attention(
         raise ValueError(f"attention_mask has {mask_rows} rows for a micro-batch of {b} rows")
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     chains = None if plan is None else plan.chains
-    if backend == "auto":
-        if chains is not None and window is None and softmax_offset is None:
-            backend = "causal"
-        else:
-            backend = "flex" if query.is_cuda and dropout_p == 0.0 else "block_sparse"
-    if backend == "causal" and (chains is None or window is not None or softmax_offset is not None):
-        raise ValueError(
-            "backend='causal' runs a micro-batch whose sequences share nothing, without a depth "
-            "window or sink; this one "
-            + (
-                "has a tree mask (or a mask without its plan: pass tree_attention_mask(tree))"
-                if chains is None
-                else "has a window or sink"
-            )
-            + ": use backend='auto'"
-        )
+    backend = _choose_backend(backend, chains, query.is_cuda, dropout_p, window, softmax_offset)
     if backend == "flex" and dropout_p > 0.0:
         raise ValueError(
             "the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'"
@@ -297,6 +282,27 @@ def tree_attention(
         out = torch.stack(rows)
     # [b, np, N, hv] -> [N, b, np * hv]
     return out.permute(2, 0, 1, 3).reshape(sq, b, num_heads * value_dim)
+
+
+def _choose_backend(backend: str, chains, cuda: bool, dropout_p, window, sink) -> str:
+    """``backend`` with "auto" resolved (see the module docstring); "causal" checked."""
+    plain = chains is not None and window is None and sink is None
+    if backend == "auto":
+        if plain:
+            return "causal"
+        return "flex" if cuda and dropout_p == 0.0 else "block_sparse"
+    if backend == "causal" and not plain:
+        raise ValueError(
+            "backend='causal' runs a micro-batch whose sequences share nothing, without a depth "
+            "window or sink; this one "
+            + (
+                "has a tree mask (or a mask without its plan: pass tree_attention_mask(tree))"
+                if chains is None
+                else "has a window or sink"
+            )
+            + ": use backend='auto'"
+        )
+    return backend
 
 
 def _attend(q, k, v, keep, *, scale, dropout_p, gqa, sink) -> torch.Tensor:
