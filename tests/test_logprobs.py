@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_tree.core import fused_logprobs
+from megatron_tree.core import logprobs as logprobs_module
 from megatron_tree.core.checks import set_debug_checks
 from megatron_tree.core.logprobs import (
     gather_packed_tree_logprobs,
@@ -474,10 +476,10 @@ def _tp_worker(rank: int) -> dict:
     hidden = torch.randn(tree.padded_length, 16, generator=gen, dtype=torch.float64)
     weight = torch.randn(VOCAB, 16, generator=gen, dtype=torch.float64)
 
-    def run(x, group, temperature=0.8):
+    def run(x, group, temperature=0.8, fused=False):
         x = x.clone().requires_grad_()
         lp, ent = gather_packed_tree_logprobs_entropy(
-            x, tree, temperature=temperature, tp_group=group, chunk_size=5
+            x, tree, temperature=temperature, tp_group=group, chunk_size=5, fused=fused
         )
         ((lp.double() * w_lp).sum() + (ent.double() * w_ent).sum()).backward()
         return lp, ent, x.grad
@@ -500,6 +502,11 @@ def _tp_worker(rank: int) -> dict:
             errors[(tp, name, "logprobs")] = (part[0] - full[0]).abs().max().item()
             errors[(tp, name, "entropy")] = (part[1] - full[1]).abs().max().item()
             errors[(tp, name, "grad")] = (part[2] - full[2][:, cols]).abs().max().item()
+            if name == "fp32":  # the compiled kernels on each shard against the eager full vocab
+                part = run(x[:, cols], group, fused=True)
+                for i, quantity in enumerate(("logprobs", "entropy", "grad")):
+                    want = full[i][:, cols] if quantity == "grad" else full[i]
+                    errors[(tp, "fp32-fused", quantity)] = (part[i] - want).abs().max().item()
         vmin, vmax = gather_packed_tree_vocab_stats(logits[:, cols], tree, tp_group=group)
         fmin, fmax = gather_packed_tree_vocab_stats(logits, tree)
         errors[(tp, "fp32", "vocab_stats")] = max(
@@ -523,13 +530,13 @@ def tp_errors():
 
 
 # TP only changes how the per-shard partial sums are merged; vocab stats are exact.
-TP_TOL = {"fp32": FP32_TP_LOGSOFTMAX_TOL, "fp64": FP64_TOL}
+TP_TOL = {"fp32": FP32_TP_LOGSOFTMAX_TOL, "fp32-fused": FP32_TP_LOGSOFTMAX_TOL, "fp64": FP64_TOL}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("quantity", ["logprobs", "entropy", "grad"])
-@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+@pytest.mark.parametrize("precision", ["fp32", "fp32-fused", "fp64"])
 def test_tensor_parallel_matches_tp1(tp_errors, tp, quantity, precision):
     assert tp_errors[(tp, precision, quantity)] <= TP_TOL[precision]
 
@@ -661,3 +668,209 @@ def test_merge_round_trip_through_packing():
             ]
     merged = merge_packed_tree_results(results, batch, max_seq_len=max_len)
     torch.testing.assert_close(merged, expected, rtol=0, atol=FP64_TOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled one-pass kernels (fused=True) and the switch between the paths
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+    """Empties the kernel cache for one test (compiled graphs stay cached by torch itself)."""
+    monkeypatch.setattr(fused_logprobs, "_KERNELS", {})
+    monkeypatch.setattr(fused_logprobs, "_COMPILED", [])
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls into the compiled kernels (row reductions, gradient chunks)."""
+    calls = {"row_stats": 0, "row_grad": 0}
+    for name in calls:
+        original = getattr(fused_logprobs.FusedKernels, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(fused_logprobs.FusedKernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])  # 1: every chunk a padded 1-row chunk
+def test_fused_matches_reference_fp32(temperature, chunk_size, kernel_calls):
+    seqs, tree, logits = random_case(7, num_groups=4)
+    w_lp, w_ent = _weights(tree, 1)
+    ref_in = logits.double().requires_grad_()
+    ref_lp, ref_ent = reference(ref_in, tree, seqs, temperature)
+    ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+    mine_in = logits.clone().requires_grad_()
+    lp, ent = gather_packed_tree_logprobs_entropy(
+        mine_in, tree, temperature=temperature, chunk_size=chunk_size, fused=True
+    )
+    ((lp.double() * w_lp).sum() + (ent.double() * w_ent).sum()).backward()
+    assert kernel_calls["row_stats"] > 0 and kernel_calls["row_grad"] > 0
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=FP32_LOGSOFTMAX_TOL)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=FP32_LOGSOFTMAX_TOL)
+    # As test_gradients_match_reference: entries reach ~5 at shared roots.
+    torch.testing.assert_close(mine_in.grad.double(), ref_in.grad, rtol=1e-6, atol=1e-6)
+    assert torch.all(mine_in.grad[tree.num_tree_tokens :] == 0)
+    lp_only = gather_packed_tree_logprobs(logits, tree, temperature=temperature, fused=True)
+    torch.testing.assert_close(lp_only, lp, rtol=0, atol=FP32_LOGSOFTMAX_TOL)
+
+
+@pytest.mark.parametrize("terms", ["logprobs", "entropy"])
+def test_fused_gradients_fp64_and_bf16(terms):
+    """fp64: the compiled kernels are exact to fp64 rounding; bf16: one rounding of the gradient
+    (the fp32 chunk gets its one-hot terms before the cast), as test_gradients_bf16."""
+    seqs, tree, logits = random_case(8)
+    w_lp, w_ent = _weights(tree, 5)
+    for dtype, tol in ((torch.float64, dict(rtol=0, atol=FP64_TOL)), (torch.bfloat16, None)):
+        x = logits.to(dtype)
+        ref_in = x.double().clone().requires_grad_()
+        ref_lp, ref_ent = reference(ref_in, tree, seqs, 1.2)
+        mine_in = x.clone().requires_grad_()
+        lp, ent = gather_packed_tree_logprobs_entropy(
+            mine_in, tree, temperature=1.2, chunk_size=7, fused=True
+        )
+        if terms == "logprobs":
+            (ref_lp * w_lp).sum().backward()
+            (lp.double() * w_lp).sum().backward()
+        else:
+            (ref_ent * w_ent).sum().backward()
+            (ent.double() * w_ent).sum().backward()
+        assert mine_in.grad.dtype == dtype
+        if tol is None:
+            torch.testing.assert_close(mine_in.grad.double(), ref_in.grad, rtol=2**-8, atol=1e-6)
+        else:
+            torch.testing.assert_close(lp, ref_lp, **tol)
+            torch.testing.assert_close(ent, ref_ent, **tol)
+            torch.testing.assert_close(mine_in.grad, ref_in.grad, **tol)
+
+
+def test_fused_masked_vocabulary():
+    """-inf columns: p = 0, nothing added to the entropy, finite gradients (as the eager path)."""
+    seqs, tree, logits = random_case(3)
+    x = logits.clone()
+    x[:, -7:] = float("-inf")
+    child = torch.nonzero(tree.parent_index >= 0).squeeze(1)
+    x[tree.parent_index[child], tree.input_ids[child]] = logits[
+        tree.parent_index[child], tree.input_ids[child]
+    ]
+    out = {}
+    for fused in (False, True):
+        xi = x.clone().requires_grad_()
+        lp, ent = gather_packed_tree_logprobs_entropy(xi, tree, chunk_size=5, fused=fused)
+        (lp.sum() + ent.sum()).backward()
+        out[fused] = (lp, ent, xi.grad)
+    for got, want, rtol in zip(out[True], out[False], (0, 0, 1e-6)):  # gradients reach ~3
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=FP32_LOGSOFTMAX_TOL)
+
+
+def test_fused_realistic_vocab_as_accurate_as_eager():
+    """At V = 32000 fp32 rounding grows with the sums over the vocabulary, on both paths; the
+    compiled kernels sum in another order (per-lane vector accumulators). Measured against fp64:
+    eager 9e-7 / 5e-7 (log-prob / entropy), fused 1.2e-6 / 1.3e-6; the bar is 3x the eager error
+    (a wrong shift, scale or missing term is >= 1e-3)."""
+    seqs, tree, logits = random_case(1, num_groups=2, vocab=32000)
+    logits = logits * 2
+    ref = reference(logits, tree, seqs, 0.8)
+    errors = {}
+    for fused in (False, True):
+        got = gather_packed_tree_logprobs_entropy(logits, tree, temperature=0.8, fused=fused)
+        errors[fused] = [(g.double() - r).abs().max().item() for g, r in zip(got, ref)]
+    for eager, fused in zip(errors[False], errors[True]):
+        assert fused <= max(3 * eager, FP32_LOGSOFTMAX_TOL)
+
+
+def test_fused_does_not_recompile_for_other_lengths_or_temperatures():
+    """Packed lengths vary per micro-batch: after the first call, trees of other lengths, other
+    temperatures and the logprobs-only variant reuse the compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    def step(seed, groups, temperature):
+        seqs, tree, logits = random_case(seed, num_groups=groups, pad=seed)
+        x = logits.requires_grad_()
+        lp, ent = gather_packed_tree_logprobs_entropy(x, tree, temperature=temperature, fused=True)
+        (lp.sum() + ent.sum()).backward()
+        gather_packed_tree_logprobs(logits.detach(), tree, temperature=temperature, fused=True)
+        return tree.padded_length
+
+    step(0, 2, 1.0)
+    graphs = counters["stats"]["unique_graphs"]
+    lengths = {step(seed, groups, t) for seed, groups, t in ((1, 5, 0.6), (2, 9, 1.3), (3, 1, 2))}
+    assert len(lengths) == 3
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_switch_selects_the_path(kernel_calls, monkeypatch):
+    """fused=True runs the compiled kernels (never the eager chunks), False never runs them,
+    "auto" runs them from AUTO_MIN_ELEMENTS logits on; None reads the process default."""
+    seqs, tree, logits = random_case(2)
+
+    def run(fused):
+        kernel_calls.update(row_stats=0, row_grad=0)
+        x = logits.clone().requires_grad_()
+        lp, ent = gather_packed_tree_logprobs_entropy(x, tree, fused=fused)
+        (lp.sum() + ent.sum()).backward()
+        return kernel_calls["row_stats"] > 0 and kernel_calls["row_grad"] > 0
+
+    def no_eager(*args, **kwargs):
+        raise AssertionError("the eager backward ran")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(logprobs_module, "_backward_chunks", no_eager)
+        assert run(True)
+    assert not run(False)
+    assert logits.numel() < fused_logprobs.AUTO_MIN_ELEMENTS
+    assert not run("auto")
+    monkeypatch.setattr(fused_logprobs, "AUTO_MIN_ELEMENTS", logits.numel())
+    assert run("auto")
+    previous = fused_logprobs.default_mode()
+    try:
+        fused_logprobs.set_default_mode(False)
+        assert not run(None)
+        fused_logprobs.set_default_mode("1")
+        assert run(None)
+    finally:
+        fused_logprobs.set_default_mode(previous)
+    with pytest.raises(ValueError, match="fused"):
+        gather_packed_tree_logprobs(logits, tree, fused="yes")
+
+
+def _broken_compile():
+    raise RuntimeError("no compiler here")
+
+
+@pytest.mark.parametrize("failure", ["compile", "wrong result"])
+def test_fallback_is_loud_and_exact(failure, fresh_kernels, monkeypatch, caplog):
+    """A kernel that fails to build, or that computes something else, is reported once with a
+    warning; "auto" then runs the eager path (same results), fused=True raises."""
+    if failure == "compile":
+        monkeypatch.setattr(fused_logprobs, "_compiled_kernels", _broken_compile)
+    else:
+
+        def off_by_a_bit(x, c):
+            m, s, n = fused_logprobs._row_stats(x, c)
+            return m, s * 1.001, n
+
+        monkeypatch.setattr(
+            fused_logprobs,
+            "_compiled_kernels",
+            lambda: fused_logprobs.FusedKernels(off_by_a_bit, fused_logprobs._row_grad),
+        )
+    seqs, tree, logits = random_case(4)
+    monkeypatch.setattr(fused_logprobs, "AUTO_MIN_ELEMENTS", 0)
+    want = gather_packed_tree_logprobs_entropy(logits, tree, fused=False)
+    with caplog.at_level("WARNING", logger=fused_logprobs.__name__):
+        for _ in range(3):
+            got = gather_packed_tree_logprobs_entropy(logits, tree, fused="auto")
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+    warnings = [r for r in caplog.records if "eager chunked path" in r.getMessage()]
+    assert len(warnings) == 1
+    with pytest.raises(RuntimeError, match="fused=True"):
+        gather_packed_tree_logprobs_entropy(logits, tree, fused=True)

@@ -12,6 +12,10 @@ reduces its shard chunk by chunk with no communication, then one ``all_gather`` 
 (max, sum-exp, entropy numerator) and per-node target logits merges the shards, the way split-KV
 attention merges partial softmaxes. The backward is local (no collectives).
 
+Each chunk's reduction runs either eagerly (five elementwise passes over [C, Vl]) or, with
+``fused=True`` / ``"auto"`` on large logits, as one compiled kernel per chunk (forward) and per
+logits tensor (backward); see :mod:`megatron_tree.core.fused_logprobs`, where the path is chosen.
+
 Per-sequence outputs are flat tensors ``[T]`` aligned with ``tree.token_index``: entry
 ``cu_seqlens[i] + t`` is token ``t`` of the tree's ``i``-th sequence, whose batch row is
 ``tree.sequence_ids[i]`` (the layout of the packed micro-batch's extra keys).
@@ -33,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_int, check_positive_number, debug_checks
+from .fused_logprobs import FusedKernels, select_kernels
 from .rows import TreeRows, pair_offsets
 from .tree import PackedTree
 
@@ -51,6 +56,10 @@ _LN2 = math.log(2.0)
 _CHUNK_ELEMENTS_CPU = 2**20
 _FUSED_CHUNK_ELEMENTS_CPU = 2**24
 _CHUNK_ELEMENTS = 2**26
+# The compiled kernels (fused_logprobs.py) keep no [C, Vl] temporaries; chunks there only bound the
+# fp32 gradient chunk of bf16/fp16 logits (16 MiB on CPU, reused by the allocator) and amortise a
+# kernel call over many rows.
+_COMPILED_CHUNK_ELEMENTS_CPU = 2**22
 
 
 # log2 p below this is p = 0 in fp32 and fp64 alike (2**-1075 rounds to 0); clamping a -inf logit's
@@ -197,10 +206,13 @@ def _forward_stats(
     tp_group: dist.ProcessGroup | None,
     dtype: torch.dtype,
     device: torch.device,
+    kernels: FusedKernels | None = None,
 ):
     """Returns (node_logprob [U], row_entropy [R] or None, row_shift [R]) over the full vocab.
 
     ``row_shift`` = M + log2(s) / c, so that log2 p = c * (x - row_shift) (what backward needs).
+    With ``kernels``, each chunk's row max, sum and entropy numerator come from one compiled
+    kernel instead of the eager passes below.
     """
     c = _LOG2E / temperature
     num_pairs, num_rows = pairs.rows.shape[0], pairs.num_rows
@@ -209,10 +221,20 @@ def _forward_stats(
     row_max, sum_exp, ent_num = local[: 3 * num_rows].view(3, num_rows)
     target = local[3 * num_rows :]
     chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
+    if kernels is not None:
+        chunk_rows = 0  # no [C, Vl] temporaries
+        c_tensor = torch.full((), c, dtype=dtype, device=device)
     shifted = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)  # [C, Vl]
     exps = torch.empty_like(shifted)  # [C, Vl]
     for a, b, pa, pb in pairs.chunks():
         x = get_chunk(a, b)  # [C, Vl]
+        if kernels is not None:
+            row_max[a:b], sum_exp[a:b], numer = kernels.row_stats(x, c_tensor)
+            if with_entropy:
+                ent_num[a:b] = numer
+            picked = x[pairs.rows[pa:pb] - a, pairs.labels[pa:pb]].to(dtype)  # [P_chunk]
+            target[pa:pb] = torch.where(pairs.owned[pa:pb], picked, 0)
+            continue
         m = x.amax(-1, keepdim=True).to(dtype)  # [C, 1]
         row_max[a:b] = m.squeeze(-1)
         s1 = torch.sub(x, m, out=shifted[: b - a]).mul_(c)  # log2 of unnormalised p, <= 0
@@ -251,6 +273,26 @@ def _forward_stats(
     return node_logprob, entropy, big_m + log2_total / c
 
 
+def _row_coefficients(pairs: _Pairs, grad_logprob, grad_entropy, entropy, temperature, dtype):
+    """(offset [R], slope [R] or None, label_grad [P]) of the gradient wrt the logits: row r's
+    gradient is 2**l * (offset + slope * l) with l = log2 p, plus label_grad at each target."""
+    device = entropy.device if entropy is not None else pairs.rows.device
+    if grad_logprob is None:
+        pair_grad = torch.zeros(pairs.rows.shape[0], dtype=dtype, device=device)
+    else:
+        pair_grad = grad_logprob.to(dtype)[pairs.nodes]  # [P]
+    row_grad = torch.zeros(pairs.num_rows, dtype=dtype, device=device)
+    row_grad.index_add_(0, pairs.rows, pair_grad)  # [R], G of every row
+    offset = -row_grad / temperature  # [R]
+    slope = None  # multiplies log2 p
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(dtype)
+        offset -= grad_entropy * entropy / temperature
+        slope = -grad_entropy * (_LN2 / temperature)
+    label_grad = torch.where(pairs.owned, pair_grad / temperature, 0)  # [P]
+    return offset, slope, label_grad
+
+
 def _backward_chunks(
     get_chunk: Callable[[int, int], torch.Tensor],
     put_grad: Callable[[int, int, torch.Tensor], None] | None,
@@ -275,19 +317,9 @@ def _backward_chunks(
     """
     c = _LOG2E / temperature
     device = row_shift.device
-    if grad_logprob is None:
-        pair_grad = torch.zeros(pairs.rows.shape[0], dtype=dtype, device=device)
-    else:
-        pair_grad = grad_logprob.to(dtype)[pairs.nodes]  # [P]
-    row_grad = torch.zeros(pairs.num_rows, dtype=dtype, device=device)
-    row_grad.index_add_(0, pairs.rows, pair_grad)  # [R], G of every row
-    offset = -row_grad / temperature  # [R]
-    slope = None  # multiplies log2 p
-    if grad_entropy is not None:
-        grad_entropy = grad_entropy.to(dtype)
-        offset -= grad_entropy * entropy / temperature
-        slope = -grad_entropy * (_LN2 / temperature)
-    label_grad = torch.where(pairs.owned, pair_grad / temperature, 0)  # [P]
+    offset, slope, label_grad = _row_coefficients(
+        pairs, grad_logprob, grad_entropy, entropy, temperature, dtype
+    )
     chunk_rows = max((b - a for a, b, _, _ in pairs.chunks()), default=0)
     log2p_buf = torch.empty(chunk_rows, vocab_local, dtype=dtype, device=device)
     prob_buf = torch.empty_like(log2p_buf)
@@ -308,11 +340,66 @@ def _backward_chunks(
             put_grad(a, b, dz)
 
 
+def _backward_compiled(
+    logits: torch.Tensor,
+    pairs: _Pairs,
+    kernels: FusedKernels,
+    *,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    row_shift: torch.Tensor,
+    entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The gradient wrt ``logits`` [N, Vl] (as _backward_chunks) from the compiled kernel.
+
+    Logits in the compute dtype (fp32, fp64) get one kernel over all N rows writing the gradient
+    itself (0 on padding rows), then the targets' one-hot terms; bf16/fp16 logits go chunk by
+    chunk through an fp32 chunk, so the one-hot terms are added before the single rounding.
+    """
+    dtype = row_shift.dtype
+    device = logits.device
+    offset, slope, label_grad = _row_coefficients(
+        pairs, grad_logprob, grad_entropy, entropy, temperature, dtype
+    )
+    if slope is None:
+        slope = torch.zeros_like(offset)
+    c = torch.full((), _LOG2E / temperature, dtype=dtype, device=device)
+    num_rows, total = pairs.num_rows, logits.shape[0]
+    if logits.dtype == dtype:
+        if total == 0:
+            return torch.empty_like(logits)
+        per_row = torch.zeros(3, total, dtype=dtype, device=device)
+        per_row[0, :num_rows], per_row[1, :num_rows], per_row[2, :num_rows] = (
+            row_shift,
+            offset,
+            slope,
+        )
+        keep = torch.arange(total, device=device) < num_rows
+        grad = kernels.row_grad(logits, *per_row.unbind(0), keep, c)
+        grad.index_put_((pairs.rows, pairs.labels), label_grad, accumulate=True)
+        return grad
+    grad = torch.empty_like(logits)
+    grad[num_rows:].zero_()  # padding rows
+    keep = torch.ones(
+        max((b - a for a, b, _, _ in pairs.chunks()), default=0), dtype=torch.bool, device=device
+    )
+    for a, b, pa, pb in pairs.chunks():
+        dz = kernels.row_grad(
+            logits[a:b], row_shift[a:b], offset[a:b], slope[a:b], keep[: b - a], c
+        )
+        dz.index_put_(
+            (pairs.rows[pa:pb] - a, pairs.labels[pa:pb]), label_grad[pa:pb], accumulate=True
+        )
+        grad[a:b].copy_(dz)
+    return grad
+
+
 class _TreeLogprobEntropy(torch.autograd.Function):
     """logits [N, Vl] -> (node_logprob [U], row_entropy [R]); see _forward_stats."""
 
     @staticmethod
-    def forward(ctx, logits, pairs, num_nodes, temperature, with_entropy, tp_group):
+    def forward(ctx, logits, pairs, num_nodes, temperature, with_entropy, tp_group, kernels):
         dtype = torch.promote_types(logits.dtype, torch.float32)
         node_logprob, entropy, row_shift = _forward_stats(
             lambda a, b: logits[a:b],
@@ -324,9 +411,11 @@ class _TreeLogprobEntropy(torch.autograd.Function):
             tp_group=tp_group,
             dtype=dtype,
             device=logits.device,
+            kernels=kernels,
         )
         ctx.save_for_backward(logits, row_shift, entropy)
         ctx.pairs, ctx.num_nodes, ctx.temperature = pairs, num_nodes, temperature
+        ctx.kernels = kernels
         ctx.set_materialize_grads(False)
         if entropy is None:
             return node_logprob
@@ -336,7 +425,19 @@ class _TreeLogprobEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprob, grad_entropy=None):
         logits, row_shift, entropy = ctx.saved_tensors
         if grad_logprob is None and grad_entropy is None:
-            return (None,) * 6
+            return (None,) * 7
+        if ctx.kernels is not None:
+            grad = _backward_compiled(
+                logits,
+                ctx.pairs,
+                ctx.kernels,
+                grad_logprob=grad_logprob,
+                grad_entropy=grad_entropy,
+                row_shift=row_shift,
+                entropy=entropy,
+                temperature=ctx.temperature,
+            )
+            return grad, None, None, None, None, None, None
         grad = torch.empty_like(logits)
         grad[ctx.pairs.num_rows :].zero_()  # padding rows
         direct = grad.dtype == row_shift.dtype  # else computed in fp32 and cast chunk by chunk
@@ -357,7 +458,7 @@ class _TreeLogprobEntropy(torch.autograd.Function):
             dtype=row_shift.dtype,
             out=grad if direct else None,
         )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 class _TreeLogprobEntropyFromHidden(torch.autograd.Function):
@@ -447,21 +548,25 @@ def _per_sequence(
     return outputs if rows is None else rows.complete(outputs)
 
 
-def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, rows):
+def _gather_logprobs(logits, tree, *, temperature, tp_group, chunk_size, with_entropy, rows, fused):
     temperature = check_positive_number("temperature", temperature)
     logits = rows_of(logits, tree, "logits", rows)
     tp_size, tp_rank = _tp_size_rank(tp_group)
+    kernels = select_kernels(fused, logits.device, logits.dtype, logits.numel())
+    cpu_elements = _CHUNK_ELEMENTS_CPU if kernels is None else _COMPILED_CHUNK_ELEMENTS_CPU
     pairs = _tree_pairs(
         tree,
         vocab_local=logits.shape[1],
         tp_size=tp_size,
         tp_rank=tp_rank,
-        chunk_rows=_chunk_rows(chunk_size, logits.shape[1], logits.device),
+        chunk_rows=_chunk_rows(
+            chunk_size, logits.shape[1], logits.device, cpu_elements=cpu_elements
+        ),
         device=logits.device,
         rows=rows,
     )
     out = _TreeLogprobEntropy.apply(
-        logits, pairs, tree.num_tree_tokens, temperature, with_entropy, tp_group
+        logits, pairs, tree.num_tree_tokens, temperature, with_entropy, tp_group, kernels
     )
     if not with_entropy:
         return _per_sequence(out, None, tree, rows)[0]
@@ -476,6 +581,7 @@ def gather_packed_tree_logprobs_entropy(
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     rows: TreeRows | None = None,
+    fused: bool | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rolled per-sequence log-probs and entropy of a packed tree's (vocab-parallel) logits.
 
@@ -495,6 +601,12 @@ def gather_packed_tree_logprobs_entropy(
             only some of the tree's positions [n, Vl] (a context-parallel rank's, a trunk-reuse
             part's): entries predicted by other rows read 0, then ``rows.complete`` sums them over
             the CP group, and gradients flow only into this rank's rows.
+        fused: True for the compiled one-pass kernels (torch.compile; an error if they cannot be
+            built), False for the eager chunked path, "auto" for the compiled kernels on large
+            logits when they work on this device (else the eager path, after one logged warning),
+            None for the process default (:func:`~megatron_tree.core.fused_logprobs.default_mode`,
+            "auto" unless ``MEGATRON_TREE_FUSED_LOGPROBS`` says otherwise). Same results either
+            way, to fp32 rounding.
 
     Returns:
         (logprobs [T], entropy [T]), in ``tree.token_index`` order. ``logprobs`` entry t of a
@@ -509,6 +621,7 @@ def gather_packed_tree_logprobs_entropy(
         chunk_size=chunk_size,
         with_entropy=True,
         rows=rows,
+        fused=fused,
     )
 
 
@@ -520,6 +633,7 @@ def gather_packed_tree_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     rows: TreeRows | None = None,
+    fused: bool | str | None = None,
 ) -> torch.Tensor:
     """The ``logprobs`` of :func:`gather_packed_tree_logprobs_entropy` alone ([T]), cheaper."""
     return _gather_logprobs(
@@ -530,6 +644,7 @@ def gather_packed_tree_logprobs(
         chunk_size=chunk_size,
         with_entropy=False,
         rows=rows,
+        fused=fused,
     )
 
 
