@@ -320,23 +320,11 @@ def _split_one_rank(packed):
     is done here, as ``tree_forward_backward`` does it for CP > 1."""
     import torch.distributed as dist
 
-    from megatron_tree.core.batch import PackedTreeBatch, micro_batch
-    from megatron_tree.core.context_parallel import context_parallel_split
+    from megatron_tree.mcore.step import _split_for_context_parallel
 
-    split = []
-    for mb in packed:
-        rows = context_parallel_split(mb["rows"], 1, 0, dist.group.WORLD)
-        new = micro_batch(mb["tree"], rows)
-        assert not new["rows"].is_whole and new["rows"].cp_size == 1
-        new.update({k: v for k, v in mb.items() if k not in new})
-        split.append(new)
-    return PackedTreeBatch(
-        split,
-        packed.batch_size,
-        packed.num_real_tokens,
-        packed.max_token_id,
-        cost_model=packed.cost_model,
-    )
+    split = _split_for_context_parallel(packed, dist.group.WORLD)
+    assert all(not mb["rows"].is_whole and mb["rows"].cp_size == 1 for mb in split)
+    return split
 
 
 @pytest.mark.parametrize("layout", ["trunk reuse", "cp=1"])
