@@ -410,3 +410,40 @@ def test_flex_kernel_choice(monkeypatch):
     assert "block_size=64" in tree_attn._fa4_unusable(10, 64, 64, 64, False)
     assert "sink" in tree_attn._fa4_unusable(9, 64, 64, 128, True)
     tree_attn._fa4_unusable.cache_clear()
+
+
+def test_chains_varlen_path_gets_the_runs(monkeypatch):
+    """The CUDA varlen path's inputs, checked on the CPU: a stand-in for the flash kernel that runs
+    causal attention over the runs it is handed must equal the brute-force tree mask (so the offsets
+    mark every sequence and every padding position as a run, the layout is [N, heads, dim] and the
+    result lands in Megatron's [N, b, heads * dim])."""
+    import torch.nn.functional as F
+
+    from megatron_tree.core import attention as tree_attn
+
+    handed = []
+
+    def varlen_stand_in(q, k, v, cu_seqlens, max_len, scale, dropout_p):
+        handed.append((cu_seqlens.tolist(), max_len))
+        bounds = cu_seqlens.tolist()
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t in (q, k, v)),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=True,
+                ).transpose(0, 1)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+        )
+
+    monkeypatch.setattr(tree_attn, "_varlen_flash_fits", lambda q, v: True)
+    monkeypatch.setattr(tree_attn, "_flash_varlen", varlen_stand_in)
+    tree = pack(_unshared_sequences(), block_size=16)[0]["tree"]
+    n = tree.padded_length
+    q, k, v = _qkv(n)
+    ref = attention_reference(q, k, v, build_attention_mask_from_trie(tree))
+    out = tree_attention(q, k, v, tree_attention_mask(tree))
+    assert (out - ref).abs().max() < FP64_TOL
+    assert handed == [([0, 13, 15, 46, *range(54, n + 1)], 31)]

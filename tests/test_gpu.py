@@ -396,3 +396,47 @@ def test_bf16_step_vs_unpacked(layout, record_property):
     record_property("bar", f"<= {BF16_FACTOR:g}x unpacked bf16 {alone:.3e}")
     assert all(torch.isfinite(g).all() for g in parameter_grads(model).values())
     assert err <= BF16_FACTOR * alone, (err, alone)
+
+
+@pytest.mark.parametrize("tensor", ["out", "dq", "dk", "dv"])
+def test_chains_causal_kernel_vs_fp64(tensor, monkeypatch, record_property):
+    """A micro-batch of unshared sequences runs FlashAttention's varlen kernel (backend "auto"),
+    bf16, forward and backward, against the fp64 brute force of its tree mask: within 2x the error
+    of the same brute force in bf16."""
+    from megatron_tree.core import attention as tree_attn
+
+    calls = []
+    varlen = tree_attn._flash_varlen
+    monkeypatch.setattr(
+        tree_attn, "_flash_varlen", lambda *a: calls.append(a[3].numel()) or varlen(*a)
+    )
+    g = torch.Generator().manual_seed(5)
+    seqs = [
+        torch.cat([torch.tensor([VOCAB - 1 - i]), torch.randint(1, VOCAB - 8, (n,), generator=g)])
+        for i, n in enumerate((150, 7, 301, 64, 90))
+    ]
+    tree = pack(seqs, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
+    masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
+    assert sorted(mask.plan.chains) == [8, 65, 91, 151, 302]
+    n = tree.padded_length
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(n, 1, 8, 64), (n, 1, 2, 64), (n, 1, 2, 64)]
+    base = [torch.randn(s, generator=gen, device=DEV, dtype=torch.float64) for s in shapes]
+    grad_out = torch.randn(n, 1, 8 * 64, generator=gen, device=DEV, dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in base]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+        return [out.detach().double()] + [x.double() for x in grads]
+
+    i = ("out", "dq", "dk", "dv").index(tensor)
+    ref = run(lambda q, k, v: attention_reference(q, k, v, masked), torch.float64)[i]
+    naive = run(lambda q, k, v: attention_reference(q, k, v, masked), torch.bfloat16)[i]
+    got = run(lambda q, k, v: tree_attention(q, k, v, mask), torch.bfloat16)[i]
+    assert calls == [5 + (n - 617) + 1]  # one varlen call: 5 sequences and each padding position
+    err = float((got - ref).abs().max())
+    bar = BF16_FACTOR * float((naive - ref).abs().max())
+    record_property("value", f"{err:.3e} (N={n}, 5 sequences, varlen flash)")
+    record_property("bar", f"<= {BF16_FACTOR:g}x naive bf16 {bar / BF16_FACTOR:.3e}")
+    assert err <= bar, (err, bar)

@@ -21,9 +21,11 @@ Backends:
 * ``"block_sparse"``: computes only the (query block, key block) tiles that hold an allowed pair,
   as one batched SDPA per group of query blocks. CPU and GPU, forward and backward, dropout.
 * ``"causal"``: for a micro-batch whose sequences share nothing (each a chain; its plan's
-  ``chains``, see :func:`~megatron_tree.core.mask.tree_attention_mask`): torch SDPA with
-  ``is_causal=True`` on each sequence (FlashAttention on CUDA), no mask at all; padding positions
-  see only themselves. Refused for any other mask, a depth window or a sink.
+  ``chains``, see :func:`~megatron_tree.core.mask.tree_attention_mask`): causal attention within
+  each sequence, no mask at all; padding positions see only themselves. On CUDA in bf16 / fp16
+  (equal head dims <= 256, a multiple of 8) one FlashAttention varlen call over all sequences
+  (``cu_seqlens`` built once per micro-batch); elsewhere torch SDPA with ``is_causal=True`` per
+  sequence. Refused for any other mask, a depth window or a sink.
 * ``"auto"``: ``"causal"`` for a chains-only micro-batch (without window or sink), else ``"flex"``
   on CUDA without dropout, otherwise ``"block_sparse"``. So tree training is never slower than the
   baseline's kernel when nothing is shared.
@@ -253,6 +255,12 @@ def tree_attention(
     attend = dict(
         scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset
     )
+    if backend == "causal" and _varlen_flash_fits(query, value):
+        # [N, 1, np, hn] -> [N, np, hv]: flash varlen's own layout, no permute.
+        out = _flash_varlen(
+            query[:, 0], key[:, 0], value[:, 0], *plan.chain_offsets(), scale, dropout_p
+        )
+        return out.reshape(sq, 1, num_heads * value_dim)
     if backend == "causal":
         out = _causal_chains(q, k, v, chains, scale=scale, dropout_p=dropout_p, gqa=attend["gqa"])
     elif backend == "sdpa":
@@ -372,6 +380,29 @@ def _fa4_unusable(major: int, head_dim: int, value_dim: int, block_size: int, si
 @functools.cache
 def _log_flex_choice(kernel: str, why_not: str) -> None:
     logger.info("flex attention kernel: %s%s", kernel, f" ({why_not})" if why_not else "")
+
+
+def _varlen_flash_fits(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether FlashAttention's varlen kernel runs these [N, b, h, d] inputs (CUDA, sm80+)."""
+    head_dim = query.shape[-1]
+    return (
+        query.is_cuda
+        and query.shape[1] == 1
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and head_dim == value.shape[-1]
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and torch.cuda.get_device_capability(query.device)[0] >= 8
+    )
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float, dropout_p: float):
+    """Causal FlashAttention over the runs ``cu_seqlens`` (int32 [S + 1]) marks: q [N, np, hn],
+    k / v [N, ng, hn] -> [N, np, hn]. The kernel takes grouped-query heads as they are."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p, True, False, scale=scale
+    )[0]
 
 
 def _causal_chains(q, k, v, chains, *, scale, dropout_p, gqa) -> torch.Tensor:
