@@ -25,11 +25,12 @@ flex and the BlockMask build are outside the timed loop (the build is timed on i
 iterations, each timed by CUDA events (``time.perf_counter`` on the CPU). An iteration is the
 forward and ``torch.autograd.grad`` of the output against a fixed random output gradient.
 
-``--rows FILE`` appends one line per length, ``check|value|bar|PASS-or-FAIL`` (the format of
-scripts/gpu_check.sh's summary), e.g. ``tree attention fwd+bwd 16K|312 TFLOP/s = 61% of causal
-SDPA flash|>= 50%|PASS``; the bar is ``--bar`` (0.5: at least half of flash attention's
-throughput per useful pair). The exit status is non-zero when a length fails with an error (its
-row then says FAIL with the error), not when a ratio misses the bar (the row says so).
+``--rows FILE`` appends one line per length as soon as it is measured,
+``check|value|bar|PASS-or-FAIL`` (the format of scripts/gpu_check.sh's summary), e.g.
+``tree attention fwd+bwd 16K|312 TFLOP/s = 61% of causal SDPA flash|>= 50%|PASS``; the bar is
+``--bar`` (0.5: at least half of flash attention's throughput per useful pair). The exit status is
+non-zero when a length fails with an error (its row then says FAIL with the error), not when a
+ratio misses the bar (the row says so).
 
 A last row checks the kernel choice when nothing is shared: one micro-batch of unshared sequences
 (``--chains`` of them, lengths +-40% around the mean, the largest length in all) timed with
@@ -300,7 +301,14 @@ def main(argv=None) -> int:
         f"{'tree TFLOP/s':>12} {'causal ms':>9} {'SDPA causal TFLOP/s':>19} {'ratio':>6}"
     )
     print(header)
-    rows, failed = [], False
+    failed = False
+
+    def add_row(row: str) -> None:
+        """Append at once: a step killed by its timeout keeps the rows already measured."""
+        if args.rows:
+            with open(args.rows, "a") as f:
+                f.write(row + "\n")
+
     for length in args.lengths:
         check = f"tree attention fwd+bwd {_label(length)}" + (" (CPU smoke)" if args.small else "")
         try:
@@ -309,7 +317,7 @@ def main(argv=None) -> int:
             failed = True
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}".splitlines()[0][:120].replace("|", "/")
-            rows.append(f"{check}|error: {message}|>= {args.bar:.0%}|FAIL")
+            add_row(f"{check}|error: {message}|>= {args.bar:.0%}|FAIL")
             print(f"{length:>7} ERROR {message}", flush=True)
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         ok = r["ratio"] >= args.bar
-        rows.append(
+        add_row(
             f"{check}|{r['tree_tflops']:.3g} TFLOP/s = {r['ratio']:.0%} of causal SDPA "
             f"{sdpa_name}|>= {args.bar:.0%}|{'PASS' if ok else 'FAIL'}"
         )
@@ -335,15 +343,12 @@ def main(argv=None) -> int:
             f"(tree kernel), {speed:.2f}x",
             flush=True,
         )
-        rows.append(f"{check}|{speed:.2f}x|>= 1.00x|{'PASS' if speed >= 1.0 else 'FAIL'}")
+        add_row(f"{check}|{speed:.2f}x|>= 1.00x|{'PASS' if speed >= 1.0 else 'FAIL'}")
     except Exception as exc:
         failed = True
         traceback.print_exc()
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:120].replace("|", "/")
-        rows.append(f"{check}|error: {message}|>= 1.00x|FAIL")
-    if args.rows:
-        with open(args.rows, "a") as f:
-            f.writelines(row + "\n" for row in rows)
+        add_row(f"{check}|error: {message}|>= 1.00x|FAIL")
     return 1 if failed else 0
 
 

@@ -201,6 +201,16 @@ with open(sys.argv[1], "w") as f:
     f.write(f"imports|torch {torch.__version__}, megatron-core "
             f"{importlib.import_module('megatron.core').__version__}, transformers "
             f"{importlib.import_module('transformers').__version__}|all import|PASS\n")
+# Every flex, fused log-prob and benchmark step compiles (Triton on the GPU needs a C compiler and
+# Python's headers for its launcher): one tiny compile, so a missing toolchain shows here, named.
+device = "cuda" if torch.cuda.is_available() else "cpu"
+try:
+    value = torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
+    ok, what = bool((value == 3).all()), f"torch.compile on {device} works"
+except Exception as exc:  # the toolchain, reported as a row rather than a crash
+    ok, what = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}".replace("|", "/")
+with open(sys.argv[1], "a") as f:
+    f.write(f"compile|{what}|compiles|{'PASS' if ok else 'FAIL'}\n")
 PYEOF
 RC=$?
 if [ $RC = 0 ]; then
@@ -219,7 +229,9 @@ if [ "$MODE" = dry ]; then
   CPU_SUITE+=(-k "not parallel and not tp2 and not moe and not compiles_once and not recompile_limit")
 fi
 cpu_suite() {
-  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$1" timeout -k 10 "$T_CPU" "${PYTEST[@]}" -W ignore \
+  # SIGINT, not SIGTERM: an interrupted pytest still finishes its session and writes the junit
+  # XML of the tests that ran.
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$1" timeout -s INT -k 20 "$T_CPU" "${PYTEST[@]}" -W ignore \
     "${CPU_SUITE[@]}" --junitxml "$OUT/cpu.xml" >"$OUT/cpu_suite.txt" 2>&1
   echo $? >"$OUT/cpu_suite.rc"
 }
@@ -232,7 +244,7 @@ else
 fi
 
 echo "== [2] CUDA parity, flex kernel and gradients (tests/test_gpu.py)"
-timeout -k 10 "$T_GPU" "${PYTEST[@]}" -m gpu tests/test_gpu.py --junitxml "$OUT/gpu.xml" \
+timeout -s INT -k 20 "$T_GPU" "${PYTEST[@]}" -m gpu tests/test_gpu.py --junitxml "$OUT/gpu.xml" \
   >"$OUT/gpu_suite.txt" 2>&1
 RC=$?
 tail -n 15 "$OUT/gpu_suite.txt"

@@ -256,10 +256,22 @@ def tree_attention(
         scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset
     )
     if backend == "causal" and _varlen_flash_fits(query, value):
-        # [N, 1, np, hn] -> [N, np, hv]: flash varlen's own layout, no permute.
-        out = _flash_varlen(
-            query[:, 0], key[:, 0], value[:, 0], *plan.chain_offsets(), scale, dropout_p
-        )
+        # [N, 1, np, hn] -> [N, np, hv]: flash varlen's own layout, no permute. Padding positions
+        # see only themselves: their output is their value (not one flash run each: a run per
+        # padding position would grow the kernel's grid and backward buffers with the padding).
+        real = sum(chains)
+        q1, k1, v1 = query[:, 0], key[:, 0], value[:, 0]
+        outs = []
+        if real:
+            cu_seqlens, longest = plan.chain_offsets(query.device)
+            outs.append(
+                _flash_varlen(
+                    q1[:real], k1[:real], v1[:real], cu_seqlens, longest, scale, dropout_p
+                )
+            )
+        if real < sq:
+            outs.append(v1[real:].repeat_interleave(num_heads // num_groups, dim=1))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return out.reshape(sq, 1, num_heads * value_dim)
     if backend == "causal":
         out = _causal_chains(q, k, v, chains, scale=scale, dropout_p=dropout_p, gqa=attend["gqa"])

@@ -144,10 +144,12 @@ _COMPILED: list[FusedKernels] = []  # one compiled pair, shared: graphs are per 
 
 
 def _probe(kernels: FusedKernels, device: torch.device, dtype: torch.dtype) -> None:
-    """Compiles (on a small input) and checks the kernels against the eager math; raises if off."""
+    """Compiles and checks the kernels against the eager math; raises if off. The probe is as
+    wide as a vocabulary shard (8192): with dynamic shapes, inductor sizes its reduction tiles from
+    the first compile's sizes, so a tiny probe would tune the kernels for tiny rows."""
     gen = torch.Generator().manual_seed(0)
     compute = torch.promote_types(dtype, torch.float32)
-    x = (torch.randn(5, 67, generator=gen) * 3).to(dtype)
+    x = (torch.randn(5, 8192, generator=gen) * 3).to(dtype)
     x[1, 3] = float("-inf")  # a masked vocabulary column
     x = x.to(device)
     c = torch.full((), 1.7, dtype=compute, device=device)

@@ -496,19 +496,23 @@ class TreeMaskPlan:
             return key, value
         return self.rows.keys_values(key, value, layer, self.store)
 
-    def chain_offsets(self) -> tuple[torch.Tensor, int]:
-        """(int32 [S + 1] offsets of the runs of a chains-only micro-batch, each padding position a
-        run of its own; the longest run), for a varlen causal kernel, built once."""
+    def chain_offsets(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(int32 [S + 1] offsets of the sequences of a chains-only micro-batch on ``device``; the
+        longest), for a varlen causal kernel over its real positions, built once per device."""
 
         def build():
-            n = self.subtree_end.shape[-1]
-            runs = [*self.chains, *([1] * (n - sum(self.chains)))]
-            offsets = torch.tensor([0, *runs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            return offsets.to(self.subtree_end.device, non_blocking=True), max(runs, default=1)
+            offsets = torch.tensor([0, *self.chains], dtype=torch.int32).cumsum(
+                0, dtype=torch.int32
+            )
+            return offsets.to(device, non_blocking=True), max(self.chains)
 
-        if self.chains is None:
-            raise ValueError("chain_offsets: this micro-batch's sequences share tokens (a tree)")
-        return self._get("chain_offsets", build)
+        if not self.chains:
+            raise ValueError(
+                "chain_offsets: this micro-batch is a tree"
+                if self.chains is None
+                else "chain_offsets: this micro-batch has no sequence (all padding)"
+            )
+        return self._get(("chain_offsets", torch.device(device)), build)
 
     def recurrent(self):
         """The :class:`~megatron_tree.core.recurrent.RecurrentPlan` of the keys (the segments a

@@ -282,10 +282,15 @@ def chain_lengths(tree: PackedTree) -> tuple[int, ...] | None:
     None (host ints; one device read, and only for such trees).
 
     A position with two children, or one that ends a sequence and continues another, lies in two
-    sequences, so the tree has fewer unique tokens than sequence tokens; with as many, every
-    sequence is a chain of its own, laid out contiguously in tree order.
+    sequences, so the tree has fewer unique tokens than sequence tokens; with as many, and every
+    sequence token at its own position in order (``token_index`` the identity: not so for a view of
+    some of a group's sequences), every sequence is a chain of its own, laid out contiguously.
     """
-    if tree.num_tree_tokens != tree.num_sequence_tokens:
+    count = tree.num_tree_tokens
+    if count != tree.num_sequence_tokens:
+        return None
+    identity = torch.arange(count, device=tree.token_index.device)
+    if not torch.equal(tree.token_index, identity):
         return None
     return tuple(length for length in tree.sequence_lengths.tolist() if length)
 
