@@ -154,14 +154,9 @@ def test_fp32_flex_tree_logprobs_vs_hf(arch, checkpoints, references, record_pro
     assert tree <= GPU_FP32_LOGP_TOL, tree
 
 
-@pytest.fixture(scope="module")
-def flex_kernel():
-    """(out, dq, dk, dv) in fp64 of: the fp64 and bf16 brute force and flex in bf16 and fp32, on the
-    tree of the branching trie taken 3 times (the copies share everything: N = 256, two 128-token
-    blocks), 8 heads, 2 KV groups, head dim 64."""
-    tree = pack(branching_sequences() * 3, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
-    n = tree.padded_length
-    masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
+def _kernel_runner(n: int):
+    """``run(fn, dtype)`` -> [out, dq, dk, dv] in fp64 of ``fn(q, k, v)`` on fixed random fp64
+    inputs (8 heads, 2 KV groups, head dim 64, ``n`` positions) cast to ``dtype``."""
     g = torch.Generator(device=DEV).manual_seed(0)
     shapes = [(n, 1, 8, 64), (n, 1, 2, 64), (n, 1, 2, 64)]
     base = [torch.randn(s, generator=g, device=DEV, dtype=torch.float64) for s in shapes]
@@ -172,6 +167,19 @@ def flex_kernel():
         out = fn(*leaves)
         grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
         return [out.detach().double()] + [x.double() for x in grads]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def flex_kernel():
+    """(out, dq, dk, dv) in fp64 of: the fp64 and bf16 brute force and flex in bf16 and fp32, on the
+    tree of the branching trie taken 3 times (the copies share everything: N = 256, two 128-token
+    blocks), 8 heads, 2 KV groups, head dim 64."""
+    tree = pack(branching_sequences() * 3, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
+    n = tree.padded_length
+    masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
+    run = _kernel_runner(n)
 
     def brute(q, k, v):
         return attention_reference(q, k, v, masked)
@@ -419,16 +427,7 @@ def test_chains_causal_kernel_vs_fp64(tensor, monkeypatch, record_property):
     masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
     assert sorted(mask.plan.chains) == [8, 65, 91, 151, 302]
     n = tree.padded_length
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    shapes = [(n, 1, 8, 64), (n, 1, 2, 64), (n, 1, 2, 64)]
-    base = [torch.randn(s, generator=gen, device=DEV, dtype=torch.float64) for s in shapes]
-    grad_out = torch.randn(n, 1, 8 * 64, generator=gen, device=DEV, dtype=torch.float64)
-
-    def run(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_(True) for t in base]
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
-        return [out.detach().double()] + [x.double() for x in grads]
+    run = _kernel_runner(n)
 
     i = ("out", "dq", "dk", "dv").index(tensor)
     ref = run(lambda q, k, v: attention_reference(q, k, v, masked), torch.float64)[i]
