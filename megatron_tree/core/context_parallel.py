@@ -106,7 +106,7 @@ def context_parallel_split(
         :class:`TreeRows` of this rank (positions on the device of the tree).
     """
     if isinstance(rows, PackedTree):
-        rows = TreeRows.whole(rows)
+        rows = TreeRows.whole(rows, chains=False)  # a CP rank's rows run the tree kernel
     if rows.cp_positions is not None:
         raise ValueError("these rows are already split across context-parallel ranks")
     rank = check_int("rank", rank, minimum=0)

@@ -149,7 +149,7 @@ def _tree_pairs(
     if rows is None or not rows.pair_offsets:
         # Rows built by hand (not at packing): count here, with one host read.
         rows = (
-            TreeRows.whole(tree)
+            TreeRows.whole(tree, chains=False)
             if rows is None
             else replace(rows, pair_offsets=pair_offsets(tree, rows.positions))
         )

@@ -88,8 +88,9 @@ class TreeRows:
     chains: tuple[int, ...] | None = None
 
     @classmethod
-    def whole(cls, tree: PackedTree) -> TreeRows:
-        """Every position of ``tree`` (host facts read once, here)."""
+    def whole(cls, tree: PackedTree, *, chains: bool = True) -> TreeRows:
+        """Every position of ``tree`` (host facts read once, here). ``chains=False`` skips the
+        chain lengths (a read only the attention uses) for rows that never reach a model."""
         n = tree.padded_length
         reach = int(tree.position_ids.max()) + 1 if n else 1
         positions = torch.arange(n, device=tree.input_ids.device)
@@ -99,7 +100,7 @@ class TreeRows:
             tree.num_tree_tokens,
             reach,
             pair_offsets=pair_offsets(tree, positions),
-            chains=chain_lengths(tree),
+            chains=chain_lengths(tree) if chains else None,
         )
 
     # -- shape ---------------------------------------------------------------------------------
