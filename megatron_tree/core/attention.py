@@ -89,23 +89,32 @@ def compiled_flex_attention():
     return _COMPILED_FLEX
 
 
-def _run_compiled_flex(*args, **kwargs):
-    """Call the compiled flex; a recompile-limit hit raises :class:`FlexRecompileError`."""
+@functools.cache
+def _recompile_limit_names() -> tuple[str, tuple[type, ...]]:
+    """(dynamo's fail-on-recompile-limit flag, the exceptions it raises), looked up once: before
+    torch 2.6 they were named for the "cache" limit."""
     import torch._dynamo
 
     config, exc_types = torch._dynamo.config, torch._dynamo.exc
-    # Older torch honours only the config flag (fullgraph alone may still fall back); its name
-    # before torch 2.6 was fail_on_cache_limit_hit.
     flag = next(
         name
         for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
         if hasattr(config, name)
     )
-    limit_hit = tuple(
+    return flag, tuple(
         getattr(exc_types, name)
         for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
         if hasattr(exc_types, name)
     )
+
+
+def _run_compiled_flex(*args, **kwargs):
+    """Call the compiled flex; a recompile-limit hit raises :class:`FlexRecompileError`."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    # Older torch honours only the config flag (fullgraph alone may still fall back).
+    flag, limit_hit = _recompile_limit_names()
     try:
         with config.patch(**{flag: True}):
             return compiled_flex_attention()(*args, **kwargs)
@@ -256,23 +265,7 @@ def tree_attention(
         scale=scale, dropout_p=dropout_p, gqa=num_heads != num_groups, sink=softmax_offset
     )
     if backend == "causal" and _varlen_flash_fits(query, value):
-        # [N, 1, np, hn] -> [N, np, hv]: flash varlen's own layout, no permute. Padding positions
-        # see only themselves: their output is their value (not one flash run each: a run per
-        # padding position would grow the kernel's grid and backward buffers with the padding).
-        real = sum(chains)
-        q1, k1, v1 = query[:, 0], key[:, 0], value[:, 0]
-        outs = []
-        if real:
-            cu_seqlens, longest = plan.chain_offsets(query.device)
-            outs.append(
-                _flash_varlen(
-                    q1[:real], k1[:real], v1[:real], cu_seqlens, longest, scale, dropout_p
-                )
-            )
-        if real < sq:
-            outs.append(v1[real:].repeat_interleave(num_heads // num_groups, dim=1))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return out.reshape(sq, 1, num_heads * value_dim)
+        return _causal_varlen(query, key, value, plan, scale=scale, dropout_p=dropout_p)
     if backend == "causal":
         out = _causal_chains(q, k, v, chains, scale=scale, dropout_p=dropout_p, gqa=attend["gqa"])
     elif backend == "sdpa":
@@ -406,6 +399,26 @@ def _varlen_flash_fits(query: torch.Tensor, value: torch.Tensor) -> bool:
         and head_dim % 8 == 0
         and torch.cuda.get_device_capability(query.device)[0] >= 8
     )
+
+
+def _causal_varlen(query, key, value, plan: TreeMaskPlan, *, scale, dropout_p) -> torch.Tensor:
+    """Causal attention of a chains-only micro-batch by one FlashAttention varlen call over its
+    sequences, in Megatron's layout: [N, 1, np, hn] queries -> [N, 1, np * hv]. Padding positions
+    see only themselves, so their output is their value (not one flash run each: a run per padding
+    position would grow the kernel's grid and backward buffers with the padding)."""
+    n, _, num_heads, _ = query.shape
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [N, h, d]: flash varlen's own layout
+    real = sum(plan.chains)
+    outs = []
+    if real:
+        cu_seqlens, longest = plan.chain_offsets(query.device)
+        outs.append(
+            _flash_varlen(q[:real], k[:real], v[:real], cu_seqlens, longest, scale, dropout_p)
+        )
+    if real < n:
+        outs.append(v[real:].repeat_interleave(num_heads // v.shape[1], dim=1))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.reshape(n, 1, num_heads * v.shape[-1])
 
 
 def _flash_varlen(q, k, v, cu_seqlens, max_len: int, scale: float, dropout_p: float):
