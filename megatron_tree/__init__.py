@@ -16,7 +16,7 @@ first access (this module's ``__getattr__``).
 """
 
 from .core.attention import tree_attention
-from .core.batch import PackedTreeBatch
+from .core.batch import MicroBatch, PackedTreeBatch, TreeOutputs
 from .core.checks import set_debug_checks
 from .core.context_parallel import context_parallel_split
 from .core.flops import GPTShape, train_flops
@@ -34,7 +34,6 @@ from .core.mask import (
     depth_window,
     tree_attention_mask,
     tree_block_layout,
-    tree_depth,
     tree_mask_mod,
 )
 from .core.packing import build_packed_tree_batch
@@ -47,7 +46,7 @@ from .core.results import (
 )
 from .core.rope import depth_rotary_pos_emb
 from .core.rows import KeyValueStore, TreeRows
-from .core.tree import PackedTree
+from .core.tree import PackedTree, tree_depth
 
 # Names that import Megatron (or mbridge), resolved on first access.
 _LAZY = {
@@ -60,6 +59,9 @@ _LAZY = {
     "attach_value_head": ".mcore.value_head",
     "TreeStepResult": ".mcore.step",
     "tree_forward_backward": ".mcore.step",
+    "PackingConfig": ".mcore.step",
+    "ProcessGroups": ".mcore.step",
+    "run_phases": ".mcore.schedule",
     "ExpertTokenCounter": ".mcore.moe_stats",
     "TreeMoELayer": ".mcore.moe",
     "TreeMLASelfAttention": ".mcore.mla",
@@ -84,9 +86,11 @@ __all__ = [
     "GPTShape",
     "KeyValueStore",
     "LogProbs",
+    "MicroBatch",
     "PackedTree",
     "PackedTreeBatch",
     "TreeMask",
+    "TreeOutputs",
     "TreeRows",
     "Values",
     "build_attention_mask_from_trie",

@@ -12,11 +12,8 @@ tokens. Three packings are compared (all ``pad_to_max=False``):
 * tree:      tree packing today (``share_trunks=False``): the trie is cut at branch points and the
              shared prefix is recomputed in every micro-batch holding a piece of it;
 * trunk:     trunk reuse (``share_trunks=True``): the trunk runs once, branches attend to its keys
-             and values;
-* trunk-rc:  trunk reuse with ``recompute_trunks=True`` (the pipeline-parallel path: a no-grad trunk
-             pass, the branches, the trunk recomputed; one micro-batch's activations at a time);
-* trunk-keep: (``--batch long``) ``recompute_trunks=False``: the trunk parts' activations kept
-             until their backward (the one-stage loop; the default only for a one-part trunk).
+             and values (the one schedule's three phases: a no-grad trunk pass, the branches, the
+             trunk recomputed; one micro-batch's activations at a time).
 
 ``--layout cp2`` / ``pp2`` run tree packing and trunk reuse on a 2-process gloo world (context
 parallelism 2, or pipeline parallelism 2 with constant shapes, ``pad_to_max=True``) and print per
@@ -64,8 +61,6 @@ MODES = {
     "tree": dict(share_prefixes=True, share_trunks=False),
     "trunk": dict(share_prefixes=True, share_trunks=True),
 }
-# Modes that step differently on the trunk packing: the trunk parts recomputed, or kept alive.
-STEP_OPTIONS = {"trunk-rc": dict(recompute_trunks=True), "trunk-keep": dict(recompute_trunks=False)}
 VOCAB, BLOCK = 1024, 128
 # An 8B-class shape (Llama-3-8B): the FLOP model's speed-up where linear layers outweigh attention,
 # unlike the CPU model, whose attention over 1.5-3K-token contexts dominates.
@@ -113,7 +108,7 @@ def unique_prefix_count(batch: dict) -> int:
 
 
 def pack(batch: dict, capacity: int, mode: str, pad_to_max: bool = False):
-    packing = MODES["trunk" if mode in STEP_OPTIONS else mode]
+    packing = MODES[mode]
     return build_packed_tree_batch(
         batch, max_tokens_per_mb=capacity, block_size=BLOCK, pad_to_max=pad_to_max, **packing
     )
@@ -155,7 +150,6 @@ def train_step(model, packed, mode: str = "tree") -> float:
         packed,
         lambda out, mb: ppo_clipped_loss(out, mb, clip_eps=0.2, entropy_coef=0.01),
         gather=LogProbs(),
-        **STEP_OPTIONS.get(mode, {}),
     )
     return time.perf_counter() - t0
 
@@ -231,13 +225,13 @@ def print_layout(packed) -> None:
 def time_steps(packed, args) -> dict:
     log("building the model")
     model = build_model(args)
-    times = {"tree": [], "trunk": [], "trunk-rc": []}
+    times = {"tree": [], "trunk": []}
     for mode in times:  # warm-up, one each
         log(f"warm-up step: {mode}")
-        train_step(model, packed[mode if mode in packed else "trunk"], mode)
+        train_step(model, packed[mode], mode)
     for r in range(args.repeats):
         for mode in times:
-            times[mode].append(train_step(model, packed[mode if mode in packed else "trunk"], mode))
+            times[mode].append(train_step(model, packed[mode], mode))
         log(
             f"repeat {r + 1}/{args.repeats}: "
             + ", ".join(f"{m} {t[-1]:.2f} s" for m, t in times.items())
@@ -349,10 +343,9 @@ def layout_main(args) -> None:
 
 
 def long_main(args) -> None:
-    """The long-history batch: tokens against the single trie, then trunk reuse with the trunk
-    parts' activations kept (the one-stage loop, recompute_trunks=False) against the default for a
-    chain of trunk parts, recompute_trunks=True (memory-bounded)."""
-    modes = ["trunk-keep", "trunk-rc"]
+    """The long-history batch: tokens against the single trie, then trunk reuse's step time and
+    peak memory (a chain of trunk parts, recomputed: one micro-batch's activations at a time)."""
+    modes = ["trunk"]
     memory = {mode: peak_memory(mode, args) for mode in modes}
     batch = make_batch(args.seed, "long")
     unique = unique_prefix_count(batch)
@@ -422,9 +415,9 @@ def main() -> None:
         choices=["agent", "long"],
         default="agent",
         help="long: a 24,000-token history shared by 10 tasks (trunk reuse only: tree packing "
-        "refuses sequences longer than a micro-batch); trunk vs trunk-rc",
+        "refuses sequences longer than a micro-batch)",
     )
-    parser.add_argument("--child", choices=list(MODES) + list(STEP_OPTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
@@ -435,9 +428,7 @@ def main() -> None:
         return long_main(args)
 
     modes = [m for m in MODES if not (args.skip_unshared and m == "unshared")]
-    memory = {
-        mode: peak_memory(mode, args) for mode in modes + ["trunk-rc"]
-    }  # while this process is small
+    memory = {mode: peak_memory(mode, args) for mode in modes}  # while this process is small
     config = config_for(args)
     shape = GPTShape.from_config(config, VOCAB)
     print(
@@ -466,8 +457,8 @@ def main() -> None:
         "step)"
     )
     print(
-        "   (trunk-rc: recompute_trunks=True, the trunk's activations not kept; one more trunk "
-        "forward)"
+        "   (trunk: the trunk parts run without grad first and are recomputed last, so only one "
+        "micro-batch's activations are alive at a time; one more trunk forward)"
     )
     for mode, m in memory.items():
         print(f"  {mode:9} {m['mib']:8.1f} MiB   (RSS before the step {m['before_mib']:.0f} MiB)")

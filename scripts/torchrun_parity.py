@@ -134,7 +134,15 @@ def main() -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_tree import LogProbs, Values, ppo_clipped_loss, tree_forward_backward, value_loss
+    from megatron_tree import (
+        LogProbs,
+        PackingConfig,
+        ProcessGroups,
+        Values,
+        ppo_clipped_loss,
+        tree_forward_backward,
+        value_loss,
+    )
     from megatron_tree.patches import megatron_cpu
     from megatron_tree.testing.models import build_gpt_model
     from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
@@ -188,13 +196,17 @@ def main() -> int:
         mine,
         loss_fn,
         gather=Values() if args.critic else LogProbs(),
-        max_tokens_per_mb=64 if args.trunk else 128,
-        block_size=16,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group() if dp > 1 else None,
-        pad_to_max=args.pp > 1,
+        packing=PackingConfig(
+            max_tokens_per_mb=64 if args.trunk else 128,
+            block_size=16,
+            pad_to_max=args.pp > 1,
+            share_trunks=True if args.trunk else None,
+        ),
+        groups=ProcessGroups(
+            tp=ps.get_tensor_model_parallel_group(),
+            dp=ps.get_data_parallel_group() if dp > 1 else None,
+        ),
         collect_outputs=True,
-        share_trunks=True if args.trunk else None,
     )
     got = {
         names[(c, n)]: p.grad for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()

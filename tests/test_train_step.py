@@ -13,7 +13,7 @@ import torch
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import tree_forward_backward
+from megatron_tree.mcore.step import PackingConfig, tree_forward_backward
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import (
     RECOMPUTE_MODES,
@@ -439,10 +439,72 @@ def test_step_errors(world):
             [tree, tree], batch, _loss_fn(False), max_tokens_per_mb=64, block_size=16
         )
     packed = build_packed_tree_batch(batch, max_tokens_per_mb=64, block_size=16)
-    with pytest.raises(
-        ValueError, match=r"\['max_tokens_per_mb'\] apply to packing a padded batch"
-    ):
-        tree_forward_backward(tree, packed, _loss_fn(False), max_tokens_per_mb=64)
+    with pytest.raises(ValueError, match=r"packing applies to an unpacked batch"):
+        tree_forward_backward(
+            tree, packed, _loss_fn(False), packing=PackingConfig(max_tokens_per_mb=64)
+        )
+
+
+def test_a_loss_without_gradient_is_refused(world):
+    """A loss_fn returning a detached tensor would train nothing: refused, not silently skipped
+    (on whole trees and on trunk groups alike)."""
+    model = _build("tree", critic=False)
+    batch = _batch(branching_sequences())
+    for share_trunks in (False, True):
+        packed = build_packed_tree_batch(
+            batch, max_tokens_per_mb=48, block_size=16, share_trunks=share_trunks
+        )
+        assert any(mb.rows.group is not None for mb in packed) == share_trunks
+        with pytest.raises(ValueError, match="without a gradient"):
+            tree_forward_backward(model, packed, lambda out, mb: ppo_clipped_loss(out, mb).detach())
+
+
+def test_head_misuse_fails_before_the_forward(world):
+    """A head that cannot give what the loss reads, or no head instance, is refused before the
+    model runs (not as a KeyError / TypeError after the forward)."""
+    model = _build("tree", critic=False)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    packed = build_packed_tree_batch(
+        _batch(branching_sequences()), max_tokens_per_mb=64, block_size=16
+    )
+    with pytest.raises(ValueError, match=r"reads outputs\['entropy'\].*LogProbs\(entropy=True\)"):
+        tree_forward_backward(model, packed, _loss_fn(False), gather=LogProbs(entropy=False))
+    for gather in (LogProbs, "logprobs"):
+        with pytest.raises(ValueError, match="is not a head: pass an instance"):
+            tree_forward_backward(model, packed, _loss_fn(False), gather=gather)
+    assert not calls
+
+
+def test_forward_only_log_line_has_no_loss(world):
+    model = _build("tree", critic=False)
+    packed = build_packed_tree_batch(
+        _batch(branching_sequences()), max_tokens_per_mb=64, block_size=16
+    )
+    result = tree_forward_backward(model, packed, forward_only=True)
+    assert result.loss is None
+    assert "loss=n/a (forward only)" in result.log_line()
+    assert "loss=0.000000" not in result.log_line()
+
+
+def test_one_pad_to_max_default():
+    """The packer and the step decide pad_to_max in one place: False unless the layout needs
+    constant shapes (a padded 417-token batch was 16,384 rows with the packer's old default)."""
+    batch = _batch(branching_sequences())
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=1024, block_size=16)
+    assert packed.num_padded_tokens < 1024
+    assert (
+        PackingConfig(max_tokens_per_mb=1024).resolve(constant_shapes=None, align=1)["pad_to_max"]
+        is False
+    )
+    assert (
+        PackingConfig(max_tokens_per_mb=1024).resolve(constant_shapes="PP", align=1)["pad_to_max"]
+        is True
+    )
+    with pytest.raises(ValueError, match="pad_to_max=False gives trees of different lengths"):
+        PackingConfig(max_tokens_per_mb=1024, pad_to_max=False).resolve(
+            constant_shapes="pipeline parallelism", align=1
+        )
 
 
 def test_bad_inputs_fail_before_the_forward(world):

@@ -10,7 +10,9 @@ Legend: B batch size, L padded sequence length, N packed tree length, T the tree
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,17 +24,62 @@ from .tree import PackedTree
 RESERVED_KEYS = ("input_ids", "position_ids", "tree", "attention_mask", "rows")
 
 
-def micro_batch(tree: PackedTree, rows: TreeRows | None = None) -> dict:
-    """A micro-batch dict: ``tree`` (the sequences whose loss it takes), ``rows`` (the
-    :class:`~megatron_tree.core.rows.TreeRows` it computes; default all of ``tree``) and its rows'
-    ``input_ids`` / ``position_ids`` [1, n]."""
-    rows = TreeRows.whole(tree) if rows is None else rows
-    return {
-        "input_ids": rows.local(rows.tree.input_ids)[None],
-        "position_ids": rows.local(rows.tree.position_ids)[None],
-        "tree": tree,
-        "rows": rows,
-    }
+@dataclass(eq=False)
+class MicroBatch:
+    """One micro-batch of a packed batch: the rows it computes and the inputs of its loss.
+
+    Attributes:
+        tree: the :class:`PackedTree` whose sequences take their loss here (T sequence tokens).
+        rows: the :class:`~megatron_tree.core.rows.TreeRows` it computes (n rows: the whole tree,
+            a trunk-reuse part or branch, or a context-parallel rank's share).
+        inputs: attached per-token inputs, each [T, ...] in tree order (``loss_mask``,
+            ``advantages``, ``old_logprobs``, routes, ...).
+
+    ``mb["tree"]``, ``mb["rows"]``, ``mb["input_ids"]``, ``mb["position_ids"]`` and ``mb[name]``
+    for an attached input read the same fields (the loss function receives the inputs as a dict).
+    """
+
+    tree: PackedTree
+    rows: TreeRows
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """int64 [1, n]: the token of each of its rows."""
+        return self.rows.local(self.rows.tree.input_ids)[None]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """int64 [1, n]: the depth of each of its rows."""
+        return self.rows.local(self.rows.tree.position_ids)[None]
+
+    def with_rows(self, rows: TreeRows) -> MicroBatch:
+        """The same micro-batch computing ``rows`` (e.g. a context-parallel rank's share)."""
+        return MicroBatch(self.tree, rows, dict(self.inputs))
+
+    def __getitem__(self, key: str):
+        if key in ("tree", "rows", "input_ids", "position_ids"):
+            return getattr(self, key)
+        return self.inputs[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in ("tree", "rows", "input_ids", "position_ids") or key in self.inputs
+
+    def loss_inputs(self) -> dict:
+        """What a loss function reads: the attached inputs and ``tree``, ``rows``, ``input_ids``,
+        ``position_ids``."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "tree": self.tree,
+            "rows": self.rows,
+            **self.inputs,
+        }
+
+
+def micro_batch(tree: PackedTree, rows: TreeRows | None = None) -> MicroBatch:
+    """A :class:`MicroBatch` of ``tree`` computing ``rows`` (default all of ``tree``)."""
+    return MicroBatch(tree, TreeRows.whole(tree) if rows is None else rows)
 
 
 def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +92,9 @@ def batch_positions(tree: PackedTree) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _cost(mb: dict, shape: GPTShape) -> float:
     """FLOPs of a micro-batch's rows (each real row at depth d attends d + 1 keys)."""
-    rows = mb["rows"]
+    rows = mb.rows
     if rows.is_whole:
-        return tree_cost(mb["tree"], shape)
+        return tree_cost(mb.tree, shape)
     per_token, per_pair = cost_weights(shape)
     depth = rows.local(rows.tree.position_ids)[: rows.num_real]
     return per_token * rows.num_real + per_pair * float((depth + 1).sum())
@@ -66,6 +113,11 @@ def _numpy_as_tensor(name: str, value):
     from .checks import as_tensor
 
     return as_tensor(name, value) if isinstance(value, np.ndarray) else value
+
+
+class TreeOutputs(list):
+    """One tensor [T_mb, ...] per micro-batch of a packed batch, in tree layout (what a step's
+    ``result.tree_outputs[name]`` holds); :meth:`PackedTreeBatch.attach` reads it as such."""
 
 
 class PackedTreeBatch(Sequence):
@@ -104,9 +156,9 @@ class PackedTreeBatch(Sequence):
         self.max_token_id = max_token_id
         self.cost_model = cost_model
         # Each micro-batch counts its own rows: a trunk group's trunk is counted once.
-        self.num_tree_tokens = sum(mb["rows"].num_real for mb in micro_batches)
-        self.num_padded_tokens = sum(mb["rows"].num_rows for mb in micro_batches)
-        self.num_dummy_trees = sum(mb["rows"].num_real == 0 for mb in micro_batches)
+        self.num_tree_tokens = sum(mb.rows.num_real for mb in micro_batches)
+        self.num_padded_tokens = sum(mb.rows.num_rows for mb in micro_batches)
+        self.num_dummy_trees = sum(mb.rows.num_real == 0 for mb in micro_batches)
         self._costs: list[float] | None = None
         self.input_layout = InputLayout("padded", ())  # set by build_packed_tree_batch
 
@@ -117,7 +169,7 @@ class PackedTreeBatch(Sequence):
 
     @property
     def trees(self) -> list[PackedTree]:
-        return [mb["tree"] for mb in self.micro_batches]
+        return [mb.tree for mb in self.micro_batches]
 
     def tree_costs(self, shape: GPTShape | None = None) -> list[float]:
         """Forward+backward FLOPs of every micro-batch's tree (linear layers per unique token plus
@@ -147,7 +199,7 @@ class PackedTreeBatch(Sequence):
     def _real_tree_costs(self) -> list[float]:
         if self.cost_model is None:
             return []
-        return [c for c, mb in zip(self.tree_costs(), self.micro_batches) if mb["rows"].num_real]
+        return [c for c, mb in zip(self.tree_costs(), self.micro_batches) if mb.rows.num_real]
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -172,27 +224,47 @@ class PackedTreeBatch(Sequence):
             f"tree_token_ratio={self.tree_token_ratio:.4f}{costs})"
         )
 
-    def attach(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> PackedTreeBatch:
+    def attach(self, name: str, values) -> PackedTreeBatch:
         """Attach a per-token input to every micro-batch, in place; returns ``self``.
 
         Args:
             name: the key the micro-batches get (not one of ``RESERVED_KEYS``).
-            values: either one tensor [B, L, ...] in the padded batch layout (L at least the longest
-                sequence), or one tensor [T_mb, ...] per micro-batch in tree layout, e.g. a
-                forward-only step's ``result.tree_outputs["logprobs"]``. A numpy array is read
-                like a tensor (one array: the padded layout; a list of arrays: tree layout).
+            values: in the layout the batch was packed from (``input_layout``): [B, L, ...] for a
+                padded batch (L at least the longest sequence; numpy too), a list of [L_b, ...],
+                a jagged nested tensor [B, j, ...] or THD [T, ...] for a ragged one; or the
+                :class:`TreeOutputs` of a step on this batch (``result.tree_outputs[key]``: one
+                [T_mb, ...] per micro-batch in tree layout, see :meth:`attach_tree`).
         """
         _check_name(name)
+        if isinstance(values, TreeOutputs):
+            return self.attach_tree(name, values)
+        layout = self.input_layout
+        if layout.kind != "padded":
+            return self.attach_padded({name: layout.pad(name, values)})
         values = _numpy_as_tensor(name, values)
-        if isinstance(values, torch.Tensor):
-            return self.attach_padded({name: values})
+        if isinstance(values, (list, tuple)):
+            warnings.warn(
+                f"attach({name!r}, list): reading a plain list as one tree-layout tensor per "
+                "micro-batch is deprecated (on a ragged batch a list is per sequence); pass "
+                "result.tree_outputs[...] as it is, or call attach_tree",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return self.attach_tree(name, values)
+        return self.attach_padded({name: values})
+
+    def attach_tree(self, name: str, values: Sequence[torch.Tensor]) -> PackedTreeBatch:
+        """Attach one tensor [T_mb, ...] per micro-batch in tree layout (sequence i of a tree is
+        entries ``tree.cu_seqlens[i]:tree.cu_seqlens[i + 1]``), e.g. a forward-only step's
+        ``result.tree_outputs["logprobs"]``; numpy arrays too. Returns ``self``."""
+        _check_name(name)
         values = [_numpy_as_tensor(f"{name}[{i}]", value) for i, value in enumerate(values)]
         if len(values) != len(self):
             raise ValueError(
                 f"{name}: got {len(values)} tree-layout tensors for {len(self)} micro-batches"
             )
         for i, (mb, value) in enumerate(zip(self.micro_batches, values)):
-            expected = mb["tree"].num_sequence_tokens
+            expected = mb.tree.num_sequence_tokens
             if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != expected:
                 shape = (
                     tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -202,7 +274,7 @@ class PackedTreeBatch(Sequence):
                     f"tokens), got {shape}"
                 )
         for mb, value in zip(self.micro_batches, values):
-            mb[name] = value
+            mb.inputs[name] = value
         return self
 
     def attach_padded(self, values: dict[str, torch.Tensor]) -> PackedTreeBatch:
@@ -219,16 +291,21 @@ class PackedTreeBatch(Sequence):
                     f"{name}: a padded-layout input must be a tensor (or numpy array) [B, L, ...], "
                     f"got {type(value).__name__}; convert it with torch.as_tensor"
                 )
-            if value.dim() < 2 or value.shape[0] != self.batch_size or value.shape[1] < longest:
+            if (
+                value.is_nested
+                or value.dim() < 2
+                or value.shape[0] != self.batch_size
+                or value.shape[1] < longest
+            ):
                 raise ValueError(
                     f"{name}: a padded-layout tensor must be [B, L, ...] with B = "
                     f"{self.batch_size} and L >= {longest} (the longest sequence), got "
                     f"{tuple(value.shape)}"
                 )
         for mb in self.micro_batches:
-            rows, cols = batch_positions(mb["tree"])
+            rows, cols = batch_positions(mb.tree)
             for name, value in values.items():
-                mb[name] = value[rows.to(value.device), cols.to(value.device)]
+                mb.inputs[name] = value[rows.to(value.device), cols.to(value.device)]
         return self
 
     def to(self, device: torch.device | str) -> PackedTreeBatch:
@@ -236,13 +313,12 @@ class PackedTreeBatch(Sequence):
         parts; ``input_ids`` / ``position_ids`` stay views)."""
         moved, trees = [], {}
         for mb in self.micro_batches:
-            rows = mb["rows"]
+            rows = mb.rows
             if id(rows.tree) not in trees:
                 trees[id(rows.tree)] = rows.tree.to(device)
-            tree = trees[id(rows.tree)] if mb["tree"] is rows.tree else mb["tree"].to(device)
-            new = micro_batch(tree, rows.to(device, trees[id(rows.tree)]))
-            new.update({k: v.to(device) for k, v in mb.items() if k not in RESERVED_KEYS})
-            moved.append(new)
+            tree = trees[id(rows.tree)] if mb.tree is rows.tree else mb.tree.to(device)
+            inputs = {k: v.to(device) for k, v in mb.inputs.items()}
+            moved.append(MicroBatch(tree, rows.to(device, trees[id(rows.tree)]), inputs))
         result = PackedTreeBatch(
             moved,
             self.batch_size,

@@ -36,6 +36,11 @@ class LogProbs:
     entropy: bool = True
     rolled = True
 
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The names of the per-token outputs it gives."""
+        return ("logprobs", "entropy") if self.entropy else ("logprobs",)
+
     def __post_init__(self):
         object.__setattr__(
             self, "temperature", check_positive_number("temperature", self.temperature)
@@ -92,6 +97,7 @@ class Values:
     """
 
     rolled = False
+    outputs = ("values",)
 
     def check_output(
         self, output: torch.Tensor, tp_group: dist.ProcessGroup | None, max_token_id: int

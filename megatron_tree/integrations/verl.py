@@ -15,12 +15,12 @@ things changed:
   (its trunk computed once, as trunk parts, its branches attending to the trunk's keys and values);
   verl's sample order is restored from the trees' sequence ids exactly as verl restores its
   dynamic batches;
-* the schedule: megatron_tree's own loops (:class:`~megatron_tree.mcore.runner.StepRunner`, and
-  :func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled` for trunk groups) run in place of
-  Megatron's ``forward_backward_func``; each micro-batch's head is verl's own logits processor at
-  its rows' tokens (labels rolled within each sample as verl rolls them), and its loss verl's
-  ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it, so verl's
-  losses, metrics and output layout are unchanged.
+* the schedule: the package's one schedule (:func:`~megatron_tree.mcore.schedule.run_phases`,
+  trunk groups included) runs in place of Megatron's ``forward_backward_func``, with verl's head
+  and loss at its two seams: the head is verl's own logits processor at a micro-batch's rows'
+  tokens (labels rolled within each sample as verl rolls them, :class:`_VerlHead`), the loss verl's
+  ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it
+  (:class:`_VerlLoss`), so verl's losses, metrics and output layout are unchanged.
 
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
 changes; each sample's values are the value head at its own tokens' rows. Data-parallel ranks run
@@ -55,8 +55,7 @@ from verl.workers.engine.megatron.transformer_impl import (
 )
 
 from ..core.packing import build_packed_tree_batch
-from ..mcore.runner import MicroBatchInputs, StepRunner, plain_forward_step
-from ..mcore.trunk_step import check_trunk_parts, run_trunks_scheduled
+from ..mcore.schedule import Phases, StepContext, run_phases
 from ..patches._scoped import swapped
 
 logger = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ def tree_micro_batches(
     )
     micro_batches, indices = [], []
     for mb in packed:
-        ids = [int(i) for i in mb["tree"].sequence_ids]
+        ids = [int(i) for i in mb.tree.sequence_ids]
         # A micro-batch that takes no loss (an all-padding tree matching other data-parallel ranks'
         # count, a trunk part no sample ends in) carries sample 0 as its verl data (verl cannot hold
         # an empty jagged micro-batch); it adds no output or loss.
@@ -161,70 +160,54 @@ class _TokenRows(NamedTuple):
         return full.index_copy(0, self.tokens, values)
 
 
-class _VerlStep(StepRunner):
-    """The tree step's runner with verl's head and loss: a micro-batch's per-token outputs are what
-    verl's logits processor (or value head) gives at its rows' tokens, and its loss is verl's
-    ``postprocess_micro_batch_func`` on the per-sample outputs of the samples ending in it, so the
-    same loops run whole trees and trunk groups
-    (:func:`~megatron_tree.mcore.trunk_step.run_trunks_scheduled`).
+class _VerlHead:
+    """:class:`~megatron_tree.mcore.schedule.Head`: verl's logits processor (or value head) at a
+    micro-batch's rows' tokens.
 
     Args:
         head: the engine's ``_tree_head`` with the step's flags bound: (model output, _TokenRows)
             -> per-token outputs.
-        micro_batches: verl's micro-batches (on the device); packed: their packed micro-batches
-            (on the device), one each.
-        token_rows: per packed micro-batch, (its rows' tokens of its own tree or None when no
-            sample ends in it, of its group's tree or None when it is no trunk part).
+        token_rows: per packed micro-batch's rows (by id), (its rows' tokens of its own tree or
+            None when no sample ends in it, of its group's tree or None when it is no trunk part).
+    """
+
+    def __init__(self, head, token_rows: dict[int, tuple]):
+        self.head, self.token_rows = head, token_rows
+
+    def __call__(self, output: torch.Tensor, tree, rows) -> dict[str, torch.Tensor]:
+        own, group = self.token_rows.get(id(rows), (None, None))
+        token_rows = group if rows.records and tree is rows.tree else own
+        if token_rows is None:  # no sample's tokens (a trunk part no sample ends in)
+            return {"_": output.flatten()[:0].float().sum()[None]}
+        return self.head(output, token_rows)
+
+
+class _VerlLoss:
+    """:class:`~megatron_tree.mcore.schedule.Loss`: verl's ``postprocess_micro_batch_func`` on the
+    per-sample outputs of the samples ending in a micro-batch (verl's ``(loss, output)``, which
+    Megatron divides by the schedule call's micro-batch count and verl multiplies back).
+
+    Args:
+        micro_batches: verl's micro-batches (on the device), one per packed micro-batch.
+        lengths: per packed micro-batch, its samples' token counts (host ints from packing).
         postprocess: verl's ``postprocess_micro_batch_func`` with the step's loss function.
         model_output: per-sample outputs {name: nested [b, j]} -> what verl's forward step hands
             its postprocess (the engine's ``_tree_model_output``).
-
-    The base's head, loss function and weights are verl's here (``gather`` / ``loss`` overridden).
     """
 
-    def __init__(
-        self, chunks, config, *, head, micro_batches, packed, token_rows, postprocess, model_output
-    ):
-        super().__init__(
-            chunks,
-            config,
-            gather=None,
-            loss_fn=None,
-            tp_group=None,
-            prepare=MicroBatchInputs(chunks, None),
-            weights=None,
-            counts=None,
-            scale=1.0,
-            collect=False,
-            max_token_id=0,
-            num_micro_batches=len(packed),
-        )
-        self.head, self.micro_batches, self.postprocess = head, micro_batches, postprocess
-        self.model_output = model_output
-        self.token_rows = {id(mb["rows"]): pair for mb, pair in zip(packed, token_rows)}
+    def __init__(self, micro_batches, lengths, postprocess, model_output):
+        self.micro_batches, self.lengths = micro_batches, lengths
+        self.postprocess, self.model_output = postprocess, model_output
         self.outputs: dict[int, dict] = {}  # verl's output of each micro-batch that took a loss
 
-    def gather(self, output: torch.Tensor, tree, rows) -> dict[str, torch.Tensor]:
-        own, group = self.token_rows.get(id(rows), (None, None))
-        token_rows = group if rows.records and tree is rows.tree else own
-        if token_rows is None:  # no sample's tokens (a fill-in, a trunk part no sample ends in)
-            return {"_": output.sum()[None] * 0.0}
-        return self.head(output, token_rows)
-
-    def loss(self, i: int, outputs: dict, mb: dict):
-        tree = mb["tree"]
-        if i >= self.num_micro_batches or tree.num_sequences == 0:
+    def __call__(self, index: int, mb, outputs: dict, *, num_micro_batches: int):
+        if mb.tree.num_sequences == 0:
             return sum(v.sum() for v in outputs.values()) * 0.0, {}
-        data = self.micro_batches[i]
-        # Megatron divides each loss by its schedule call's micro-batch count; verl multiplies by
-        # this.
-        tu.assign_non_tensor(data, num_micro_batch=self.num_scheduled)
-        lengths = self.token_rows[id(mb["rows"])][
-            0
-        ].lengths  # host ints from packing: no device read
-        per_sample = {k: _nested(list(v.split(lengths))) for k, v in outputs.items()}
+        data = self.micro_batches[index]
+        tu.assign_non_tensor(data, num_micro_batch=num_micro_batches)
+        per_sample = {k: _nested(list(v.split(self.lengths[index]))) for k, v in outputs.items()}
         loss, output = self.postprocess(self.model_output(per_sample), data=data)
-        self.outputs[i] = output
+        self.outputs[index] = output
         return loss, output
 
 
@@ -332,7 +315,7 @@ class _TreeEngine:
         self.tree_stats = {
             "sequences": packed.batch_size,
             "micro_batches": len(packed),
-            "trunk_groups": len({mb["rows"].group for mb in packed} - {None}),
+            "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
             "tokens_unpacked": packed.num_real_tokens,
             "tokens_computed": packed.num_padded_tokens,
             "tree_token_ratio": packed.tree_token_ratio,
@@ -351,12 +334,8 @@ class _TreeEngine:
             packed,
             [  # the head's host facts, once per micro-batch
                 (
-                    _TokenRows.of(mb["tree"], mb["rows"], temperature)
-                    if mb["tree"].num_sequences
-                    else None,
-                    _TokenRows.of(mb["rows"].tree, mb["rows"], temperature)
-                    if mb["rows"].records
-                    else None,
+                    _TokenRows.of(mb.tree, mb.rows, temperature) if mb.tree.num_sequences else None,
+                    _TokenRows.of(mb.rows.tree, mb.rows, temperature) if mb.rows.records else None,
                 )
                 for mb in packed
             ],
@@ -393,37 +372,33 @@ class _TreeEngine:
                 "distillation_only",
             )
         }
-        trunks = check_trunk_parts(packed)
-        if trunks and flags["distillation_use_topk"]:
+        phases = Phases.of(list(packed))
+        if phases.trunks and flags["distillation_use_topk"]:
             raise ValueError(
                 "top-k distillation reads the teacher's per-token data in the micro-batch's order, "
                 "which trunk parts do not keep: set tree_share_trunks=False on the engine"
             )
-        head = partial(
-            self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
+        head = _VerlHead(
+            partial(
+                self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
+            ),
+            {id(mb.rows): pair for mb, pair in zip(packed, token_rows)},
         )
-        postprocess = partial(
-            self.postprocess_micro_batch_func,
-            forward_only=forward_only,
-            loss_function=loss_function,
+        loss = _VerlLoss(
+            micro_batches,
+            [None if own is None else own.lengths for own, _ in token_rows],
+            partial(
+                self.postprocess_micro_batch_func,
+                forward_only=forward_only,
+                loss_function=loss_function,
+            ),
+            self._tree_model_output,
         )
-        step = _VerlStep(
-            model,
-            self.tf_config,
-            head=head,
-            micro_batches=micro_batches,
-            packed=list(packed),
-            token_rows=token_rows,
-            postprocess=postprocess,
-            model_output=self._tree_model_output,
+        ctx = StepContext(
+            model, self.tf_config, moe=bool(self.tf_config.num_moe_experts), per_token=False
         )
-        if trunks:
-            run_trunks_scheduled(step, list(packed), forward_only=forward_only)
-        else:
-            step.schedule(
-                list(enumerate(packed)), plain_forward_step(step), forward_only=forward_only
-            )
-        return [step.outputs[i] for i in sorted(step.outputs)]
+        run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
+        return [loss.outputs[i] for i in sorted(loss.outputs)]
 
 
 @EngineRegistry.register(

@@ -13,8 +13,6 @@ either way).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
@@ -29,21 +27,6 @@ from ..core.attention import BACKENDS, tree_attention
 from ..core.mask import depth_window
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-_RUNNING = threading.local()
-
-
-def running_tree_plan():
-    """The mask plan of the micro-batch whose attention ran last on this thread (None before any):
-    the plan of the current transformer layer's micro-batch for the modules that run after the
-    attention in the same layer (an MoE router reads its trunk group's store there), in the first
-    forward and in an activation recomputation alike."""
-    return getattr(_RUNNING, "plan", None)
-
-
-def set_running_tree_plan(plan) -> None:
-    """Record ``plan`` as the running one (:func:`running_tree_plan`): every tree layer that mixes
-    tokens (attention, a recurrent layer) calls it before the modules after it in the layer run."""
-    _RUNNING.plan = plan
 
 
 class TreeCoreAttention(MegatronModule):
@@ -178,7 +161,6 @@ class TreeCoreAttention(MegatronModule):
         """
         cp_size = self.config.context_parallel_size
         plan = getattr(attention_mask, "plan", None)
-        set_running_tree_plan(plan)
         rows = getattr(plan, "rows", None)
         if (1 if rows is None else rows.cp_size) != cp_size:
             raise ValueError(

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 
 from ..core.recurrent import l2norm, tree_causal_conv, tree_gated_delta_rule
-from .core_attention import set_running_tree_plan
 
 try:  # megatron-core >= 0.19
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -100,7 +99,6 @@ if GatedDeltaNet is not None:
                     "attention_mask=tree_attention_mask(tree or rows) (tree_forward_backward does "
                     "this)"
                 )
-            set_running_tree_plan(plan)
             qkvzba, _ = self.in_proj(hidden_states)  # [n, b, in_proj_dim / tp]
             qk, vd, heads = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
             qkv, gate, beta_alpha = torch.split(qkvzba, [2 * qk + vd, vd, 2 * heads], dim=-1)

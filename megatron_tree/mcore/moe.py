@@ -14,9 +14,11 @@ the tree's sequences run unpacked as one batch:
   Megatron's);
 * z-loss = coeff * sum_x w_x logsumexp(l_x)^2 / W.
 
-The multiplicities travel as a float ``padding_mask`` [b, s] through Megatron's GPTModel, block and
-layer (and their activation recomputation) to the MoE layer; a boolean ``padding_mask`` keeps
-Megatron's meaning. The sequence-level aux loss (per sequence statistics), the global aux loss and
+The multiplicities travel in the micro-batch's one context, its tree mask's plan
+(``attention_mask.plan.tokens``, a :class:`RouterInputs`), which Megatron hands to every layer
+in the forward and in an activation recomputation; :class:`TreeTransformerLayer` gives its MoE
+layer the plan of the call it runs. A model called without a tree mask keeps Megatron's
+``padding_mask``. The sequence-level aux loss (per sequence statistics), the global aux loss and
 token dropping (a capacity factor: which tokens an expert drops depends on every token of the
 micro-batch, so a tree cannot reproduce it) are refused with a clear error; see
 :func:`check_tree_moe_config`.
@@ -31,17 +33,19 @@ that token alone, so the tree's routing equals the unpacked one.
 A trunk-reuse group spans several micro-batches; its router losses are the group's sequences'
 run unpacked as one batch: the expert counts and W of every layer are summed over the group's
 parts in a first no-grad pass (into the group's
-:class:`~megatron_tree.core.rows.KeyValueStore`, which the layer finds on the mask plan of its
-micro-batch), and each part then attaches its share (the aux loss is linear in each part's
+:class:`~megatron_tree.core.rows.KeyValueStore`, on the mask plan of its micro-batch), and each
+part then attaches its share (the aux loss is linear in each part's
 scores once the counts are the group's; the z-loss is a sum over tokens).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import (
@@ -50,25 +54,31 @@ from megatron.core.transformer.moe.moe_utils import (
     save_to_aux_losses_tracker,
     switch_load_balancing_loss_func,
 )
-
-from .core_attention import running_tree_plan
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 _SUPPORTED_AUX = ("aux_loss", "none")
 
-# Set by tree_forward_backward for the duration of its schedule: the factor its own loss gets per
-# micro-batch token (1 when Megatron divides by the global token count itself).
-_STEP_SCALE: list[float] = []
 
+@dataclass(frozen=True)
+class RouterInputs:
+    """What a micro-batch's MoE routers read besides the hidden states (on its mask plan,
+    ``attention_mask.plan.tokens``; built once per micro-batch by the step).
 
-@contextlib.contextmanager
-def step_loss_scale(scale: float):
-    """Within a tree step: each micro-batch's router losses are weighted by its unpacked token count
-    times ``scale``, as the step weights its own loss tokens (Megatron's per-token semantics)."""
-    _STEP_SCALE.append(scale)
-    try:
-        yield
-    finally:
-        _STEP_SCALE.pop()
+    Attributes:
+        weights: float32 [n]: each row's multiplicity in the unpacked batch (0 for padding), the
+            weight of its token in the router losses (:func:`token_multiplicity`).
+        loss_scale: the factor the step gives each loss token (1 when Megatron divides by the
+            global token count itself); a micro-batch's router losses, means over its W weighted
+            tokens, are added with weight W x ``loss_scale``, as the step's own loss tokens are.
+            Megatron's own channel (``MoEAuxLossAutoScaler.set_loss_scale``, set by its schedule
+            from ``grad_scale_func``) scales them further in backward.
+        routes: int [n, num_layers, topk]: the routes each row replays (global layer order),
+            or None without routing replay.
+    """
+
+    weights: torch.Tensor
+    loss_scale: float = 1.0
+    routes: torch.Tensor | None = None
 
 
 def check_tree_moe_config(config) -> None:
@@ -143,44 +153,49 @@ class ExpertRowParallelLinear(RowParallelLinear):
 class TreeMoELayer(MoELayer):
     """``MoELayer`` whose router losses weigh each token by its multiplicity in the unpacked batch.
 
-    Pass the multiplicities as a float ``padding_mask`` [b, s] to the model
-    (``tree_forward_backward`` does, from ``token_multiplicity``); anything else behaves exactly
-    like ``MoELayer``.
+    Inside a tree model its :class:`TreeTransformerLayer` hands it the micro-batch's mask plan
+    (:meth:`reading`): the plan's :class:`RouterInputs` give the weights, replayed routes and loss
+    scale, its store a trunk group's routing statistics. Without a plan (or without router inputs
+    on it) it behaves exactly like ``MoELayer``.
     """
 
-    _token_weights: torch.Tensor | None = None
+    _plan = None
+
+    @contextlib.contextmanager
+    def reading(self, plan):
+        """Route with ``plan`` (a micro-batch's :class:`~megatron_tree.core.mask.TreeMaskPlan`)
+        for the duration of one layer call."""
+        self._plan = plan
+        try:
+            yield
+        finally:
+            self._plan = None
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        if padding_mask is None or not padding_mask.is_floating_point():
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
-        if getattr(self, "moe_layer_recompute", False):
+        inputs = getattr(self._plan, "tokens", None)
+        if inputs is not None and getattr(self, "moe_layer_recompute", False):
             raise ValueError(
                 "MoE-only recompute (recompute_modules=['moe']) re-routes outside the layer's "
-                "forward, where the tree weights are gone; use full or core_attn recompute with "
-                "trees"
+                "forward, where the micro-batch's tree plan is gone; use full or core_attn "
+                "recompute with trees"
             )
-        self._token_weights = padding_mask.transpose(0, 1).reshape(
-            -1
-        )  # [s * b], like the router's tokens
-        try:
-            return super().forward(hidden_states, intermediate_tensors, None)
-        finally:
-            self._token_weights = None
+        return super().forward(hidden_states, intermediate_tensors, padding_mask)
 
     def route(self, hidden_states, padding_mask=None):
-        weights = self._token_weights
-        store = getattr(running_tree_plan(), "store", None)  # a trunk group's, or None
-        if (
-            weights is not None
-            and store is not None
-            and store.collecting
-            and router_losses_on(self.config)
-        ):
+        plan = self._plan
+        inputs = getattr(plan, "tokens", None)
+        if inputs is None:
+            return super().route(hidden_states, padding_mask)
+        weights = inputs.weights
+        store = plan.store  # a trunk group's, or None
+        if inputs.routes is not None:
+            self._replay(inputs.routes)
+        if store is not None and store.collecting and router_losses_on(self.config):
             store.add_stats(
                 self.router.layer_number, _routing_stats(self.router, hidden_states, weights)
             )
-        if weights is None or not (self.training and torch.is_grad_enabled()):
-            return super().route(hidden_states, padding_mask)
+        if not (self.training and torch.is_grad_enabled()):
+            return super().route(hidden_states, None)
         check_tree_moe_config(self.config)
         counts = self.router.local_tokens_per_expert if self.router.enable_expert_bias else None
         before = None if counts is None else counts.clone()
@@ -197,9 +212,54 @@ class TreeMoELayer(MoELayer):
                     "group's routing statistics, collected by a first pass over its parts "
                     "(tree_forward_backward does this)"
                 )
-        return _attach_weighted_losses(
-            self.router, hidden_states, probs, weights, group_stats
-        ), routing_map
+        probs = _attach_weighted_losses(
+            self.router, hidden_states, probs, weights, inputs.loss_scale, group_stats
+        )
+        return probs, routing_map
+
+    def _replay(self, routes: torch.Tensor) -> None:
+        """Make the router replay its layer's column of ``routes`` [n, layers, topk] (cut to the
+        sequence-parallel shard it sees) in this call, a recomputation included."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay = getattr(self.router, "router_replay", None)
+        if replay is None:
+            raise ValueError(
+                "the micro-batch carries routes to replay, but this router does not replay: build "
+                "the model with moe_enable_routing_replay=True"
+            )
+        if self.config.sequence_parallel and self.config.tensor_model_parallel_size > 1:
+            shard = routes.shape[0] // self.config.tensor_model_parallel_size
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            routes = routes[rank * shard : (rank + 1) * shard]
+        replay.set_target_indices(routes[:, self.router.layer_number - 1].to(torch.int64))
+        replay.replay_backward_list.pop()  # a recomputation replays forward again
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+class _TreeLayer:
+    """A transformer layer that gives its tree MoE layer the mask plan of the call it runs (the
+    plan travels as ``attention_mask``, which Megatron passes to every layer, recomputation
+    included)."""
+
+    def forward(self, *args, **kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        plan = getattr(mask, "plan", None)
+        if plan is None or not isinstance(self.mlp, TreeMoELayer):
+            return super().forward(*args, **kwargs)
+        with self.mlp.reading(plan):
+            return super().forward(*args, **kwargs)
+
+
+class TreeTransformerLayer(_TreeLayer, TransformerLayer):
+    """``TransformerLayer`` for tree MoE layers (same parameters); see :class:`_TreeLayer`."""
+
+
+class TreeMoETransformerLayer(_TreeLayer, MoETransformerLayer):
+    """``MoETransformerLayer`` for tree MoE layers (same parameters); see :class:`_TreeLayer`."""
+
+
+TREE_LAYERS = {TransformerLayer: TreeTransformerLayer, MoETransformerLayer: TreeMoETransformerLayer}
 
 
 def _count_tokens_as_unpacked(counts, before, routing_map, weights) -> None:
@@ -232,7 +292,7 @@ def _routing_stats(router, hidden_states, weights, routing_map=None) -> torch.Te
     return stats
 
 
-def _attach_weighted_losses(router, hidden_states, probs, weights, group_stats=None):
+def _attach_weighted_losses(router, hidden_states, probs, weights, loss_scale, group_stats=None):
     """probs with the weighted aux loss and z-loss attached (their gradients flow in backward).
 
     ``group_stats`` ([E + 1], :func:`_routing_stats` summed over a trunk group's parts): the counts
@@ -256,7 +316,7 @@ def _attach_weighted_losses(router, hidden_states, probs, weights, group_stats=N
     total = stats[-1].clamp(
         min=1.0
     )  # W counts tokens (>= 1 with any real one); an all-padding fill-in: 0 losses
-    factor = total * _STEP_SCALE[-1] if _STEP_SCALE else 1.0
+    factor = total * loss_scale
     num_layers = config.num_layers + (config.mtp_num_layers or 0)
     if z_coeff:
         z_loss = z_coeff * (torch.logsumexp(logits, dim=-1).square() * w).sum() / total
@@ -298,103 +358,72 @@ def _replaying_routers(chunk) -> list:
     ]
 
 
-class RoutingReplay:
-    """Feeds each micro-batch's recorded routes to Megatron's router replay during a tree step.
+def replay_routes(micro_batches, route_key: str) -> list[torch.Tensor]:
+    """Per micro-batch, the routes its rows replay: int [n, num_layers, topk].
 
-    The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)`` (equal
-    on every sequence through a position), here laid out per packed position (for a trunk group, per
-    position of the group's tree, from all its parts), cut to this rank's rows (CP split or trunk
-    part, then the sequence-parallel shard the router sees) and set as each router's target for its
-    layer. Before a micro-batch's forward the routers replay forward; the routes an activation
-    recomputation needs are handed to the routers when that micro-batch's backward reaches its
-    output (a gradient hook), so any backward order works: Megatron's schedules, a trunk group's
-    trunk parts after its branches, the three calls of recomputed trunks.
-
-    Args:
-        chunks: the step's model chunks.
-        route_key: the micro-batch key holding routes [T, num_layers, topk] (global layer order).
-        packed: the step's micro-batches (on the model's device).
+    The routes are a per-token input packed with ``build_packed_tree_batch(route_key=...)``
+    ([T, num_layers, topk], equal on every sequence through a position). They are laid out per
+    packed position (for a trunk group, per position of the group's tree, filled from all its
+    parts), then cut to each micro-batch's rows (a CP split or trunk part). Padding positions
+    replay experts 0..k-1 (distinct, as top-k indices are).
     """
+    from ..core.results import values_per_position
 
-    def __init__(self, chunks, route_key: str, packed):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        self.action = RouterReplayAction
-        self.route_key = route_key
-        self.routers = {id(chunk): _replaying_routers(chunk) for chunk in chunks}
-        if not any(self.routers.values()):
+    def routes_of(mb) -> torch.Tensor:
+        if route_key not in mb.inputs:
             raise ValueError(
-                f"route_key={route_key!r} needs routers that replay: build the model with "
-                "moe_enable_routing_replay=True"
+                f"the micro-batch has no {route_key!r} routes to replay (pack them with the batch)"
             )
-        config = next(r for routers in self.routers.values() for r in routers).config
-        self.tp_shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        self.group_routes = self._group_routes(packed)
+        return mb.inputs[route_key]
 
-    def _routes(self, micro_batch: dict) -> torch.Tensor:
-        if self.route_key not in micro_batch:
-            raise ValueError(
-                f"the micro-batch has no {self.route_key!r} routes to replay (pack them with the "
-                "batch)"
-            )
-        return micro_batch[self.route_key]
+    def padding(table: torch.Tensor) -> torch.Tensor:
+        return torch.arange(table.shape[-1], dtype=table.dtype, device=table.device)
 
-    def _group_routes(self, packed) -> dict[int, torch.Tensor]:
-        """Per trunk group: routes [N_G, layers, topk] at every position of its tree, each part
-        filling the positions of the sequences whose loss it takes (together: all of them)."""
-        groups: dict[int, torch.Tensor] = {}
-        for mb in packed:
-            rows = mb["rows"]
-            if rows.group is None:
-                continue
-            routes = self._routes(mb)  # [T, layers, topk] of its sequences
-            if rows.group not in groups:
-                table = routes.new_empty((rows.tree.padded_length, *routes.shape[1:]))
-                table[:] = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
-                groups[rows.group] = table
-            groups[rows.group][mb["tree"].token_index.to(routes.device)] = routes
-        return groups
-
-    def before_forward(self, chunk, micro_batch: dict, rows, tp_rank: int) -> list:
-        """Set the routers of ``chunk`` to replay ``micro_batch``'s routes; returns what
-        :meth:`after_forward` needs."""
-        from ..core.results import values_per_position
-
-        tree = micro_batch["tree"]
+    groups: dict[int, torch.Tensor] = {}
+    for mb in micro_batches:
+        rows = mb.rows
+        if rows.group is None:
+            continue
+        routes = routes_of(mb)
+        if rows.group not in groups:
+            table = routes.new_empty((rows.tree.padded_length, *routes.shape[1:]))
+            table[:] = padding(table)
+            groups[rows.group] = table
+        groups[rows.group][mb.tree.token_index.to(routes.device)] = routes
+    result = []
+    for mb in micro_batches:
+        rows = mb.rows
         if rows.group is not None:
-            routes = self.group_routes[rows.group]
+            table = groups[rows.group]
         else:
-            routes = values_per_position(self._routes(micro_batch), tree)  # [N, layers, topk]
-            topk = routes.shape[
-                -1
-            ]  # padding positions: experts 0..k-1, distinct as top-k indices are
-            routes[tree.num_tree_tokens :] = torch.arange(
-                topk, dtype=routes.dtype, device=routes.device
-            )
-        routes = rows.local(routes, dim=0)
-        shard = routes.shape[0] // self.tp_shards
-        routes = routes[tp_rank * shard : (tp_rank + 1) * shard] if self.tp_shards > 1 else routes
-        pending = []
-        for router in self.routers[id(chunk)]:
-            target = routes[:, router.layer_number - 1].to(torch.int64)
-            router.router_replay.set_target_indices(target)
-            router.router_replay.replay_backward_list.pop()  # handed over at this backward instead
-            router.router_replay.set_router_replay_action(self.action.REPLAY_FORWARD)
-            pending.append((router, target))
-        return pending
+            table = values_per_position(routes_of(mb), mb.tree)  # [N, layers, topk]
+            table[mb.tree.num_tree_tokens :] = padding(table)
+        result.append(rows.local(table, dim=0))
+    return result
 
-    def after_forward(self, chunk, output: torch.Tensor, pending: list) -> None:
-        for router in self.routers[id(chunk)]:
-            router.router_replay.set_router_replay_action(self.action.REPLAY_BACKWARD)
-        if torch.is_grad_enabled() and output.requires_grad:
 
-            def feed(grad):  # this micro-batch's backward starts here: its recomputation pops these
-                for router, target in pending:
-                    router.router_replay.replay_backward_list = [target]
+def check_replaying(chunks) -> None:
+    """Refuse routing replay on a model whose routers do not replay."""
+    if not any(
+        isinstance(m, MoELayer) and getattr(m.router, "router_replay", None) is not None
+        for chunk in chunks
+        for m in chunk.modules()
+    ):
+        raise ValueError(
+            "route_key needs routers that replay: build the model with "
+            "moe_enable_routing_replay=True"
+        )
 
-            output.register_hook(feed)
 
-    def close(self) -> None:
-        for router in (r for routers in self.routers.values() for r in routers):
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+@contextlib.contextmanager
+def replaying(chunks):
+    """Routers' replay state cleared when the step ends (each call sets its own targets)."""
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            for m in chunk.modules():
+                replay = getattr(getattr(m, "router", None), "router_replay", None)
+                if isinstance(m, MoELayer) and replay is not None:
+                    replay.clear_indices()
+                    replay.clear_router_replay_action()

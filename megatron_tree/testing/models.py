@@ -449,7 +449,7 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
     context-parallel splits, trunk reuse), by index in ``seqs``."""
     from megatron.core import parallel_state as ps
 
-    from ..mcore.step import tree_forward_backward
+    from ..mcore.step import PackingConfig, ProcessGroups, tree_forward_backward
 
     result = tree_forward_backward(
         model,
@@ -457,8 +457,8 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
         None,
         forward_only=True,
         collect_outputs=True,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        **packing,
+        groups=ProcessGroups(tp=ps.get_tensor_model_parallel_group()),
+        packing=PackingConfig(**packing),
     )
     merged = result.merged_outputs()["logprobs"]
     return {i: merged[i, : len(s) - 1] for i, s in enumerate(seqs)}
