@@ -393,7 +393,9 @@ def test_expert_token_counter(world):
     model = build_gpt_model(
         config, tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16
     )
-    packed = build_packed_tree_batch(_batch(), max_tokens_per_mb=64, block_size=16)
+    packed = build_packed_tree_batch(
+        _batch(), max_tokens_per_mb=64, block_size=16, pad_to_max=True, share_trunks=False
+    )
     with ExpertTokenCounter(model) as forward_only:
         _tree_step(model, packed, forward_only=True)
     with ExpertTokenCounter(model) as train:
@@ -571,7 +573,7 @@ def test_an_all_padding_tree_adds_no_router_loss(world):
         _batch(), max_tokens_per_mb=64, block_size=16, share_trunks=False
     )
     filler = micro_batch(PackedTree.all_padding(64))
-    filler.update({k: v[:0] for k, v in packed[0].items() if k not in filler})
+    filler.inputs.update({k: v[:0] for k, v in packed[0].inputs.items()})
     padded = PackedTreeBatch(
         list(packed) + [filler], packed.batch_size, packed.num_real_tokens, packed.max_token_id
     )

@@ -58,15 +58,16 @@ def _unpacked_batch(model, seqs):
 
 
 def _tree(model, micro_batch, weighted: bool = True):
-    from megatron_tree.mcore.moe import token_multiplicity
+    """The tree model on one micro-batch; ``weighted``: its routers get each row's multiplicity
+    on the mask plan (the step's context), else no router inputs (a stock MoE layer's counting)."""
+    from megatron_tree.mcore.moe import RouterInputs, token_multiplicity
 
     tree = micro_batch["tree"]
-    kwargs = {"padding_mask": token_multiplicity(tree)} if weighted else {}
+    tokens = RouterInputs(token_multiplicity(tree)[0]) if weighted else None
     return model(
         micro_batch["input_ids"],
         micro_batch["position_ids"],
-        attention_mask=tree_attention_mask(tree),
-        **kwargs,
+        attention_mask=tree_attention_mask(tree, tokens=tokens),
     )
 
 
@@ -188,7 +189,11 @@ def test_step_reports_expert_tokens(world):
     result = tree_forward_backward(
         model, batch, ppo_clipped_loss, max_tokens_per_mb=64, block_size=16, moe_stats=True
     )
-    padded = result.packed.num_padded_tokens  # every micro-batch's rows, a trunk part's included
+    # Every micro-batch's rows, routed once per forward: a trunk part runs twice (a no-grad pass
+    # recording its keys and values, then recomputed with its backward), so its rows twice.
+    trunk_rows = sum(mb.rows.num_rows for mb in result.packed if mb.rows.records)
+    routed = result.packed.num_padded_tokens + trunk_rows
+    assert trunk_rows > 0
     assert result.expert_tokens.shape == (config.num_moe_experts,)
-    assert int(result.expert_tokens.sum()) == padded * config.moe_router_topk * config.num_layers
+    assert int(result.expert_tokens.sum()) == routed * config.moe_router_topk * config.num_layers
     assert "expert_tokens=" in result.log_line()

@@ -71,6 +71,20 @@ def test_results_return_in_the_layout_given(kind):
     )
 
 
+def test_thd_numpy_arrays_pack_as_tensors():
+    """THD ``input_ids`` / ``cu_seqlens`` / extras as numpy arrays, as the padded layout takes them
+    (``torch.as_tensor``, keeping their dtype)."""
+    seqs = branching_sequences()
+    thd = _ragged(seqs, "thd")
+    want = build_packed_tree_batch(thd, **PACKING)
+    got = build_packed_tree_batch({k: v.numpy() for k, v in thd.items()}, **PACKING)
+    assert got.input_layout == want.input_layout == InputLayout("thd", tuple(map(len, seqs)))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        for key in ("input_ids", "position_ids", "weights"):
+            assert torch.equal(a[key], b[key]), key
+
+
 def test_ragged_input_errors_name_the_fix():
     seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     with pytest.raises(ValueError, match="drop data\\['attention_mask'\\]"):
@@ -117,3 +131,58 @@ def test_step_outputs_come_back_in_the_nested_layout(world):
     assert nested.is_nested and [len(r) for r in nested.unbind()] == [len(s) for s in seqs]
     for b, row in enumerate(nested.unbind()):
         assert torch.equal(row, runs["padded"][b, : len(seqs[b])])
+
+
+@pytest.mark.parametrize("kind", ["list", "nested", "thd"])
+def test_attach_reads_the_batch_layout(kind):
+    """``attach`` takes per-token values in the layout the batch was packed from: a list on a
+    list batch is one tensor per sequence, never one per micro-batch (the lengths below line up
+    with the micro-batches' token counts, which used to land values on the wrong sequences)."""
+    seqs = [torch.tensor([5, 6, 7]), torch.tensor([9, 1, 2])]
+    packed = build_packed_tree_batch(
+        _ragged(seqs, kind), max_tokens_per_mb=16, block_size=16, pad_to_max=False
+    )
+    assert len(packed) == 1 and packed[0]["tree"].num_sequence_tokens == 6
+    values = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])]
+    given = _ragged(seqs, kind)["weights"]  # the layout's own container, filled below
+    if kind == "list":
+        given = values
+    elif kind == "nested":
+        given = torch.nested.nested_tensor(values, layout=torch.jagged)
+    else:
+        given = torch.cat(values)
+    packed.attach("advantages", given)
+    tree = packed[0]["tree"]
+    for i, b in enumerate(tree.sequence_ids.tolist()):
+        got = packed[0]["advantages"][tree.cu_seqlens[i] : tree.cu_seqlens[i + 1]]
+        assert torch.equal(got, values[b]), (b, got)
+
+
+def test_attach_round_trips_step_outputs_through_the_layout():
+    """A step's merged outputs in a ragged layout attach back to the same tree entries as its
+    tree-layout outputs (``TreeOutputs``)."""
+    from megatron_tree.core.batch import TreeOutputs
+    from megatron_tree.core.results import merge_packed_tree_results
+
+    seqs = branching_sequences()
+    for kind in ("list", "nested", "thd"):
+        packed = build_packed_tree_batch(_ragged(seqs, kind), **PACKING)
+        tree_layout = TreeOutputs(
+            torch.randn(mb["tree"].num_sequence_tokens, generator=torch.Generator().manual_seed(i))
+            for i, mb in enumerate(packed)
+        )
+        merged = packed.input_layout.restore(
+            merge_packed_tree_results(list(zip(tree_layout, packed.trees)), packed.batch_size)
+        )
+        packed.attach("direct", tree_layout).attach("round_trip", merged)
+        for mb in packed:
+            assert torch.equal(mb["direct"], mb["round_trip"]), kind
+
+
+def test_attach_of_a_plain_list_on_a_padded_batch_is_deprecated():
+    packed = build_packed_tree_batch(pad_sequences(branching_sequences()), **PACKING)
+    values = [torch.zeros(mb["tree"].num_sequence_tokens) for mb in packed]
+    with pytest.warns(DeprecationWarning, match="attach_tree"):
+        packed.attach("old_logprobs", values)
+    with pytest.raises(ValueError, match="micro-batch 0 needs a tensor"):
+        packed.attach_tree("old_logprobs", [torch.zeros(1)] + values[1:])

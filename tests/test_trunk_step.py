@@ -17,8 +17,8 @@ import torch
 from megatron_tree.core.heads import LogProbs, Values
 from megatron_tree.core.losses import ppo_clipped_loss, value_loss
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import _recompute_trunks, tree_forward_backward
-from megatron_tree.mcore.trunk_step import check_trunk_parts
+from megatron_tree.mcore.schedule import Phases
+from megatron_tree.mcore.step import _check_dropout, tree_forward_backward
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.models import (
     RECOMPUTE_MODES,
@@ -162,12 +162,10 @@ def test_trunk_reuse_equals_unpacked(world, critic, recompute):
 @pytest.mark.parametrize("chains", [False, True], ids=["trunks", "chains"])
 @pytest.mark.parametrize("critic", [False, True], ids=["actor", "critic"])
 def test_recomputed_trunks_equal_unpacked(world, critic, chains):
-    """recompute_trunks=True on one stage (the path pipeline parallelism takes: a no-grad trunk
-    pass, the branches, then the trunk parts recomputed last part first through Megatron's
-    schedule): the same loss, gradients and outputs as the unpacked batch."""
-    got_loss, want_loss, got, want, result, want_outputs = _compare(
-        critic, "none", chains=chains, recompute_trunks=True
-    )
+    """The one schedule on one stage (a no-grad trunk pass, the branches, then the trunk parts
+    recomputed last part first through Megatron's schedule, as under pipeline parallelism): the
+    same loss, gradients and outputs as the unpacked batch."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, "none", chains=chains)
     _assert_close(got_loss, want_loss, got, want)
     _assert_outputs_close(result, want_outputs)
 
@@ -176,13 +174,9 @@ def test_recomputed_trunks_equal_unpacked(world, critic, chains):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_trunk_chains_equal_unpacked(world, critic, recompute):
     """A shared history longer than a micro-batch and a sequence longer than one run as chains of
-    trunk parts (each attending to the parts before it), here in the one-stage loop with every trunk
-    part kept alive until the group's end (recompute_trunks=False; the default recomputes chains:
-    test_recomputed_trunks_equal_unpacked): still the unpacked batch's loss, gradients and
-    outputs."""
-    got_loss, want_loss, got, want, result, want_outputs = _compare(
-        critic, recompute, chains=True, recompute_trunks=False
-    )
+    trunk parts (each attending to the parts before it), under activation recompute too: still
+    the unpacked batch's loss, gradients and outputs."""
+    got_loss, want_loss, got, want, result, want_outputs = _compare(critic, recompute, chains=True)
     _assert_close(got_loss, want_loss, got, want)
     _assert_outputs_close(result, want_outputs)
 
@@ -228,17 +222,6 @@ def test_refusals(world):
     model = _build(True, False)
     with pytest.raises(ValueError, match="route_key='advantages' needs routers that replay"):
         _step(model, _packed(rl_batch(trunk_sequences())), False, route_key="advantages")
-    dense = types.SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
-    assert not _recompute_trunks(dense, None, False, False) and _recompute_trunks(
-        dense, None, True, False
-    )
-    assert _recompute_trunks(dense, True, False, False)
-    with pytest.raises(ValueError, match="recompute_trunks=False needs one pipeline stage"):
-        _recompute_trunks(dense, False, True, False)
-    with pytest.raises(ValueError, match="dropout 0.1"):
-        _recompute_trunks(
-            types.SimpleNamespace(hidden_dropout=0.1, attention_dropout=0.0), True, False, False
-        )
     packed = build_packed_tree_batch(
         rl_batch(trunk_sequences()),
         max_tokens_per_mb=CAPACITY,
@@ -247,14 +230,23 @@ def test_refusals(world):
         share_trunks=True,
     )
     mbs = list(packed)
-    first = next(i for i, mb in enumerate(mbs) if mb["rows"].group is not None)
-    assert check_trunk_parts(mbs) and not check_trunk_parts(
-        [mb for mb in mbs if mb["rows"].group is None]
-    )
+    dense = types.SimpleNamespace(hidden_dropout=0.0, attention_dropout=0.0)
+    _check_dropout(dense, mbs, forward_only=False)
+    dropout = types.SimpleNamespace(hidden_dropout=0.1, attention_dropout=0.0)
+    _check_dropout(dropout, mbs, forward_only=True)
+    with pytest.raises(ValueError, match="dropout 0.1"):
+        _check_dropout(dropout, mbs, forward_only=False)
+    first = next(i for i, mb in enumerate(mbs) if mb.rows.group is not None)
+    phases = Phases.of(mbs)
+    assert phases.trunks and not Phases.of([mb for mb in mbs if mb.rows.group is None]).trunks
+    # Every micro-batch but the trunk parts in the middle phase; trunk parts recomputed last first.
+    parts = [i for i, mb in enumerate(mbs) if mb.rows.records]
+    assert phases.first == parts and sorted(phases.last) == parts
+    assert phases.main == [i for i in range(len(mbs)) if i not in parts]
     with pytest.raises(ValueError, match="trunk parts first"):
-        check_trunk_parts(mbs[first + 1 :])
+        Phases.of(mbs[first + 1 :])
     with pytest.raises(ValueError, match="ends before"):
-        check_trunk_parts(mbs[: first + 2])
+        Phases.of(mbs[: first + 2])
 
 
 def _tp_worker(rank: int, sequence_parallel: bool) -> dict:
@@ -308,7 +300,11 @@ def test_a_trunk_that_does_not_pay_is_not_used():
         range(len(packed))
     ) and packed.num_padded_tokens == 272
     padded = build_packed_tree_batch(
-        rl_batch(seqs), max_tokens_per_mb=CAPACITY, block_size=16, share_trunks=True
+        rl_batch(seqs),
+        max_tokens_per_mb=CAPACITY,
+        block_size=16,
+        share_trunks=True,
+        pad_to_max=True,
     )
     assert all(mb["rows"].group is None for mb in padded) and padded.num_padded_tokens == 5 * 64
 

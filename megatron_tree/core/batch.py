@@ -62,6 +62,9 @@ class MicroBatch:
             return getattr(self, key)
         return self.inputs[key]
 
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
     def __contains__(self, key: str) -> bool:
         return key in ("tree", "rows", "input_ids", "position_ids") or key in self.inputs
 

@@ -68,16 +68,18 @@ class RouterInputs:
         weights: float32 [n]: each row's multiplicity in the unpacked batch (0 for padding), the
             weight of its token in the router losses (:func:`token_multiplicity`).
         loss_scale: the factor the step gives each loss token (1 when Megatron divides by the
-            global token count itself); a micro-batch's router losses, means over its W weighted
-            tokens, are added with weight W x ``loss_scale``, as the step's own loss tokens are.
-            Megatron's own channel (``MoEAuxLossAutoScaler.set_loss_scale``, set by its schedule
-            from ``grad_scale_func``) scales them further in backward.
+            global token count itself): a micro-batch's router losses, means over its W weighted
+            tokens, are then added with weight W x ``loss_scale``, as the step's own loss tokens
+            are (Megatron's per-token semantics). None: added as they are, as Megatron's mean
+            per micro-batch (verl's protocol, a direct model call). Megatron's own channel
+            (``MoEAuxLossAutoScaler.set_loss_scale``, set by its schedule from
+            ``grad_scale_func``) scales them further in backward.
         routes: int [n, num_layers, topk]: the routes each row replays (global layer order),
             or None without routing replay.
     """
 
     weights: torch.Tensor
-    loss_scale: float = 1.0
+    loss_scale: float | None = None
     routes: torch.Tensor | None = None
 
 
@@ -316,7 +318,7 @@ def _attach_weighted_losses(router, hidden_states, probs, weights, loss_scale, g
     total = stats[-1].clamp(
         min=1.0
     )  # W counts tokens (>= 1 with any real one); an all-padding fill-in: 0 losses
-    factor = total * loss_scale
+    factor = 1.0 if loss_scale is None else total * loss_scale
     num_layers = config.num_layers + (config.mtp_num_layers or 0)
     if z_coeff:
         z_loss = z_coeff * (torch.logsumexp(logits, dim=-1).square() * w).sum() / total
@@ -402,7 +404,7 @@ def replay_routes(micro_batches, route_key: str) -> list[torch.Tensor]:
     return result
 
 
-def check_replaying(chunks) -> None:
+def check_replaying(chunks, route_key: str) -> None:
     """Refuse routing replay on a model whose routers do not replay."""
     if not any(
         isinstance(m, MoELayer) and getattr(m.router, "router_replay", None) is not None
@@ -410,7 +412,7 @@ def check_replaying(chunks) -> None:
         for m in chunk.modules()
     ):
         raise ValueError(
-            "route_key needs routers that replay: build the model with "
+            f"route_key={route_key!r} needs routers that replay: build the model with "
             "moe_enable_routing_replay=True"
         )
 

@@ -82,7 +82,8 @@ class StepContext:
         chunks: the model chunks (one per virtual pipeline stage).
         config: their TransformerConfig.
         moe: whether the model routes tokens (its routers get :class:`RouterInputs`).
-        loss_scale: the factor each loss token gets (for the routers' losses).
+        loss_scale: the factor each loss token gets, for the routers' losses (None: Megatron's
+            mean per micro-batch; see :class:`~megatron_tree.mcore.moe.RouterInputs`).
         routes: per micro-batch, the routes its rows replay [n, layers, topk], or None.
         router_stats: sum a trunk group's routing statistics first (router losses, training).
         ep_group: expert parallelism's group: its ranks run as many micro-batches per call.
@@ -94,7 +95,7 @@ class StepContext:
     chunks: Sequence[torch.nn.Module]
     config: Any
     moe: bool = False
-    loss_scale: float = 1.0
+    loss_scale: float | None = None
     routes: Sequence[torch.Tensor] | None = None
     router_stats: bool = False
     ep_group: dist.ProcessGroup | None = None
@@ -301,23 +302,22 @@ class _PhaseRunner:
         counts = _equal_counts(
             [len(phases.first), len(phases.main), len(phases.last)], self.ctx.ep_group
         )
-        calls = []
+        calls = []  # (the phase's micro-batches, its loss, count, forward only, first pass)
         if counts[0]:
-            calls.append((phases.first, self._first, counts[0], True))
+            calls.append((phases.first, self._first, counts[0], True, True))
         if counts[1]:
-            calls.append((phases.main, self._main, counts[1], self.forward_only))
+            calls.append((phases.main, self._main, counts[1], self.forward_only, False))
         if counts[2] and not self.forward_only:
-            calls.append((phases.last, self._last, counts[2], False))
+            calls.append((phases.last, self._last, counts[2], False, False))
         last_trained = max((k for k, call in enumerate(calls) if not call[3]), default=-1)
         logs: list[dict] = []
-        for k, (indices, loss_of, count, forward_only) in enumerate(calls):
+        for k, (indices, loss_of, count, forward_only, first) in enumerate(calls):
             hold = k < last_trained  # a later call runs backward: sync and finalize wait for it
-            self.collecting = loss_of is self._first
-            grad = contextlib.nullcontext() if loss_of is not self._first else torch.no_grad()
-            with grad:
+            self.collecting = first
+            with torch.no_grad() if first else contextlib.nullcontext():
                 logs += self._call(indices, loss_of, count, forward_only, hold)
             if hold:
-                self.pending_tokens, self.num_tokens = self.num_tokens, 0
+                self.pending_tokens, self.num_tokens = self.pending_tokens + self.num_tokens, 0
         for store in self.stores.values():
             store.clear()
         return PhaseRun(logs, self.num_tokens + self.pending_tokens)

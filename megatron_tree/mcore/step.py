@@ -349,7 +349,7 @@ def tree_forward_backward(
     device = next(chunks[0].parameters()).device
     on_device = _split_for_context_parallel(packed, groups.cp).to(device)
     if route_key is not None:
-        check_replaying(chunks)
+        check_replaying(chunks, route_key)
     ctx = StepContext(
         chunks,
         config,
