@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from megatron_tree import build_packed_tree_batch
+from megatron_tree.demo.visualize import save_tree_mask_png
 from megatron_tree.testing.synthetic import multi_turn_batch
-from megatron_tree.visualize import save_tree_mask_png
 
 
 def main(out_dir: str = "outputs") -> dict:
@@ -26,7 +26,14 @@ def main(out_dir: str = "outputs") -> dict:
         f"{packed.num_tree_tokens} unique tokens: tree_token_ratio {packed.tree_token_ratio:.3f}"
     )
     for i, mb in enumerate(packed):
-        tree = mb["tree"]
+        tree = mb.tree
+        if mb.rows.group is not None:  # trunk reuse: a prompt group larger than a micro-batch
+            role = "trunk part" if mb.rows.is_trunk else "branches"
+            print(
+                f"  micro-batch {i}: {role} {mb.rows.index} of trunk group {mb.rows.group}, "
+                f"{mb.rows.num_real} rows computed, losses of {tree.num_sequences} sequences"
+            )
+            continue
         depth = int(tree.position_ids.max()) + 1
         roots = int((tree.parent_index[: tree.num_tree_tokens] < 0).sum())
         branch_points = int(torch.bincount(tree.parent_index[tree.parent_index >= 0]).gt(1).sum())
@@ -36,8 +43,9 @@ def main(out_dir: str = "outputs") -> dict:
             f"branch points, depth {depth}"
         )
 
-    # Read the deepest sequence of the first tree back and compare it with the input row.
-    tree = packed[0]["tree"]
+    # Read the deepest sequence of the first micro-batch with losses back, compare with the input.
+    first = next(i for i, mb in enumerate(packed) if mb.tree.num_sequences)
+    tree = packed[first].tree
     longest = int(tree.sequence_lengths.argmax())
     row = int(tree.sequence_ids[longest])
     n = int(batch["attention_mask"][row].sum())
@@ -45,7 +53,7 @@ def main(out_dir: str = "outputs") -> dict:
         tree.input_ids[tree.sequence_token_index(longest)], batch["input_ids"][row, :n]
     )
     print(
-        f"  batch row {row} ({n} tokens) read back from tree 0: "
+        f"  batch row {row} ({n} tokens) read back from tree {first}: "
         f"{'identical' if same else 'DIFFERENT'}"
     )
 

@@ -139,11 +139,10 @@ def test_negative_or_nonfinite_loss_mask_is_refused(world, value, match):
 def _same_packing(a, b) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        assert torch.equal(x["tree"].input_ids, y["tree"].input_ids)
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+        assert x.inputs.keys() == y.inputs.keys()
+        assert torch.equal(x.tree.input_ids, y.tree.input_ids)
+        for k in ("input_ids", "position_ids", *x.inputs):
+            assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
 
 
 def test_numpy_arrays_and_rectangular_lists_pack_like_tensors():
@@ -257,7 +256,8 @@ def test_step_bool_flags_are_type_checked(world, flag):
     batch = rl_batch(branching_sequences(), response_start=5)
     model = _model()
     calls = _no_forward(model)
-    with pytest.raises(ValueError, match=rf"{flag} must be True or False.*got 'no' \(str\)"):
+    name = "grad_average" if flag == "dp_grad_average" else flag  # ProcessGroups.grad_average
+    with pytest.raises(ValueError, match=rf"{name} must be True or False.*got 'no' \(str\)"):
         tree_forward_backward(model, batch, _ppo, **PACKING, **{flag: "no"})
     assert calls == []
 
@@ -270,6 +270,9 @@ def test_log_probs_of_a_critic_and_values_of_an_actor_are_refused(world):
     as values took one column of them. Both are refused before any loss is computed."""
     batch = rl_batch(branching_sequences())
     with pytest.raises(ValueError, match=r"width 1 \(a value head\?\): pass gather=Values\(\)"):
+        _step(_model(critic=True), batch, _ppo, gather=LogProbs())
+    # A loss reading values with a log-prob head: refused before the forward, naming the head.
+    with pytest.raises(ValueError, match=r"reads outputs\['values'\].*gather=Values\(\)"):
         _step(_model(critic=True), batch, value_loss, gather=LogProbs())
     with pytest.raises(ValueError, match=r"attach a value head .*or use LogProbs\(\)"):
         _step(_model(), batch, value_loss, gather=Values())

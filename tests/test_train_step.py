@@ -468,7 +468,9 @@ def test_head_misuse_fails_before_the_forward(world):
     packed = build_packed_tree_batch(
         _batch(branching_sequences()), max_tokens_per_mb=64, block_size=16
     )
-    with pytest.raises(ValueError, match=r"reads outputs\['entropy'\].*LogProbs\(entropy=True\)"):
+    with pytest.raises(
+        ValueError, match=r"reads outputs\['entropy'\].*gather=LogProbs\(entropy=True\)"
+    ):
         tree_forward_backward(model, packed, _loss_fn(False), gather=LogProbs(entropy=False))
     for gather in (LogProbs, "logprobs"):
         with pytest.raises(ValueError, match="is not a head: pass an instance"):

@@ -186,7 +186,9 @@ def check_loss_fn(loss_fn: LossFn | None, gather, mb: MicroBatch) -> None:
     except KeyError as error:
         if error.args and error.args[0] in mb.loss_inputs():
             raise
+        heads = {"values": "gather=Values()", "entropy": "gather=LogProbs(entropy=True)"}
+        fix = heads.get(error.args[0], "a head that gives it")
         raise ValueError(
             f"loss_fn reads outputs[{error.args[0]!r}], which gather={gather!r} does not give (it "
-            f"gives {list(gather.outputs)}); e.g. LogProbs(entropy=True) for an entropy term"
+            f"gives {list(gather.outputs)}): pass {fix}"
         ) from None
