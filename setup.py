@@ -26,7 +26,7 @@ setup(
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
-    # "examples": the examples' plots and megatron_tree.visualize's mask picture.
+    # "examples": the examples' plots and megatron_tree.demo.visualize's mask picture.
     extras_require={
         "megatron": MEGATRON,
         "test": TEST,

@@ -31,6 +31,7 @@ def random_tree(seed: int, n_seq: int, capacity: int, block: int):
         pad_sequences(random_trie_sequences(seed, n_seq, capacity // 2)),
         max_tokens_per_mb=capacity,
         block_size=block,
+        pad_to_max=True,  # N = capacity: the tilings the tests pick
     )
     return packed[0]["tree"]
 
@@ -104,7 +105,7 @@ def test_errors():
 
 @pytest.mark.parametrize("max_pixels, tile", [(64, 1), (16, 4), (10, 8)])
 def test_mask_picture_grid_equals_brute_force(max_pixels, tile):
-    from megatron_tree.visualize import EMPTY, FULL, PAD, PARTIAL, tree_mask_tiles
+    from megatron_tree.demo.visualize import EMPTY, FULL, PAD, PARTIAL, tree_mask_tiles
 
     tree = random_tree(5, 6, 64, 16)  # N = 64
     grid, got_tile = tree_mask_tiles(tree, max_pixels)
@@ -129,7 +130,7 @@ def test_mask_picture_grid_equals_brute_force(max_pixels, tile):
 
 def test_mask_png_is_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from megatron_tree.visualize import save_tree_mask_png
+    from megatron_tree.demo.visualize import save_tree_mask_png
 
     path = save_tree_mask_png(
         random_tree(5, 6, 64, 16), tmp_path / "sub" / "mask.png", max_pixels=64

@@ -148,7 +148,7 @@ def test_groups_fill_few_trees_and_large_groups_split():
     # 4 prompts of 40 tokens x 4 responses of 6: 64 unique tokens per group.
     seqs = [[p] * 40 + [p, r, r, r, r, r] for p in range(4) for r in range(10, 14)]
     batch = make_batch(seqs)
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=128, block_size=8)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=128, block_size=8, pad_to_max=True)
     check_packed(batch, packed, 128)
     assert len(packed) == 2
     # Each group kept whole in one tree.
@@ -156,7 +156,7 @@ def test_groups_fill_few_trees_and_large_groups_split():
         assert len({seqs[s][0] for s in mb["tree"].sequence_ids.tolist()}) == 2
     # A group too large for one tree is split, and every tree respects capacity.
     big = make_batch([[1] * 40 + [r] * 10 for r in range(12)])
-    packed = build_packed_tree_batch(big, max_tokens_per_mb=80, block_size=8)
+    packed = build_packed_tree_batch(big, max_tokens_per_mb=80, block_size=8, share_trunks=False)
     check_packed(big, packed, 80)
     assert len(packed) > 1
 
@@ -198,7 +198,7 @@ def test_alignment_with_parallel_size():
 
 def test_statistics():
     batch = make_batch([[1, 2, 3, 4], [1, 2, 3, 5], [7]])
-    packed = build_packed_tree_batch(batch, max_tokens_per_mb=16, block_size=8)
+    packed = build_packed_tree_batch(batch, max_tokens_per_mb=16, block_size=8, pad_to_max=True)
     assert (packed.num_real_tokens, packed.num_tree_tokens, packed.num_padded_tokens) == (9, 6, 16)
     assert packed.tree_token_ratio == pytest.approx(6 / 9)
     assert "tree_token_ratio=0.6667" in repr(packed)
@@ -339,7 +339,7 @@ def _dp_worker(rank: int) -> dict:
     batch = make_batch(seqs)
     batch["advantages"] = torch.ones(batch["input_ids"].shape)
     packed = build_packed_tree_batch(
-        batch, max_tokens_per_mb=64, block_size=16, dp_group=dist.group.WORLD
+        batch, max_tokens_per_mb=64, block_size=16, pad_to_max=True, dp_group=dist.group.WORLD
     )
     return {
         "num": len(packed),
@@ -391,12 +391,12 @@ def test_unshared_layout_is_one_causal_chain_per_sequence(sequences):
 def test_layout_tree_rejects_a_short_padded_length():
     from megatron_tree.core.packing import layout_tree
 
-    rows = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    sequences = torch.tensor([[1, 2, 3]], dtype=torch.int32)
     with pytest.raises(
         ValueError, match="padded_length=2 is smaller than the tree's 3 unique tokens"
     ):
-        layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=2)
-    assert layout_tree(rows, torch.tensor([3], dtype=torch.int32), padded_length=4)[5] == 3
+        layout_tree(sequences, torch.tensor([3], dtype=torch.int32), padded_length=2)
+    assert layout_tree(sequences, torch.tensor([3], dtype=torch.int32), padded_length=4)[5] == 3
 
 
 def test_attach_and_move_once():
@@ -617,8 +617,8 @@ def test_agent_batch_packs_within_3_percent_of_one_trie(seed):
 
     batch = agent_batch(seed=seed)
     one = build_packed_tree_batch(batch, max_tokens_per_mb=128 * 1024).num_tree_tokens
-    packed = {
-        m: build_packed_tree_batch(batch, max_tokens_per_mb=8192, packing=m)
+    packed = {  # cut at branch points (trunk reuse is test_trunk_packing's)
+        m: build_packed_tree_batch(batch, max_tokens_per_mb=8192, packing=m, share_trunks=False)
         for m in ("runs", "trie")
     }
     assert len(packed["trie"]) == len(packed["runs"]) == 2
@@ -630,13 +630,8 @@ def test_agent_batch_packs_within_3_percent_of_one_trie(seed):
 def test_piece_bins_count_their_union_trie(sequences, slack):
     """The planner's token and pair counts per bin equal a brute-force trie of the bin's sequences,
     after packing, longest-cost-first assignment, and moves and swaps (pieces removed again)."""
-    from megatron_tree.core.partition import (
-        TrieCounts,
-        balance_pieces,
-        cut_tries,
-        pack_pieces,
-        refine,
-    )
+    from megatron_tree.core.partition import balance_pieces, pack_pieces, refine
+    from megatron_tree.core.trie import TrieCounts, cut_tries
 
     capacity = max(map(len, sequences)) + slack
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
@@ -714,7 +709,12 @@ def test_balance_cost_evens_out_trees():
     )
     plain, balanced = (
         build_packed_tree_batch(
-            batch, max_tokens_per_mb=256, block_size=8, cost_model=SHAPE, balance_cost=b
+            batch,
+            max_tokens_per_mb=256,
+            block_size=8,
+            cost_model=SHAPE,
+            balance_cost=b,
+            share_trunks=False,
         )
         for b in (False, True)
     )

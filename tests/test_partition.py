@@ -165,6 +165,76 @@ def test_every_sample_on_exactly_one_nonempty_rank(case, with_model):
             assert copies == {rank_of[i]} and (not longer or rank_of[i] in longer), a
 
 
+def _in_layout(sequences: list[torch.Tensor], kind: str):
+    """``sequences`` in layout ``kind``, as the packer takes them (see core/ragged.py)."""
+    if kind == "padded":
+        return pad_sequences(sequences)
+    if kind == "list":
+        return {"input_ids": [s.tolist() for s in sequences]}
+    if kind == "nested":
+        return {"input_ids": torch.nested.nested_tensor(sequences, layout=torch.jagged)}
+    if kind == "nested tensor":
+        return torch.nested.nested_tensor(sequences, layout=torch.jagged)
+    cu_seqlens = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
+    thd = {"input_ids": torch.cat(sequences), "cu_seqlens": cu_seqlens}
+    return {k: v.numpy() for k, v in thd.items()} if kind == "thd numpy" else thd
+
+
+@pytest.mark.parametrize("kind", ["list", "nested", "nested tensor", "thd", "thd numpy"])
+def test_every_layout_the_packer_takes(kind):
+    """A ragged batch (a list of sequences, a jagged nested tensor, THD) partitions as its
+    right-padded form."""
+    batch = grpo_batch(
+        num_prompts=6, samples_per_prompt=4, prompt_len=24, response_len=(4, 12), vocab_size=50
+    )
+    sequences = [row[:n] for row, n in zip(batch["input_ids"], batch["attention_mask"].sum(1))]
+    want = partition_for_data_parallel(pad_sequences(sequences), 3, cost_model=SHAPE)
+    got = partition_for_data_parallel(_in_layout(sequences, kind), 3, cost_model=SHAPE)
+    assert [r.tolist() for r in got] == [r.tolist() for r in want]
+
+
+def test_groups_stay_whole_with_equal_shares():
+    """``groups`` (e.g. verl's prompt uids, not the tries: two groups share a prompt here) and
+    ``equal_sizes``: each group on one rank, every rank B / dp_size samples, and the busiest rank
+    no costlier than whole groups assigned longest-cost-first without sharing across groups."""
+    groups = few_groups_batch(0, 8, bos=True)
+    groups = [(g * 4)[:4] for g in groups]  # 4 samples each
+    groups[1] = [s[:] for s in groups[0]]  # a second group with the first's sequences
+    sequences = [s for g in groups for s in g]
+    uids = [f"uid-{i}" for i, g in enumerate(groups) for _ in g]
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
+    sequences, uids = [sequences[i] for i in order], [uids[i] for i in order]
+    batch = {"input_ids": [torch.tensor(s) for s in sequences]}
+    weights = cost_weights(None)
+    for dp_size in (2, 4):
+        ranks = partition_for_data_parallel(batch, dp_size, groups=uids, equal_sizes=True)
+        assert [len(r) for r in ranks] == [len(sequences) // dp_size] * dp_size
+        assert torch.equal(torch.cat(ranks).sort().values, torch.arange(len(sequences)))
+        rank_of = {
+            uid: {r for r, idx in enumerate(ranks) for i in idx.tolist() if uids[i] == uid}
+            for uid in uids
+        }
+        assert all(len(r) == 1 for r in rank_of.values())
+        busiest = max(trie_cost([sequences[i] for i in r.tolist()], weights) for r in ranks)
+        by_group = [[s for s, u in zip(sequences, uids) if u == uid] for uid in dict.fromkeys(uids)]
+        loads = [0.0] * dp_size
+        counts = [0] * dp_size
+        for g in sorted(by_group, key=lambda g: -trie_cost(g, weights)):
+            r = min(
+                (r for r in range(dp_size) if counts[r] < len(by_group) // dp_size),
+                key=lambda r: loads[r],
+            )
+            loads[r] += trie_cost(g, weights)
+            counts[r] += 1
+        assert busiest <= max(loads)
+    with pytest.raises(ValueError, match="do not split into 3 equal shares"):
+        partition_for_data_parallel(batch, 3, groups=uids, equal_sizes=True)
+    with pytest.raises(ValueError, match="groups must give one label per sample"):
+        partition_for_data_parallel(batch, 2, groups=uids[:-1])
+    with pytest.raises(ValueError, match="2 groups cannot fill dp_size=3 ranks"):
+        partition_for_data_parallel(batch, 3, groups=["a"] * 16 + ["b"] * 16)
+
+
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
@@ -190,7 +260,7 @@ def test_input_errors():
         partition_for_data_parallel(ids - 2, 2)
     with pytest.raises(ValueError, match="data must be a batch dict or an input_ids tensor"):
         partition_for_data_parallel([[1, 2]], 1)
-    with pytest.raises(ValueError, match="data must hold 'input_ids'"):
+    with pytest.raises(ValueError, match="data must be a dict holding 'input_ids'"):
         partition_for_data_parallel({"input_ids": ids}, 1)
     assert [r.tolist() for r in partition_for_data_parallel(ids, 2)] in ([[0], [1]], [[1], [0]])
 

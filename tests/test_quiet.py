@@ -1,12 +1,12 @@
-"""megatron_tree.quiet hides known upstream warnings (counted, one summary line) and never unknown
-ones."""
+"""megatron_tree.demo.quiet hides known upstream warnings (counted, one summary line) and never
+unknown ones."""
 
 import io
 import logging
 import sys
 import warnings
 
-from megatron_tree.quiet import known_upstream_warnings
+from megatron_tree.demo.quiet import known_upstream_warnings
 
 KNOWN_MSG = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
 UNKNOWN_MSG = "something nobody has looked at yet"

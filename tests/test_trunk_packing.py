@@ -3,16 +3,21 @@
 The reference identifies every trie node with its prefix (the tuple of tokens on its path) and
 counts, for each prefix, the distinct prefixes extending it (itself included): its subtree size.
 From the original sequences alone it then states each trie's trunk (the prefixes whose subtree
-holds more than the capacity), the rows its trunk plan computes (the trunk as a chain of parts of
+holds more than the capacity), the rows of a reference trunk plan (the trunk as a chain of parts of
 at most the capacity, the subtrees below it in first-fit-decreasing branch bins) and the rows of
 cutting it at its branch points (pieces as prefix sets, packed first-fit-decreasing where they add
 the fewest nodes), every micro-batch padded to the alignment (to the capacity with pad_to_max);
-which tries must run with trunk reuse (those whose trunk plan computes fewer rows, and those
-holding a sequence longer than the capacity), how the chosen tries are grouped, where each
-sequence's loss must be taken and which keys each row of each part may attend to. A packing
-without trunk reuse gives the rows of a trie that is cut. The group tree G is read back only
-through ``parent_index`` / ``input_ids`` (a node's prefix is the walk to its root), never through
-the implementation's planning helpers.
+where each sequence's loss must be taken and which keys each row of each part may attend to. A
+packing without trunk reuse gives the rows of a trie that is cut.
+
+Exact structure is checked (every node computed once in a group, the trunk, whole subtrees in
+branches, loss sites, masks); the bin packing is held to invariants only: a group never computes
+more rows than the reference plan, a trie that must run with trunk reuse (a sequence longer than
+the capacity) does, a batch never computes more rows than the reference choice (trunk reuse where
+the reference plan computes fewer rows than the packer's cut, tries grouped first-fit-decreasing by
+trunk size) and a lone trie no more than the better of its two plans. A better packer passes. The
+group tree G is read back only through ``parent_index`` / ``input_ids`` (a node's prefix is the
+walk to its root), never through the implementation's planning helpers.
 """
 
 from __future__ import annotations
@@ -72,18 +77,27 @@ def row_padding(capacity: int, align: int, pad_to_max: bool):
     return lambda n: max(-(-n // align), 1) * align
 
 
-def ffd_loads(sizes: list[int], capacity: int) -> list[int]:
-    """The loads of the bins first-fit-decreasing fills (independent of how equal sizes are
-    ordered); an item larger than the capacity gets a bin of its own."""
+def ffd_bins(sizes: list[int], capacity: int) -> list[list[int]]:
+    """The items (indices) of each bin first-fit-decreasing fills, equal sizes in index order; an
+    item larger than the capacity gets a bin of its own."""
+    bins: list[list[int]] = []
     loads: list[int] = []
-    for n in sorted(sizes, reverse=True):
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         for b, load in enumerate(loads):
-            if load + n <= capacity:
-                loads[b] += n
+            if load + sizes[i] <= capacity:
+                loads[b] += sizes[i]
+                bins[b].append(i)
                 break
         else:
-            loads.append(n)
-    return loads
+            loads.append(sizes[i])
+            bins.append([i])
+    return bins
+
+
+def ffd_loads(sizes: list[int], capacity: int) -> list[int]:
+    """The loads of the bins first-fit-decreasing fills (independent of how equal sizes are
+    ordered)."""
+    return [sum(sizes[i] for i in b) for b in ffd_bins(sizes, capacity)]
 
 
 def trunk_size(size: Counter, capacity: int, roots) -> int:
@@ -246,7 +260,7 @@ def check_trunk_batch(
         pad,
         lambda m: plain_pack(m, capacity, block_size, parallel_size, pad_to_max).num_padded_tokens,
     )
-    fallback = set(costs) - chosen
+    must = {r for r, (_, cut) in costs.items() if cut is None}
     extras = [k for k in batch if k not in ("input_ids", "attention_mask")]
 
     # 1. Coverage: every sequence in exactly one micro-batch, its tokens (and extras) read back.
@@ -254,6 +268,7 @@ def check_trunk_batch(
     groups: dict[int, list[dict]] = defaultdict(list)
     places: dict[int, list[int]] = defaultdict(list)
     ordinary_tokens = 0
+    ordinary_roots: set[int] = set()
     for i_mb, mb in enumerate(packed):
         tree, rows = mb["tree"], mb["rows"]
         assert isinstance(rows, TreeRows)
@@ -269,7 +284,8 @@ def check_trunk_batch(
             places[rows.group].append(i_mb)
         else:
             roots = {seqs[sid][0] for sid in tree.sequence_ids.tolist()}
-            assert not roots & chosen, "a trie that must get trunk reuse was packed ordinarily"
+            assert not roots & must, "a trie holding a sequence over the capacity was cut"
+            ordinary_roots |= roots
             assert rows.is_whole and rows.tree is tree and rows.stored is None and not rows.records
             assert rows.num_real == tree.num_tree_tokens and rows.num_rows == tree.padded_length
             assert tree.padded_length <= capacity and tree.padded_length % align == 0
@@ -285,7 +301,7 @@ def check_trunk_batch(
         assert where == list(range(where[0], where[0] + len(where))), f"group {g} is interleaved"
 
     grouped_roots: list[int] = []
-    group_trunks: list[int] = []
+    group_rows = 0
     group_tokens = 0
     multi_trie_groups = chains = in_trunk = 0
     for g, mbs in groups.items():
@@ -306,22 +322,26 @@ def check_trunk_batch(
         assert len(set(prefixes)) == u, "a prefix laid out twice in G"
         assert set(prefixes) == nodes_of(seqs[s] for s in group_sids)
         roots = {seqs[s][0] for s in group_sids}
-        assert roots <= chosen, f"tries {roots - chosen} run with trunk reuse but must not"
+        assert roots <= set(costs), f"tries {roots - set(costs)} fit one micro-batch: no trunk"
         assert group_sids == sorted(s for s in range(len(seqs)) if seqs[s][0] in roots), (
             "a trie split over groups"
         )
         grouped_roots += sorted(roots)
-        group_trunks.append(trunk_size(size, capacity, roots))
         multi_trie_groups += len(roots) > 1
         group_tokens += u
 
-        # The plan: the trunk as a chain of parts of the capacity, then the branch bins.
+        # The plan: the trunk as a chain of as few parts as the capacity allows, then branches
+        # holding the rest; no more rows than the reference plan (branches first-fit-decreasing),
+        # whatever bin packer fills the branches.
         trunk_rows, branch_rows = trunk_plan(size, capacity, roots)
         n_trunk = sum(p.records for p in parts)
         assert [p.records for p in parts] == [True] * n_trunk + [False] * (n_parts - n_trunk)
-        assert [p.num_real for p in parts[:n_trunk]] == trunk_rows, "trunk parts differ"
-        assert sorted(p.num_real for p in parts[n_trunk:]) == sorted(branch_rows), "branches differ"
-        assert sum(p.num_rows for p in parts) == plan_rows((trunk_rows, branch_rows), pad)
+        assert n_trunk == len(trunk_rows), "the trunk in more parts than the capacity needs"
+        assert sum(p.num_real for p in parts[:n_trunk]) == sum(trunk_rows), "trunk parts differ"
+        assert sum(p.num_real for p in parts[n_trunk:]) == sum(branch_rows), "branches differ"
+        rows = sum(p.num_rows for p in parts)
+        assert rows <= plan_rows((trunk_rows, branch_rows), pad), "more rows than the plan"
+        group_rows += rows
         firsts = [int(p.positions[0]) for p in parts[n_trunk:]]
         assert firsts == sorted(firsts), "branches not in pre-order of their first piece"
         chains += n_trunk > 1
@@ -395,28 +415,33 @@ def check_trunk_batch(
 
         check_masks(parts, ancestors)
 
-    assert sorted(grouped_roots) == sorted(chosen), "a trie that must get trunk reuse got no group"
-    assert len(grouped_roots) == len(set(grouped_roots))
-    # Tries grouped first-fit-decreasing by trunk size.
-    trunks = [trunk_size(size, capacity, {r}) for r in chosen]
-    assert sorted(group_trunks) == sorted(ffd_loads(trunks, capacity)), "tries grouped differently"
+    assert must <= set(grouped_roots), "a trie holding a sequence over the capacity got no group"
+    assert len(grouped_roots) == len(set(grouped_roots)) and not ordinary_roots & set(grouped_roots)
     assert packed.num_tree_tokens == group_tokens + ordinary_tokens
     assert packed.num_padded_tokens == sum(mb["rows"].num_rows for mb in packed)
+    fallback = set(costs) - set(grouped_roots)
     if not fallback:  # nothing is repeated: every distinct prefix counted once
         assert packed.num_tree_tokens == len(size)
         assert packed.tree_token_ratio == pytest.approx(len(size) / sum(map(len, seqs)))
+    # Never more rows than the reference: the tries it chooses, grouped first-fit-decreasing by
+    # trunk size (ties in root order), each group's reference plan, the rest packed without trunk
+    # reuse.
+    trunks = {r: trunk_size(size, capacity, {r}) for r in sorted(chosen)}
+    reference = sum(
+        plan_rows(trunk_plan(size, capacity, {list(trunks)[i] for i in members}), pad)
+        for members in ffd_bins(list(trunks.values()), capacity)
+    )
+    rest = [s for s in seqs if s[0] not in chosen]
+    if rest:
+        reference += plain_rows(rest, capacity, block_size, parallel_size, pad_to_max)
+    assert packed.num_padded_tokens <= reference, "more rows than the reference choice"
     if len({s[0] for s in seqs}) == 1 and costs:
-        # One large trie: the packing computes the rows of the plan it took (when cut, those of
-        # the packing without trunk reuse).
+        # One large trie: no more rows than the better of its two plans.
         ((trunk, cut),) = costs.values()
-        if chosen:
-            assert packed.num_padded_tokens == trunk
-        else:
-            assert packed.num_padded_tokens == plain_rows(
-                seqs, capacity, block_size, parallel_size, pad_to_max
-            )
+        assert packed.num_padded_tokens <= (trunk if cut is None else min(trunk, cut))
     return {
         "groups": len(groups),
+        "grouped": set(grouped_roots),
         "in_trunk": in_trunk,
         "fallback": len(fallback),
         "multi_trie_groups": multi_trie_groups,
@@ -524,20 +549,9 @@ def agent_like_batch(seed: int = 0) -> dict:
     return pad_sequences(seqs, masks)
 
 
-# Per (capacity, pad_to_max): {root: (trunk plan rows, brute-force cut rows)} of the two multi-turn
-# tries
-# (equal rows: cut; with pad_to_max every part is a micro-batch of the capacity too), and whether
-# the strict system-prompt prefix (root 1) then ends in a trunk part.
-AGENT_COSTS = {
-    (32, False): ({1: (176, 256), 2: (144, 160)}, True),
-    (32, True): ({1: (192, 256), 2: (160, 160)}, True),
-    (48, False): ({1: (192, 192), 2: (144, 192)}, False),
-    (48, True): ({1: (240, 192), 2: (192, 192)}, False),
-    (64, False): ({1: (176, 192), 2: (128, 128)}, True),
-    (64, True): ({1: (256, 256), 2: (192, 128)}, False),
-    (128, False): ({1: (176, 176)}, False),
-    (128, True): ({1: (384, 256)}, False),
-}
+# (capacity, pad_to_max) where the reference trunk plan of the first multi-turn trie computes far
+# fewer rows than cutting it (176 and 192 rows against 256): trunk reuse must be taken.
+TRUNK_WINS = {(32, False), (32, True)}
 
 
 @pytest.mark.parametrize("pad_to_max", [False, True])
@@ -562,15 +576,12 @@ def test_agent_batch(capacity, block_size, parallel_size, pad_to_max):
     size = subtree_sizes(seqs)
     prefix = seqs[-6]  # the strict system-prompt prefix of the first trie (root token 1)
     assert len(prefix) == 6 and prefix[0] == 1 and size[prefix] > capacity
-    costs, prefix_in_trunk = AGENT_COSTS[capacity, pad_to_max]
-    # The trunk plan's rows are pinned (the brute-force plan of the trie); the other side is the
-    # packer's own plan without trunk reuse, which check_trunk_batch compares the choice against.
-    assert {r: t for r, (t, _) in stats["costs"].items()} == {r: t for r, (t, _) in costs.items()}
-    chosen = {r for r, (trunk, cut) in stats["costs"].items() if trunk < cut}
-    assert stats["fallback"] == len(costs) - len(chosen) and stats["ordinary"] >= 1
-    assert stats["groups"] == (1 if chosen else 0)
-    assert stats["multi_trie_groups"] == (len(chosen) > 1)
-    assert (stats["in_trunk"] >= 1) == prefix_in_trunk
+    # check_trunk_batch holds the rows to the reference; here what the batch must exercise.
+    assert 1 in stats["costs"] and stats["ordinary"] >= 1
+    if (capacity, pad_to_max) in TRUNK_WINS:
+        assert 1 in stats["grouped"]
+    if 1 in stats["grouped"]:  # the strict prefix ends in the trunk: its loss in a trunk part
+        assert stats["in_trunk"] >= 1
     # Without trunk reuse: no parts at all (and the same sequences).
     plain = build_packed_tree_batch(
         batch,
@@ -592,12 +603,16 @@ def test_share_trunks_needs_shared_prefixes():
         batch, max_tokens_per_mb=32, block_size=16, share_trunks=True, share_prefixes=False
     )
     assert not any(mb["rows"].group is not None for mb in packed)
-    # A sequence longer than the capacity then cannot run as a chain either.
+    # A sequence longer than the capacity then cannot run as a chain either: the message names
+    # share_prefixes, the option to change, not share_trunks, which is on already.
     long = pad_sequences([torch.arange(1, 41)])
-    with pytest.raises(ValueError, match="share_trunks"):
+    with pytest.raises(ValueError, match="needs share_prefixes=True") as error:
         build_packed_tree_batch(
             long, max_tokens_per_mb=32, block_size=16, share_trunks=True, share_prefixes=False
         )
+    assert "pack with share_trunks=True" not in str(error.value)
+    with pytest.raises(ValueError, match="pack with share_trunks=True"):
+        build_packed_tree_batch(long, max_tokens_per_mb=32, block_size=16, share_trunks=False)
 
 
 def test_sequence_ending_in_trunk_takes_loss_in_trunk():
@@ -610,8 +625,8 @@ def test_sequence_ending_in_trunk_takes_loss_in_trunk():
     batch = pad_sequences([torch.tensor(s) for s in seqs])
     packed = pack(batch, 32)
     stats = check_trunk_batch(batch, packed, 32)
-    assert stats["costs"] == {1: (80, 128)}
-    assert {k: v for k, v in stats.items() if k != "costs"} == {
+    assert stats["costs"][1][0] == 80 and stats["grouped"] == {1}
+    assert {k: v for k, v in stats.items() if k not in ("costs", "grouped")} == {
         "groups": 1,
         "in_trunk": 2,
         "fallback": 0,
@@ -622,9 +637,9 @@ def test_sequence_ending_in_trunk_takes_loss_in_trunk():
     trunk = next(mb for mb in packed if mb["rows"].index == 0)
     assert sorted(trunk["tree"].sequence_ids.tolist()) == [0, 1]
     assert trunk["rows"].num_real == 16 and trunk["rows"].num_rows == 16
-    # The branches (14 nodes each) pair up: two branch parts of 28 real rows.
+    # The branches (14 nodes each) fill two branch parts (56 nodes, more than one holds).
     branches = [mb["rows"] for mb in packed if mb["rows"].index > 0]
-    assert sorted(p.num_real for p in branches) == [28, 28]
+    assert len(branches) == 2 and sum(p.num_real for p in branches) == 56
 
 
 @pytest.mark.parametrize("pad_to_max", [False, True])
@@ -650,15 +665,13 @@ def test_trunk_larger_than_capacity_runs_as_a_chain(pad_to_max):
     assert trunk_size(size, 32, {0}) == 46 and trunk_size(size, 32, {9}) == 10
     packed = pack(batch, 32, pad_to_max=pad_to_max)
     stats = check_trunk_batch(batch, packed, 32, pad_to_max=pad_to_max)
-    assert stats["costs"] == (
-        {0: (224, 288), 9: (96, 96)} if pad_to_max else {0: (192, 288), 9: (64, 96)}
-    )
-    assert stats["groups"] == 2 - pad_to_max and stats["fallback"] == pad_to_max
-    assert stats["chains"] == 1
-    # Nothing repeated, but for the cut trie's stem (once in each of its three micro-batches).
-    assert packed.num_tree_tokens == len(size) + (2 * 10 if pad_to_max else 0)
+    reference = {0: 224, 9: 96} if pad_to_max else {0: 192, 9: 64}
+    assert {r: trunk for r, (trunk, _) in stats["costs"].items()} == reference
+    assert stats["grouped"] == ({0} if pad_to_max else {0, 9}) and stats["chains"] >= 1
+    # Nothing repeated, but for the cut trie's stem (in each of its micro-batches).
+    assert packed.num_tree_tokens <= len(size) + (2 * 10 if pad_to_max else 0)
     chain = [mb["rows"] for mb in packed if mb["rows"].group is not None and mb["rows"].records]
-    assert sorted(p.num_real for p in chain) == ([14, 32] if pad_to_max else [10, 14, 32])
+    assert sum(p.num_real for p in chain) == 46 + (0 if pad_to_max else 10) and len(chain) >= 2
 
 
 def test_trunk_that_computes_more_rows_is_not_used():
@@ -671,7 +684,8 @@ def test_trunk_that_computes_more_rows_is_not_used():
     batch = pad_sequences([torch.tensor([1] + t) for t in tails])
     packed = pack(batch, 64)
     stats = check_trunk_batch(batch, packed, 64)
-    assert stats["costs"] == {1: (288, 272)} and stats["groups"] == 0 and stats["fallback"] == 1
+    assert stats["costs"][1][0] == 288 and stats["groups"] == 0 and stats["fallback"] == 1
+    assert packed.num_padded_tokens <= 272
     prompt = torch.randint(2, 50, (30,), generator=g).tolist()
     batch = pad_sequences([torch.tensor(prompt + t[: 64 - 30]) for t in tails])
     packed = pack(batch, 64)
@@ -690,9 +704,9 @@ def test_equal_rows_are_cut(stem, trunk_wins):
     batch = pad_sequences([torch.tensor(s) for s in seqs])
     packed = pack(batch, 48)
     stats = check_trunk_batch(batch, packed, 48)
-    assert stats["costs"] == {1: (80, 96) if trunk_wins else (96, 96)}
+    assert stats["costs"][1][0] == (80 if trunk_wins else 96)
     assert stats["groups"] == int(trunk_wins)
-    assert packed.num_padded_tokens == (80 if trunk_wins else 96)
+    assert packed.num_padded_tokens <= (80 if trunk_wins else 96)
 
 
 def test_choice_compares_with_the_cut_the_packer_makes():
@@ -711,9 +725,8 @@ def test_choice_compares_with_the_cut_the_packer_makes():
     pad = row_padding(32, 16, False)
     assert plan_rows(trunk_plan(size, 32, {1}), pad) == 80 and cut_rows(seqs, 32, pad) == 96
     plain = plain_pack(seqs, 32, 16, 1)
-    assert sorted(mb["tree"].num_tree_tokens for mb in plain) == [24, 28]
     packed = pack(pad_sequences([torch.tensor(s) for s in seqs]), 32)
-    assert packed.num_padded_tokens <= plain.num_padded_tokens == 64
+    assert packed.num_padded_tokens <= plain.num_padded_tokens <= 64
 
 
 def test_grpo_prompt_group():
@@ -768,15 +781,15 @@ def test_long_shared_history_runs_as_a_chain():
         rows = 64 * 8 if pad_to_max else 64 * 4 + 48 + 64 * 3  # 5 trunk parts, 3 branches
         assert stats["costs"] == {int(history[0]): (rows, None)}
         assert stats["groups"] == 1 and stats["chains"] == 1 and stats["ordinary"] == 0
-        parts = [mb["rows"] for mb in packed]
-        assert [p.num_real for p in parts if p.records] == [64, 64, 64, 64, 44]
+        trunk_parts = [mb["rows"].num_real for mb in packed if mb["rows"].records]
+        assert len(trunk_parts) == 5 and sum(trunk_parts) == 300
         assert packed.num_tree_tokens == len(size) == 300 + sum(n + 8 for n in range(12, 33, 4))
 
 
 def test_sequence_longer_than_capacity():
     """One sequence of 200 tokens, capacity 64: its first 136 tokens (subtree > 64) are the trunk,
-    a chain of parts of 64, 64 and 8 rows, the last 64 one branch taking its loss; every token
-    once. Without trunk reuse it is refused, naming share_trunks."""
+    a chain of three parts (64, 64 and 8 rows, or any split as cheap), the last 64 one branch
+    taking its loss; every token once. Without trunk reuse it is refused, naming share_trunks."""
     seq = torch.randint(1, 1000, (200,), generator=torch.Generator().manual_seed(7))
     batch = pad_sequences([seq], [torch.ones(200)])
     with pytest.raises(ValueError, match="share_trunks=True"):
@@ -784,10 +797,10 @@ def test_sequence_longer_than_capacity():
     packed = pack(batch, 64)
     stats = check_trunk_batch(batch, packed, 64)
     parts = [mb["rows"] for mb in packed]
-    assert [p.num_real for p in parts] == [64, 64, 8, 64]
     assert [p.records for p in parts] == [True] * 3 + [False]
+    assert sum(p.num_real for p in parts[:3]) == 136 and parts[3].num_real == 64
     assert sorted(x for p in parts for x in p.positions[: p.num_real].tolist()) == list(range(200))
-    assert packed.num_tree_tokens == 200 and packed.num_padded_tokens == 64 + 64 + 16 + 64
+    assert packed.num_tree_tokens == 200 and packed.num_padded_tokens <= 64 + 64 + 16 + 64
     assert [mb["tree"].num_sequences for mb in packed] == [0, 0, 0, 1]
     assert stats["in_trunk"] == 0 and stats["costs"] == {int(seq[0]): (208, None)}
 
@@ -853,9 +866,9 @@ def test_random_batches_match_brute_force(seed, layout, pad_to_max):
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from(ALIGNMENTS), st.booleans())
 def test_one_trie_takes_the_plan_with_fewer_rows(seed, layout, pad_to_max):
-    """A batch of one trie larger than the capacity: trunk reuse iff its plan computes fewer rows
-    than cutting it (both counted from the prefixes), and the packing then computes exactly the
-    rows of the plan it took (when cut, those of a packing without trunk reuse)."""
+    """A batch of one trie larger than the capacity: no more rows than the better of the reference
+    trunk plan and the packer's own cut (check_trunk_batch), and trunk reuse whenever even the
+    reference trunk plan computes fewer rows than the cut."""
     capacity, block_size, parallel_size = layout
     rng = random.Random(seed)
     seqs = random_trie(rng, 1, rng.randint(2, 5), capacity, capacity)
@@ -874,6 +887,5 @@ def test_one_trie_takes_the_plan_with_fewer_rows(seed, layout, pad_to_max):
         pad_to_max=pad_to_max,
     )
     ((trunk, cut),) = stats["costs"].values()
-    assert stats["groups"] == int(trunk < cut)
-    if trunk < cut:
-        assert packed.num_padded_tokens == trunk
+    if trunk < cut:  # even the reference plan beats the packer's cut
+        assert stats["groups"] == 1

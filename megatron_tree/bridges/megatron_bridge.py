@@ -26,9 +26,12 @@ provider (:func:`make_tree_provider`):
 
 No weight-map change is needed: Megatron-Bridge's mapping registry already knows the local spec's
 separate norm weights. Megatron-Bridge is imported on first use (the patch block or
-:func:`make_tree_provider`), with ``megatron_tree.patches.megatron_bridge_te`` applied where
-transformer-engine is missing (Megatron-Bridge cannot be imported otherwise); nothing is patched at
-import. On a CPU-only machine also apply ``megatron_tree.patches.megatron_cpu``.
+:func:`make_tree_provider`). Where transformer-engine is missing, importing this module installs
+``megatron_tree.patches.megatron_bridge_te`` (an import hook for the one Megatron-Bridge module
+that imports transformer-engine unguarded; a no-op where it is installed), so
+``from megatron.bridge import AutoBridge`` works after importing this module, as the docs write it;
+nothing else is patched at import. On a CPU-only machine also apply
+``megatron_tree.patches.megatron_cpu``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ from ._hook import InitHook
 from .routing import sigmoid_router_fields
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
+
+# Megatron-Bridge cannot be imported without transformer-engine otherwise: a user who imports this
+# module and then ``megatron.bridge`` (docs/usage.md) must not depend on having entered the block.
+megatron_bridge_te.apply()
 
 
 @functools.cache
@@ -231,8 +238,8 @@ def patch_megatron_bridge_for_tree_training(
         models = bridge.to_megatron_model(load_weights=True, wrap_with_ddp=False)  # inside or after
 
     On a machine without transformer-engine, Megatron-Bridge imports only with
-    ``megatron_tree.patches.megatron_bridge_te`` applied: this block applies it on entry (import
-    ``AutoBridge`` inside it, or call ``megatron_bridge_te.apply()`` before importing it).
+    ``megatron_tree.patches.megatron_bridge_te`` applied: importing this module applies it, so
+    import ``AutoBridge`` after this module (before it, it fails in that import).
 
     Args:
         enable: False makes the block a no-op; a disabled block nested in an enabled one creates

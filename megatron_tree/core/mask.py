@@ -9,7 +9,7 @@ tile layout, the FlexAttention ``BlockMask`` and the block-sparse gather plan ar
 Sliding windows are over depth: with a window ``w`` (Megatron's ``window_size[0]``) a query also
 needs its key at most ``w`` levels above it, so on a chain it sees ``w + 1`` keys, itself included,
 exactly Megatron's sliding-window causal mask on each sequence alone. The depths come from
-``subtree_end`` itself (:func:`tree_depth`), so every mask form carries them; a window is a
+``subtree_end`` itself (:func:`~.tree.tree_depth`), so every mask form carries them; a window is a
 per-layer argument of the derived forms, not part of the encoding.
 
 :class:`TreeMask` is what a micro-batch hands its model as ``attention_mask``: the ``subtree_end``
@@ -18,8 +18,8 @@ tensor itself (so it passes through Megatron's activation checkpointing like any
 Every layer, and the recomputation in backward, then reuses one plan; a second micro-batch in
 flight (pipeline schedules) has its own mask and its own plan.
 
-Legend: N packed length, r mask rows (trees in a micro-batch row dimension, usually 1),
-B tile (block) size, nb = N / B, M key blocks a query block sees.
+Legend: N packed length, r trees stacked in the mask's leading dimension (usually 1), B tile
+(block) size, nb = N / B, M key blocks a query block sees.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from .recurrent import RecurrentPlan
 from .rows import KeyValueStore, TreeRows, chain_lengths
-from .tree import PackedTree
+from .tree import PackedTree, subtree_end_of, tree_depth
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +63,6 @@ def allowed(
     if window is not None:
         ok = ok & (depth[q] - depth[k] <= window)
     return ok
-
-
-def tree_depth(tree: PackedTree | torch.Tensor) -> torch.Tensor:
-    """int64 [N]: each position's depth in its tree (0 for a root and for padding), from
-    ``subtree_end`` alone.
-
-    The keys ``k <= q`` are q's ancestors (itself included) when their subtree reaches past q, and
-    otherwise have ``subtree_end[k] <= q``; no key after q has (``subtree_end[k] > k``). So
-    ``depth(q) = q - #{k : subtree_end[k] <= q}``: one sort and one search, O(N log N). It equals
-    the packed ``position_ids`` (token depths); only differences along ancestor paths matter.
-
-    Args:
-        tree: a :class:`PackedTree`, or its ``subtree_end`` int [N].
-    """
-    subtree_end = _subtree_end_of(tree).to(torch.int64)
-    pos = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    return pos - torch.searchsorted(torch.sort(subtree_end).values, pos, right=True)
 
 
 def depth_window(window_size: Any) -> int | None:
@@ -123,18 +107,6 @@ def padding_subtree_end(start: int, end: int, device: Any = None) -> torch.Tenso
     return torch.arange(start + 1, end + 1, dtype=torch.int64, device=device)
 
 
-def _subtree_end_of(tree_or_subtree_end: PackedTree | torch.Tensor) -> torch.Tensor:
-    if isinstance(tree_or_subtree_end, PackedTree):
-        return tree_or_subtree_end.subtree_end
-    subtree_end = tree_or_subtree_end
-    if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
-        raise ValueError(
-            f"subtree_end must be an integer tensor, got dtype {subtree_end.dtype}; pass "
-            "PackedTree.subtree_end"
-        )
-    return subtree_end.reshape(-1)
-
-
 def pad_encoding(subtree_end: torch.Tensor, padded: int) -> torch.Tensor:
     """int64 [N] -> [padded]: positions added past N are padding."""
     n = subtree_end.shape[0]
@@ -156,7 +128,7 @@ def build_attention_mask_from_trie(
         torch.bool [N, N], True where query row q must NOT attend key column k. Broadcasts to
         [b, heads, N, N]. O(N^2) memory: prefer passing a :class:`TreeMask` to the model.
     """
-    subtree_end = _subtree_end_of(tree)
+    subtree_end = subtree_end_of(tree)
     pos = torch.arange(subtree_end.shape[0], device=subtree_end.device)
     depth = None if window is None else tree_depth(subtree_end)
     return ~allowed(subtree_end, pos[:, None], pos[None, :], depth, window)
@@ -201,7 +173,7 @@ def tree_mask_mod(
             parallelism); default row i is position i.
         window: a depth window (see :func:`allowed`), or None.
     """
-    subtree_end = _subtree_end_of(subtree_end)
+    subtree_end = subtree_end_of(subtree_end)
     if query_positions is None and window is None:
         return functools.partial(_mask_mod, subtree_end)
     if window is None:
@@ -260,7 +232,7 @@ def tree_block_layout(
         (any_allowed, all_allowed): torch.bool [nq / block_size, N / block_size] each, indexed
         [query tile, key block].
     """
-    subtree_end = _subtree_end_of(tree).to(torch.int64)
+    subtree_end = subtree_end_of(tree).to(torch.int64)
     n = subtree_end.shape[0]
     nq = n if query_positions is None else query_positions.shape[0]
     if (
@@ -336,7 +308,7 @@ def build_block_mask_from_trie(
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    subtree_end = _subtree_end_of(tree)
+    subtree_end = subtree_end_of(tree)
     any_allowed, all_allowed = tree_block_layout(
         subtree_end, block_size, query_positions, window=window
     )
@@ -435,6 +407,11 @@ class TreeMaskPlan:
         chains: host ints, the lengths of the chains of a tree whose sequences share nothing
             (:attr:`~megatron_tree.core.rows.TreeRows.chains`): its attention is causal within
             each chain, so ``"auto"`` runs the dense causal kernel instead of a tree kernel.
+        tokens: what the micro-batch's token-wise layers read besides the mask (the MoE router's
+            per-row weights, replayed routes and loss scale:
+            :class:`~megatron_tree.mcore.moe.RouterInputs`); None for none. The plan is the
+            micro-batch's one context: Megatron hands ``attention_mask`` to every layer, in the
+            forward and in an activation recomputation alike.
     """
 
     def __init__(
@@ -444,6 +421,7 @@ class TreeMaskPlan:
         *,
         store: KeyValueStore | None = None,
         chains: tuple[int, ...] | None = None,
+        tokens: Any = None,
     ):
         if chains is not None and (
             rows is not None or subtree_end.shape[0] != 1 or sum(chains) > subtree_end.shape[-1]
@@ -457,6 +435,7 @@ class TreeMaskPlan:
         self.rows = rows
         self.store = store
         self.chains = chains
+        self.tokens = tokens
         queries = None if rows is None else rows.encoding()[1]
         self._queries = None if queries is None else queries.to(subtree_end.device)
         self._forms: dict[Any, Any] = {}
@@ -517,8 +496,6 @@ class TreeMaskPlan:
     def recurrent(self):
         """The :class:`~megatron_tree.core.recurrent.RecurrentPlan` of the keys (the segments a
         recurrent layer runs over), built by the first recurrent layer and kept."""
-        from .recurrent import RecurrentPlan
-
         return self._get("recurrent", lambda: RecurrentPlan(self.subtree_end[0]))
 
     def _get(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -610,6 +587,7 @@ def tree_attention_mask(
     rows: TreeRows | None = None,
     *,
     store: KeyValueStore | None = None,
+    tokens: Any = None,
 ) -> TreeMask:
     """The ``attention_mask`` to hand a tree model for one micro-batch (int32 :class:`TreeMask`).
 
@@ -631,6 +609,7 @@ def tree_attention_mask(
             the CP group) or a trunk-reuse part.
         store: a trunk-reuse part's :class:`~megatron_tree.core.rows.KeyValueStore` (one per
             trunk group and step).
+        tokens: the micro-batch's token facts for other layers (see :class:`TreeMaskPlan`).
     """
     chains = None
     if isinstance(tree, TreeRows):
@@ -640,10 +619,10 @@ def tree_attention_mask(
     elif rows is None and isinstance(tree, PackedTree):
         chains = chain_lengths(tree)
     if rows is not None:
-        if rows.tree.padded_length != _subtree_end_of(tree).shape[-1]:
+        if rows.tree.padded_length != subtree_end_of(tree).shape[-1]:
             raise ValueError(
                 f"the rows are of a tree of {rows.tree.padded_length} positions, the mask's tree "
-                f"has {_subtree_end_of(tree).shape[-1]}; build the rows from this micro-batch's "
+                f"has {subtree_end_of(tree).shape[-1]}; build the rows from this micro-batch's "
                 "tree"
             )
         if (rows.records or rows.stored is not None) and store is None:
@@ -652,8 +631,10 @@ def tree_attention_mask(
                 "group and step), or let tree_forward_backward run the batch"
             )
         subtree_end = rows.encoding()[0]
-        return TreeMask(subtree_end, TreeMaskPlan(subtree_end[None], rows, store=store))
-    subtree_end = _subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
+        return TreeMask(
+            subtree_end, TreeMaskPlan(subtree_end[None], rows, store=store, tokens=tokens)
+        )
+    subtree_end = subtree_end_of(tree) if isinstance(tree, PackedTree) else tree
     if subtree_end.dtype.is_floating_point or subtree_end.dtype == torch.bool:
         raise ValueError(
             f"tree_attention_mask needs an integer subtree_end, got {subtree_end.dtype}"
@@ -664,5 +645,7 @@ def tree_attention_mask(
             len(chains),
             subtree_end.shape[-1],
         )
-    plan = TreeMaskPlan(subtree_end.reshape(-1, subtree_end.shape[-1]), chains=chains)
+    plan = TreeMaskPlan(
+        subtree_end.reshape(-1, subtree_end.shape[-1]), chains=chains, tokens=tokens
+    )
     return TreeMask(subtree_end, plan)

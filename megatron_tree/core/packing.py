@@ -1,19 +1,19 @@
-"""Pack a padded RL batch into prefix tries, one flattened pre-order trie per micro-batch.
+"""Pack an RL batch into prefix tries, one flattened pre-order trie per micro-batch.
 
 How it works, with no Python object or loop per token:
 
 1. Sort the sequences lexicographically (a sequence sorts before its extensions). In sorted order
-the
-   trie of a set of sequences is read off the longest common prefix (LCP) of each sequence with its
-   predecessor: sequence i contributes its tokens at depths ``lcp_i .. len_i - 1``, and laying the
-   contributions out one after another is the depth-first pre-order of the trie.
+   the trie of a set of sequences is read off the longest common prefix (LCP) of each sequence with
+   its predecessor: sequence i contributes its tokens at depths ``lcp_i .. len_i - 1``, and laying
+   the contributions out one after another is the depth-first pre-order of the trie
+   (``core/trie.py``).
 2. Split the sorted order into root groups (LCP 0); cut a group too large for one micro-batch at
-   its branch points into subtrees that repeat only their ancestors' path (``core/partition.py``),
-   and bin-pack the pieces first-fit-decreasing, each into the bin holding most of its path (a loop
-   over pieces, not tokens). The previous plan (contiguous runs of the sorted order, bin-packed
-   first-fit-decreasing; ``packing="runs"``) is computed too and kept when it needs fewer trees, or
-   as many trees and fewer tokens, so no batch packs worse than with it. Optionally the pieces are
-   then rebalanced by FLOP cost over the same number of trees.
+   its branch points into subtrees that repeat only their ancestors' path (``core/trie.py``), and
+   bin-pack the pieces first-fit-decreasing, each into the bin holding most of its path (a loop
+   over pieces, not tokens; ``core/partition.py``). The previous plan (contiguous runs of the
+   sorted order, bin-packed first-fit-decreasing; ``packing="runs"``) is computed too and kept when
+   it needs fewer trees, or as many trees and fewer tokens, so no batch packs worse than with it.
+   Optionally the pieces are then rebalanced by FLOP cost over the same number of trees.
 3. Lay out each bin with a few [S, L] tensor operations: packed position of every (sequence, depth)
    by a forward fill of the owning sequence down each depth column, and the end of every node's
    subtree (the start of the first later contribution with ``lcp <= depth``) by a reverse fill.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -33,17 +34,11 @@ from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
 from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
-from .partition import (
-    TrieCounts,
-    _lexicographic_order,
-    _neighbour_lcp,
-    balance_by_cost,
-    cut_tries,
-    pack_pieces,
-)
-from .ragged import to_padded
+from .partition import balance_by_cost, first_fit_decreasing, pack_pieces
+from .ragged import read_batch
 from .tree import PackedTree
-from .trunk import TrunkPlan, first_fit, split_group
+from .trie import TrieCounts, cut_tries, lexicographic_order, neighbour_lcp, sequence_keys
+from .trunk import TrunkPlan, split_group
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +46,7 @@ __all__ = ["PackedTreeBatch", "build_packed_tree_batch", "layout_tree"]
 
 
 def layout_tree(
-    rows: torch.Tensor,
+    sequences: torch.Tensor,
     lengths: torch.Tensor,
     *,
     padded_length: int | None = None,
@@ -63,7 +58,7 @@ def layout_tree(
     """Flatten the trie of lexicographically sorted sequences in pre-order.
 
     Args:
-        rows: int64 [S, L] token ids, sorted lexicographically, -1 past each length.
+        sequences: int64 [S, L] token ids, sorted lexicographically, -1 past each length.
         lengths: int64 [S], all >= 1.
         padded_length: N, at least the number of unique tokens; by default the unique token count
             rounded up to a multiple of ``align``.
@@ -72,17 +67,17 @@ def layout_tree(
         share_prefixes: False lays every sequence out as its own root chain (the unshared
             baseline with the same layout and kernels).
         keys: int64 [S, L], what two sequences must agree on to share a position (default
-            ``rows``; with routing replay, token and route), sorted like ``rows``.
+            ``sequences``; with routing replay, token and route), sorted like ``sequences``.
 
     Returns:
         (input_ids [N], position_ids [N], subtree_end int32 [N], parent_index [N], token_index [T],
         num_tree_tokens).
     """
-    rows, lengths = rows.to(torch.int64), lengths.to(torch.int64)
-    num_seq, width = rows.shape
-    device = rows.device
+    sequences, lengths = sequences.to(torch.int64), lengths.to(torch.int64)
+    num_seq, width = sequences.shape
+    device = sequences.device
     lcp = (
-        _neighbour_lcp(rows if keys is None else keys, lengths)
+        neighbour_lcp(sequences if keys is None else keys, lengths)
         if share_prefixes
         else torch.zeros_like(lengths)
     )
@@ -125,7 +120,7 @@ def layout_tree(
     position_ids = torch.zeros(padded_length, dtype=torch.int64, device=device)
     subtree_end = padding_subtree_end(0, padded_length, device)
     parent_index = torch.full((padded_length,), -1, dtype=torch.int64, device=device)
-    input_ids[dest] = rows[owned]
+    input_ids[dest] = sequences[owned]
     position_ids[dest] = depth.expand(num_seq, width)[owned]
     subtree_end[dest] = node_end[owned]
     parent_index[dest] = parent_path[owned]
@@ -140,47 +135,16 @@ def layout_tree(
     )
 
 
-def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size):
-    """The checked arguments; ``data`` with numpy arrays and rectangular lists as tensors."""
-    from .checks import as_tensor
-
-    if not isinstance(data, dict) or "input_ids" not in data or "attention_mask" not in data:
-        raise ValueError(
-            "data must be a dict holding 'input_ids' [B, L] and 'attention_mask' [B, L] tensors"
-        )
-    data = {name: as_tensor(f"data[{name!r}]", value) for name, value in data.items()}
-    for name in ("input_ids", "attention_mask"):
-        if not isinstance(data[name], torch.Tensor):
-            raise ValueError(
-                f"data[{name!r}] must be a [B, L] tensor (or numpy array), got "
-                f"{type(data[name]).__name__}"
-            )
-    input_ids, attention_mask = data["input_ids"], data["attention_mask"]
-    if input_ids.dim() != 2:
-        raise ValueError(f"data['input_ids'] must be [B, L], got shape {tuple(input_ids.shape)}")
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"data['attention_mask'] has shape {tuple(attention_mask.shape)} but data['input_ids'] "
-            f"has {tuple(input_ids.shape)}; they must be equal"
-        )
-    if input_ids.shape[0] == 0:
-        raise ValueError("the batch is empty: data['input_ids'] has no sequences")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"data['input_ids'] must hold integer token ids, got {input_ids.dtype}")
+def _check_sizes(
+    data: dict, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
+) -> tuple[int, int]:
+    """Check the size arguments (and that ``data`` uses no reserved name); returns (the alignment
+    ``lcm(block_size, parallel_size)``, ``max_tokens_per_mb`` as an int)."""
     for reserved in RESERVED_KEYS[1:3]:
         if reserved in data:
             raise ValueError(
                 f"data[{reserved!r}] is reserved: each micro-batch gets its own (position ids are "
                 "the token depths in the tree); drop it from data"
-            )
-    for name, value in data.items():
-        if name in ("input_ids", "attention_mask"):
-            continue
-        if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != tuple(input_ids.shape):
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"data[{name!r}] must be a tensor shaped [B, L, ...] = {tuple(input_ids.shape)} "
-                f"like input_ids, got {shape}; pass per-token tensors only"
             )
     block_size = check_int("block_size", block_size, minimum=1)
     parallel_size = check_int("parallel_size", parallel_size, minimum=1)
@@ -202,22 +166,42 @@ def _validate(data: dict, max_tokens_per_mb, block_size, parallel_size, pad_toke
             f"lcm(block_size={block_size}, parallel_size={parallel_size}) = {align}; e.g. "
             f"{max(align, -(-max_tokens_per_mb // align) * align)}"
         )
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    right_padded = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
-    bad = (mask != right_padded).any(dim=1)
-    if bad.any():
-        raise ValueError(
-            f"data['attention_mask'] rows {bad.nonzero().flatten()[:8].tolist()} are not "
-            "right-padded: each row must be ones for the real tokens followed by zeros (no left "
-            "padding or holes)"
+    return align, max_tokens_per_mb
+
+
+def _check_lengths(
+    lengths: torch.Tensor, capacity: int, align: int, *, share_prefixes: bool, share_trunks: bool
+) -> None:
+    """A sequence longer than ``capacity`` runs only as a chain of trunk parts, which needs trunk
+    reuse and shared prefixes: otherwise ValueError naming what to change."""
+    too_long = lengths > capacity
+    if not too_long.any() or (share_trunks and share_prefixes):
+        return
+    i = int(too_long.nonzero()[0])
+    if share_prefixes:
+        chain = "pack with share_trunks=True (a longer sequence then runs as a chain of parts)"
+    else:
+        chain = (
+            "a longer sequence runs as a chain of parts only with trunk reuse, which needs "
+            "share_prefixes=True (this batch has share_prefixes=False"
+            + (")" if share_trunks else " and share_trunks=False)")
         )
-    if (lengths == 0).any():
+    raise ValueError(
+        f"sequence {i} has {int(lengths[i])} tokens, more than max_tokens_per_mb={capacity}; "
+        f"{chain}; or raise max_tokens_per_mb (a multiple of {align}) or truncate it"
+    )
+
+
+def _max_token_id(keys: torch.Tensor, pad_token_id: int, vocab_size: int | None) -> int:
+    """The largest token id the batch holds (``pad_token_id`` included), checked against
+    ``vocab_size``."""
+    max_token_id = max(int(keys.max()), pad_token_id)
+    if vocab_size is not None and max_token_id >= vocab_size:
         raise ValueError(
-            f"sequences {(lengths == 0).nonzero().flatten()[:8].tolist()} are empty "
-            "(attention_mask all zero); drop them from the batch before packing"
+            f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, "
+            f"{vocab_size})"
         )
-    return data, lengths.to(torch.int64), align, max_tokens_per_mb
+    return max_token_id
 
 
 def _split_into_runs(
@@ -243,23 +227,6 @@ def _split_into_runs(
     return runs
 
 
-def _first_fit_decreasing(runs: list[tuple[int, int, int]], capacity: int) -> list[list[int]]:
-    """Bin-pack runs by unique tokens; returns, per bin, the indices of its runs."""
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for r in sorted(range(len(runs)), key=lambda r: (-runs[r][2], r)):
-        size = runs[r][2]
-        for b, room in enumerate(free):
-            if size <= room:
-                bins[b].append(r)
-                free[b] -= size
-                break
-        else:
-            bins.append([r])
-            free.append(capacity - size)
-    return bins
-
-
 PACKINGS = ("trie", "runs")
 
 
@@ -282,7 +249,9 @@ def _plan_trees(
         per tree, its runs ``(first, end)`` in sorted order.
     """
     runs = _split_into_runs(lcp, lengths, capacity)
-    plan = [sorted(runs[r][:2] for r in b) for b in _first_fit_decreasing(runs, capacity)]
+    plan = [
+        sorted(runs[r][:2] for r in b) for b in first_fit_decreasing([r[2] for r in runs], capacity)
+    ]
     if packing == "runs" and not balance:
         return plan
     counts = TrieCounts(lcp.cpu().numpy(), lengths.cpu().numpy())
@@ -384,7 +353,7 @@ def _trunk_groups(
             )
         plain.append(torch.arange(first, end))
     groups = []
-    for b in sorted(first_fit([len(plan.trunk_nodes) for _, plan in tries], capacity)):
+    for b in sorted(first_fit_decreasing([len(plan.trunk_nodes) for _, plan in tries], capacity)):
         members = [tries[i] for i in sorted(b)]
         trees = [t for t, _ in members]
         groups.append(
@@ -395,6 +364,106 @@ def _trunk_groups(
         )
     rest = torch.cat(plain) if plain else torch.zeros(0, dtype=torch.int64)
     return groups, rest
+
+
+@dataclass(frozen=True)
+class _SortedBatch:
+    """A batch's sequences in trie (lexicographic) order, what every tree is laid out from.
+
+    Attributes:
+        order: int64 [B], the batch index of each sorted sequence.
+        keys: int64 [B, W] token ids, -1 past each length, sorted.
+        trie_keys: int64 [B, W], what two sequences must agree on to share a position (token and
+            route, with routing replay), sorted; None when that is ``keys``.
+        lengths: int64 [B], sorted.
+        lcp: int64 [B], each sorted sequence's LCP with its predecessor (all 0 without sharing).
+        align, pad_token_id, share_prefixes: how trees are laid out (:func:`layout_tree`).
+    """
+
+    order: torch.Tensor
+    keys: torch.Tensor
+    trie_keys: torch.Tensor | None
+    lengths: torch.Tensor
+    lcp: torch.Tensor
+    align: int
+    pad_token_id: int
+    share_prefixes: bool
+
+    @classmethod
+    def of(cls, keys, lengths, trie_keys, *, align, pad_token_id, share_prefixes) -> _SortedBatch:
+        """Sort ``keys`` and ``lengths`` [B] (and ``trie_keys``, which then decide the order)."""
+        order = lexicographic_order(keys if trie_keys is None else trie_keys).to(keys.device)
+        sorted_lengths = lengths[order]
+        sorted_trie_keys = None if trie_keys is None else trie_keys[order]
+        lcp = neighbour_lcp(keys[order] if trie_keys is None else sorted_trie_keys, sorted_lengths)
+        if not share_prefixes:
+            lcp = torch.zeros_like(lcp)
+        return cls(
+            order,
+            keys[order],
+            sorted_trie_keys,
+            sorted_lengths,
+            lcp,
+            align,
+            pad_token_id,
+            share_prefixes,
+        )
+
+    def layout(self, members: torch.Tensor, padded_length: int | None) -> PackedTree:
+        """The tree of the sorted sequences ``members`` (ascending), padded to ``padded_length``
+        (None: to the alignment)."""
+        lengths = self.lengths[members]
+        width = int(lengths.max())
+        ids, pos, end, parent, token_index, unique = layout_tree(
+            self.keys[members, :width],
+            lengths,
+            padded_length=padded_length,
+            align=self.align,
+            pad_token_id=self.pad_token_id,
+            share_prefixes=self.share_prefixes,
+            keys=None if self.trie_keys is None else self.trie_keys[members, :width],
+        )
+        cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, dim=0, out=cu_seqlens[1:])
+        return PackedTree(
+            ids, pos, end, parent, self.order[members], cu_seqlens, token_index, unique
+        )
+
+
+def _micro_batches(
+    batch: _SortedBatch, capacity: int, pad_to, plan_trees, *, share_trunks: bool, pad_to_max: bool
+) -> list:
+    """Every micro-batch of ``batch``: the trees of ``plan_trees`` over the tries without trunk
+    reuse, then the parts of each trunk group (:func:`_trunk_groups`, with ``share_trunks``)."""
+    device = batch.keys.device
+    groups, members = [], torch.arange(len(batch.lcp), device=device)
+    if share_trunks:
+        groups, members = _trunk_groups(
+            batch.lcp,
+            batch.lengths,
+            capacity,
+            pad_to,
+            lambda a, b: batch.layout(torch.arange(a, b, device=device), None),
+            plan_trees,
+        )
+        members = members.to(device)
+    micro_batches = []
+    if len(members):
+        for tree_runs in plan_trees(batch.lcp[members], batch.lengths[members]):
+            picked = members[
+                torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
+            ]
+            micro_batches.append(
+                micro_batch(batch.layout(picked, capacity if pad_to_max else None))
+            )
+    for g, (tree, plan) in enumerate(groups):
+        micro_batches += [
+            micro_batch(view, part)
+            for view, part in split_group(
+                tree, plan, g, pad_to=pad_to, pad_token_id=batch.pad_token_id
+            )
+        ]
+    return micro_batches
 
 
 def _unpadded(tree: PackedTree) -> PackedTree:
@@ -436,7 +505,7 @@ def build_packed_tree_batch(
     max_tokens_per_mb: int | None = None,
     block_size: int = 128,
     parallel_size: int = 1,
-    pad_to_max: bool = True,
+    pad_to_max: bool = False,
     pad_token_id: int = 0,
     vocab_size: int | None = None,
     dp_group=None,
@@ -468,9 +537,10 @@ def build_packed_tree_batch(
             ``lcm(block_size, parallel_size)``.
         block_size: attention tile size the packed length is aligned to.
         parallel_size: another factor the packed length must be divisible by (e.g. TP x CP x 2).
-        pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes, as pipeline
-        parallelism
-            needs); if False, pad each tree only to the next multiple of the alignment.
+        pad_to_max: pad every tree to ``max_tokens_per_mb`` (constant shapes: pipeline
+            parallelism and the allgather expert dispatcher need them; the step then asks for
+            them, see ``PackingConfig``); False (default): each tree only to the next multiple
+            of the alignment.
         pad_token_id: token id written on padding positions (>= 0).
         vocab_size: if given, every token id and ``pad_token_id`` must be below it.
         dp_group: optional data-parallel process group; all its ranks then return the same number
@@ -509,100 +579,49 @@ def build_packed_tree_batch(
     share_trunks = _check_options(
         pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model
     )
-    data, input_layout = to_padded(data)
-    data, lengths, align, max_tokens_per_mb = _validate(
+    data, lengths, input_layout = read_batch(data)
+    align, max_tokens_per_mb = _check_sizes(
         data, max_tokens_per_mb, block_size, parallel_size, pad_token_id, vocab_size
     )
-    too_long = lengths > max_tokens_per_mb
-    if too_long.any() and not (share_trunks and share_prefixes):
-        i = int(too_long.nonzero()[0])
-        raise ValueError(
-            f"sequence {i} has {int(lengths[i])} tokens, more than "
-            f"max_tokens_per_mb={max_tokens_per_mb}; pack with share_trunks=True (a longer "
-            "sequence then runs as a chain of parts), raise max_tokens_per_mb (a multiple of "
-            f"{align}) or truncate it"
-        )
-    weights = cost_weights(cost_model)
-    input_ids, mask = data["input_ids"], data["attention_mask"].bool()
-    device = input_ids.device
-    width = int(lengths.max())
-    keys = input_ids[:, :width].to(torch.int64).masked_fill(~mask[:, :width], -1)
-    if (keys < -1).any() or ((keys == -1) & mask[:, :width]).any():
-        raise ValueError("data['input_ids'] holds negative token ids; token ids must be >= 0")
-    max_token_id = max(int(keys.max()), pad_token_id)
-    if vocab_size is not None and max_token_id >= vocab_size:
-        raise ValueError(
-            f"data['input_ids'] holds token id {max_token_id}, outside the vocabulary [0, "
-            f"{vocab_size})"
-        )
-
-    trie_keys = keys if route_key is None else _route_keys(data, route_key, keys)
-    order = _lexicographic_order(trie_keys).to(device)
-    sorted_keys, sorted_lengths, sorted_trie_keys = keys[order], lengths[order], trie_keys[order]
-    lcp = _neighbour_lcp(sorted_trie_keys, sorted_lengths)
-    if not share_prefixes:
-        lcp = torch.zeros_like(lcp)
-
-    def layout(members: torch.Tensor, padded_length: int | None) -> PackedTree:
-        tree_lengths = sorted_lengths[members]
-        width_mb = int(tree_lengths.max())
-        ids, pos, end, parent, token_index, unique = layout_tree(
-            sorted_keys[members, :width_mb],
-            tree_lengths,
-            padded_length=padded_length,
-            align=align,
-            pad_token_id=pad_token_id,
-            share_prefixes=share_prefixes,
-            keys=None if route_key is None else sorted_trie_keys[members, :width_mb],
-        )
-        cu_seqlens = torch.zeros(len(members) + 1, dtype=torch.int64, device=device)
-        torch.cumsum(tree_lengths, dim=0, out=cu_seqlens[1:])
-        return PackedTree(ids, pos, end, parent, order[members], cu_seqlens, token_index, unique)
-
+    _check_lengths(
+        lengths, max_tokens_per_mb, align, share_prefixes=share_prefixes, share_trunks=share_trunks
+    )
+    keys = sequence_keys(data["input_ids"], lengths)
+    max_token_id = _max_token_id(keys, pad_token_id, vocab_size)
+    batch = _SortedBatch.of(
+        keys,
+        lengths,
+        None if route_key is None else _route_keys(data, route_key, keys),
+        align=align,
+        pad_token_id=pad_token_id,
+        share_prefixes=share_prefixes,
+    )
     # Every micro-batch's padded rows, decided once: the capacity (constant shapes) or the
     # alignment.
     pad_to = (
         (lambda n: max_tokens_per_mb) if pad_to_max else (lambda n: max(-(-n // align), 1) * align)
     )
+    weights = cost_weights(cost_model)
 
     def plan_trees(lcp, lengths):
         return _plan_trees(
             lcp, lengths, max_tokens_per_mb, packing=packing, weights=weights, balance=balance_cost
         )
 
-    groups, members = [], torch.arange(len(lcp), device=device)
-    if share_trunks and share_prefixes:
-        groups, members = _trunk_groups(
-            lcp,
-            sorted_lengths,
-            max_tokens_per_mb,
-            pad_to,
-            lambda a, b: layout(torch.arange(a, b, device=device), None),
-            plan_trees,
-        )
-        members = members.to(device)
-    micro_batches = []
-    if len(members):
-        plan = plan_trees(lcp[members], sorted_lengths[members])
-        for tree_runs in plan:
-            picked = members[
-                torch.cat([torch.arange(first, end) for first, end in tree_runs]).to(device)
-            ]
-            micro_batches.append(
-                micro_batch(layout(picked, max_tokens_per_mb if pad_to_max else None))
-            )
-    for g, (tree, plan) in enumerate(groups):
-        micro_batches += [
-            micro_batch(view, rows)
-            for view, rows in split_group(tree, plan, g, pad_to=pad_to, pad_token_id=pad_token_id)
-        ]
-
+    micro_batches = _micro_batches(
+        batch,
+        max_tokens_per_mb,
+        pad_to,
+        plan_trees,
+        share_trunks=share_trunks and share_prefixes,
+        pad_to_max=pad_to_max,
+    )
     if dp_group is not None:  # as many micro-batches on every rank: all-padding fill-ins
         target = _sync_num_micro_batches(len(micro_batches), dp_group)
-        filler = PackedTree.all_padding(pad_to(1), pad_token_id, device)
+        filler = PackedTree.all_padding(pad_to(1), pad_token_id, keys.device)
         micro_batches += [micro_batch(filler) for _ in range(target - len(micro_batches))]
     result = PackedTreeBatch(
-        micro_batches, input_ids.shape[0], int(lengths.sum()), max_token_id, cost_model=cost_model
+        micro_batches, len(lengths), int(lengths.sum()), max_token_id, cost_model=cost_model
     )
     result.attach_padded(
         {k: v for k, v in data.items() if k not in ("input_ids", "attention_mask")}

@@ -1,16 +1,16 @@
-"""Cut prefix tries at their branch points and assign the pieces to micro-batches or to ranks.
+"""Assign the pieces of prefix tries to bins: micro-batches (the packer) or data-parallel ranks.
 
-Sequences sorted lexicographically, with ``lcp[i]`` the longest common prefix of sequence i with
-its predecessor (0 for the first), describe their tries without any per-token object: a root group
-(a maximal run with ``lcp > 0`` inside) is one trie, and the subtree hanging below a branch node at
-depth ``q`` is a maximal run whose inner LCPs all exceed ``q``. A trie too large for one bin is cut
-at its top branch point into the subtrees of that node's children, recursively; each such
-:class:`Piece` repeats only its ancestors' path (``base`` tokens), and a piece that joins a bin
-already holding part of that path repeats only the rest. Every sequence fits a bin on its own (the
-packer validates lengths), so a single chain never needs cutting inside.
+A bin holds :class:`~.trie.Piece` s (subtrees of the batch's tries, cut at branch points by
+:func:`~.trie.cut_tries`) and knows the size of their union trie: a piece that joins a bin already
+holding part of its ancestors' path repeats only the rest. The packer fills bins of a token
+capacity (:func:`pack_pieces`, first-fit-decreasing and sharing-aware) and may even out their
+costs (:func:`balance_by_cost`); :func:`partition_for_data_parallel` balances the ranks' costs,
+either over pieces it cuts itself or over given groups (:func:`balance_groups`: a prompt group
+stays on one rank). :func:`first_fit_decreasing` is the plain bin packer of sizes (runs of the
+sorted order, trunk-reuse pieces, trunk groups).
 
-The work is one Python step per piece and bin, never per token; interval sizes come from prefix
-sums over the sorted order.
+The work is one Python step per piece and bin, never per token; interval sizes come from the
+prefix sums of :class:`~.trie.TrieCounts`.
 
 Legend: B sequences, L padded length, P pieces.
 """
@@ -19,181 +19,50 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .checks import check_int
+from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
+from .ragged import read_batch
+from .trie import (
+    Piece,
+    TrieCounts,
+    cut_tries,
+    lexicographic_order,
+    neighbour_lcp,
+    sequence_keys,
+    triangle,
+)
 
-__all__ = ["Piece", "partition_for_data_parallel"]
-
-
-def _neighbour_lcp(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """LCP of each row with the row before it (0 for the first).
-
-    Args:
-        rows: int64 [S, L], padded with -1 (a value no token takes) past each length.
-        lengths: int64 [S].
-
-    Returns:
-        int64 [S].
-    """
-    lcp = torch.zeros_like(lengths)
-    if rows.shape[0] > 1:
-        differ = rows[1:] != rows[:-1]
-        first_diff = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), rows.shape[1])
-        lcp[1:] = torch.minimum(first_diff, torch.minimum(lengths[1:], lengths[:-1]))
-    return lcp
-
-
-def _lexicographic_order(keys: torch.Tensor) -> torch.Tensor:
-    """Row order of [B, L] keys, column 0 most significant (np.lexsort takes the last key first)."""
-    order = np.lexsort(keys.cpu().numpy().T[::-1])
-    return torch.from_numpy(order.astype(np.int64))
+__all__ = [
+    "Bin",
+    "balance_by_cost",
+    "balance_groups",
+    "first_fit_decreasing",
+    "pack_pieces",
+    "partition_for_data_parallel",
+    "refine",
+]
 
 
-def _triangle(depth: int) -> int:
-    """Attention pairs of a root path of ``depth`` tokens: sum of (d + 1) for d < depth."""
-    return depth * (depth + 1) // 2
-
-
-class Piece(NamedTuple):
-    """A subtree of a trie: the sorted sequences ``[first, end)`` below an ancestor path.
-
-    Attributes:
-        first, end: the run of the sorted order it holds.
-        base: length of its ancestor path (0 for a whole root group), repeated in a bin that does
-        not
-            hold it already.
-        tokens: its own unique tokens, below the ancestor path.
-        pairs: its own attention pairs (sum of depth + 1 over its own tokens).
-        ancestors: (id, depth) of every branch node it was cut below, root first (a node's id is the
-            run ``(first, end)`` of its subtree); the last depth is ``base``.
-    """
-
-    first: int
-    end: int
-    base: int
-    tokens: int
-    pairs: int
-    ancestors: tuple[tuple[tuple[int, int], int], ...]
-
-    @property
-    def full_tokens(self) -> int:
-        return self.tokens + self.base
-
-    def full_cost(self, weights: tuple[float, float]) -> float:
-        return weights[0] * self.full_tokens + weights[1] * (self.pairs + _triangle(self.base))
-
-
-class TrieCounts:
-    """Prefix sums over the sorted order that give any run's trie size in O(1).
-
-    Args:
-        lcp: int [B], LCP of each sorted sequence with its predecessor.
-        lengths: int [B], sequence lengths in sorted order.
-    """
-
-    def __init__(self, lcp, lengths):
-        self.lcp = np.asarray(lcp, dtype=np.int64)
-        self.lengths = lengths = np.asarray(lengths, dtype=np.int64)
-        self.tokens = np.concatenate([[0], np.cumsum(lengths - self.lcp)])
-        pairs = (lengths * (lengths + 1) - self.lcp * (self.lcp + 1)) // 2
-        self.pairs = np.concatenate([[0], np.cumsum(pairs)])
-
-    def run(self, first: int, end: int) -> tuple[int, int]:
-        """(unique tokens, attention pairs) of the trie of sorted sequences ``[first, end)``."""
-        head = int(self.lcp[first])  # the first sequence counts whole
-        tokens = int(self.tokens[end] - self.tokens[first]) + head
-        return tokens, int(self.pairs[end] - self.pairs[first]) + _triangle(head)
-
-    def union(self, runs: list[tuple[int, int]]) -> tuple[int, int]:
-        """(unique tokens, attention pairs) of the trie of the sorted runs ``[first, end)``
-        together, as laid out: runs sharing a prefix share it (the LCP of the last sequence of one
-        run with the first of the next is the least ``lcp`` between them)."""
-        tokens = pairs = 0
-        last = None
-        for first, end in sorted(runs):
-            run_tokens, run_pairs = self.run(first, end)
-            shared = 0 if last is None else int(self.lcp[last + 1 : first + 1].min())
-            tokens += run_tokens - shared
-            pairs += run_pairs - _triangle(shared)
-            last = end - 1
-        return tokens, pairs
-
-    def root_groups(self) -> list[Piece]:
-        """One piece per root group (a whole trie)."""
-        starts = np.flatnonzero(self.lcp == 0)
-        ends = np.append(starts[1:], len(self.lcp))
-        tokens = (self.tokens[ends] - self.tokens[starts]).tolist()
-        pairs = (self.pairs[ends] - self.pairs[starts]).tolist()
-        return [
-            Piece(a, b, 0, t, p, ())
-            for a, b, t, p in zip(starts.tolist(), ends.tolist(), tokens, pairs)
-        ]
-
-    def _branch(self, first: int, end: int, keep_chains: bool) -> tuple[int, list[int]]:
-        """(depth, child starts) of the top branch node of the run ``[first, end)``; no starts when
-        it has none. With ``keep_chains``, sequences that end at the branch node (prefixes of the
-        rest) are no child of their own: they stay with the first child, and a node with one
-        other child is passed through."""
-        lead = first
-        while lead + 1 < end:
-            inner = self.lcp[lead + 1 : end]
-            depth = int(inner.min())
-            starts = [lead, *(lead + 1 + np.flatnonzero(inner == depth)).tolist()]
-            if not keep_chains:
-                return depth, starts
-            real = [s for s in starts if self.lengths[s] > depth]  # prefixes sort first
-            if len(real) >= 2:
-                return depth, [first, *real[1:]]
-            if not real:  # copies of one sequence
+def first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, first-fit-decreasing: items by decreasing size (then index), each to
+    the first bin with room within ``capacity`` (an item larger than it gets a bin of its own);
+    each bin lists its items in the order they went in."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for b, left in enumerate(room):
+            if sizes[i] <= left:
+                bins[b].append(i)
+                room[b] -= sizes[i]
                 break
-            lead = real[0]
-        return 0, []
-
-    def split(self, piece: Piece, keep_chains: bool = True) -> list[Piece]:
-        """The subtrees of the children of ``piece``'s top branch node, or ``[piece]`` if it is a
-        chain (every sequence a prefix of one); the node's id is the run it heads. Without
-        ``keep_chains`` a chain is cut too, every sequence a child (for more pieces than
-        branches)."""
-        depth, starts = self._branch(piece.first, piece.end, keep_chains)
-        if not starts:
-            return [piece]
-        ancestors = piece.ancestors + (((piece.first, piece.end), depth),)
-        children = []
-        for first, end in zip(starts, starts[1:] + [piece.end]):
-            tokens, pairs = self.run(first, end)
-            children.append(
-                Piece(first, end, depth, tokens - depth, pairs - _triangle(depth), ancestors)
-            )
-        return children
-
-
-def cut_tries(
-    counts: TrieCounts,
-    *,
-    max_tokens: float = math.inf,
-    max_cost: float = math.inf,
-    weights=(1.0, 0.0),
-) -> list[Piece]:
-    """Cut every root group into pieces of at most ``max_tokens`` tokens and ``max_cost`` cost
-    (ancestor path included), at branch points only; chains (a sequence with its prefixes) are
-    never cut, and one fits ``max_tokens`` when its longest sequence does. Pieces come in sorted
-    (pre-order) order."""
-    pieces: list[Piece] = []
-    stack = counts.root_groups()[::-1]
-    while stack:
-        piece = stack.pop()
-        too_big = piece.full_tokens > max_tokens or piece.full_cost(weights) > max_cost
-        children = counts.split(piece) if too_big else [piece]
-        if len(children) > 1:
-            stack.extend(children[::-1])
         else:
-            pieces.append(piece)
-    return pieces
+            bins.append([i])
+            room.append(capacity - sizes[i])
+    return bins
 
 
 class Bin:
@@ -219,7 +88,7 @@ class Bin:
             if self.nodes[node] - (node in skip) > 0:
                 shared = depth
                 break
-        return piece.full_tokens - shared, piece.pairs + _triangle(piece.base) - _triangle(shared)
+        return piece.full_tokens - shared, piece.pairs + triangle(piece.base) - triangle(shared)
 
     def added(self, piece: Piece, without: Piece | None = None) -> tuple[int, int]:
         """(tokens, pairs) ``piece`` adds here (to the bin less ``without``): its own plus the part
@@ -387,70 +256,133 @@ def _cut_once_more(pieces: list[Piece], counts: TrieCounts, weights) -> list[Pie
     return pieces[:i] + counts.split(pieces[i], keep_chains=False) + pieces[i + 1 :]
 
 
-def _right_padded_lengths(attention_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Lengths [B] of a right-padded ``attention_mask`` of ``shape``; ValueError (as the packer's)
-    for a mask of another shape, with left padding or holes, or with an empty row."""
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(
-            f"data['attention_mask'] has shape {tuple(attention_mask.shape)} but data['input_ids'] "
-            f"has {tuple(shape)}; they must be equal"
-        )
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    right_padded = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
-    bad = (mask != right_padded).any(dim=1).nonzero().flatten()[:8].tolist()
-    if bad:
-        raise ValueError(
-            f"data['attention_mask'] rows {bad} are not right-padded: each row must be ones for "
-            "the real tokens followed by zeros (no left padding or holes)"
-        )
-    empty = (lengths == 0).nonzero().flatten()[:8].tolist()
-    if empty:
-        raise ValueError(
-            f"sequences {empty} are empty (attention_mask all zero); drop them from the batch "
-            "before partitioning"
-        )
-    return lengths
-
-
 def _partition_inputs(data, lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys int64 [B, L] with -1 past each length, lengths int64 [B]) from a batch dict or ids."""
+    """(keys int64 [B, W] on the host, -1 past each length; lengths int64 [B]) from a batch dict
+    in any layout the packer takes (read as the packer reads it), or from an ``input_ids`` tensor
+    [B, L] (a nested one too) with ``lengths``."""
+    if isinstance(data, torch.Tensor) and data.is_nested:
+        data = {"input_ids": data}
     if isinstance(data, dict):
-        if "input_ids" not in data or "attention_mask" not in data:
-            raise ValueError("data must hold 'input_ids' [B, L] and 'attention_mask' [B, L]")
         if lengths is not None:
             raise ValueError("pass lengths only with an input_ids tensor, not with a batch dict")
-        input_ids, mask = data["input_ids"], data["attention_mask"]
-    elif isinstance(data, torch.Tensor):
-        input_ids, mask = data, None
-        if lengths is None:
-            lengths = torch.full((data.shape[0],), data.shape[-1] if data.dim() else 0)
-    else:
+        wanted = ("input_ids", "attention_mask", "cu_seqlens")  # extras are not partitioned
+        data, lengths, _ = read_batch({k: v for k, v in data.items() if k in wanted})
+        return sequence_keys(data["input_ids"], lengths).cpu(), lengths.cpu()
+    if not isinstance(data, torch.Tensor):
         raise ValueError(
             f"data must be a batch dict or an input_ids tensor [B, L], got {type(data).__name__}"
         )
-    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+    if data.dim() != 2 or data.dtype.is_floating_point or data.dtype == torch.bool:
         raise ValueError(
-            f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} "
-            f"{tuple(input_ids.shape)}"
+            f"input_ids must be an integer tensor [B, L], got {data.dtype} {tuple(data.shape)}"
         )
-    if mask is not None:
-        lengths = _right_padded_lengths(mask, input_ids.shape)
+    if lengths is None:
+        lengths = torch.full((data.shape[0],), data.shape[1])
     lengths = torch.as_tensor(lengths).to(torch.int64).cpu()
-    if (
-        lengths.shape != (input_ids.shape[0],)
-        or (lengths < 1).any()
-        or (lengths > input_ids.shape[1]).any()
-    ):
+    if lengths.shape != (data.shape[0],) or (lengths < 1).any() or (lengths > data.shape[1]).any():
         raise ValueError(
-            f"lengths must be [B={input_ids.shape[0]}] with every entry in [1, "
-            f"L={input_ids.shape[1]}], got {lengths.tolist()[:8]}"
+            f"lengths must be [B={data.shape[0]}] with every entry in [1, L={data.shape[1]}], got "
+            f"{lengths.tolist()[:8]}"
         )
-    keys = input_ids.cpu().to(torch.int64)
-    keys = keys.masked_fill(torch.arange(keys.shape[1])[None, :] >= lengths[:, None], -1)
-    if (keys < -1).any() or ((keys == -1).sum(dim=1) != keys.shape[1] - lengths).any():
-        raise ValueError("input_ids holds negative token ids; token ids must be >= 0")
-    return keys, lengths
+    return sequence_keys(data.cpu(), lengths), lengths
+
+
+def _group_labels(groups, num_samples: int, dp_size: int, equal_sizes: bool) -> np.ndarray:
+    """int64 [B]: a group number per sample (each sample its own group when ``groups`` is None),
+    checked: as many labels as samples, at least ``dp_size`` groups, B a multiple of ``dp_size``
+    with ``equal_sizes``."""
+    if groups is None:
+        labels = np.arange(num_samples)
+    else:
+        groups = list(groups)
+        if len(groups) != num_samples:
+            raise ValueError(
+                f"groups must give one label per sample ({num_samples}), got {len(groups)}"
+            )
+        number: dict = {}
+        labels = np.array([number.setdefault(g, len(number)) for g in groups], dtype=np.int64)
+        if len(number) < dp_size:
+            raise ValueError(
+                f"{len(number)} groups cannot fill dp_size={dp_size} ranks with every group whole"
+            )
+    if equal_sizes and num_samples % dp_size:
+        raise ValueError(
+            f"equal_sizes: {num_samples} samples do not split into {dp_size} equal shares"
+        )
+    return labels
+
+
+def _pieces_by_group(counts: TrieCounts, labels: np.ndarray) -> list[list[Piece]]:
+    """The tries cut (at branch points, then between the sequences of a chain) until no piece
+    holds two groups; per group (``labels``: per sorted sequence), its pieces in sorted order."""
+    by_group: dict[int, list[Piece]] = {}
+    stack = counts.root_groups()[::-1]
+    while stack:
+        piece = stack.pop()
+        if (labels[piece.first : piece.end] == labels[piece.first]).all():
+            by_group.setdefault(int(labels[piece.first]), []).append(piece)
+            continue
+        children = counts.split(piece)
+        if len(children) == 1:  # a chain holding two groups: every sequence a child
+            children = counts.split(piece, keep_chains=False)
+        stack.extend(children[::-1])
+    return list(by_group.values())
+
+
+def balance_groups(
+    groups: list[list[Piece]], num_bins: int, weights, max_samples: float = math.inf
+) -> list[Bin]:
+    """Longest-processing-time first over groups of pieces that share a bin: groups by decreasing
+    cost, each to the bin whose cost after adding it is lowest (sharing-aware; ties: the cheaper
+    bin, then the first) among those with room for its samples (at most ``max_samples`` per bin),
+    an empty bin whenever as many groups are left as bins are empty. ValueError if a group finds
+    no room."""
+    bins, samples = [Bin() for _ in range(num_bins)], [0] * num_bins
+    ordered = sorted(groups, key=lambda g: (-Bin(g).cost(weights), g[0].first))
+    for left, group in zip(range(len(ordered), 0, -1), ordered):
+        size = sum(p.end - p.first for p in group)
+        empty = [i for i, b in enumerate(bins) if not b.pieces]
+        candidates = empty if left <= len(empty) else range(num_bins)
+        best = None
+        for i in candidates:
+            if samples[i] + size > max_samples:
+                continue
+            current = bins[i].cost(weights)
+            for piece in group:
+                bins[i].add(piece)
+            key = (bins[i].cost(weights), current, i)
+            for piece in group[::-1]:
+                bins[i].remove(piece)
+            best = key if best is None or key < best else best
+        if best is None:
+            raise ValueError(
+                f"no bin has room for a group of {size} samples (at most {max_samples} per bin): "
+                "groups of one size, as many per bin, always fit"
+            )
+        for piece in group:
+            bins[best[2]].add(piece)
+        samples[best[2]] += size
+    return bins
+
+
+def _balance_pieces(counts: TrieCounts, dp_size: int, weights) -> list[Bin]:
+    """The tries cut freely at branch points, two ways (pieces of at most half a rank's share of
+    the cost, and whole groups cut only while there are fewer than ``dp_size`` pieces), each
+    assigned longest-cost-first and refined; the one with the cheaper costliest rank (then fewer
+    tokens) wins."""
+    total = weights[0] * float(counts.tokens[-1]) + weights[1] * float(counts.pairs[-1])
+    # With one or two groups per rank the finer cut splits groups and repeats their prompts, and
+    # keeping them whole often balances better.
+    candidates = []
+    for max_cost in (total / dp_size / 2, math.inf):
+        pieces = cut_tries(counts, max_cost=max_cost, weights=weights)
+        while len(pieces) < dp_size:
+            pieces = _cut_once_more(pieces, counts, weights)
+        bins = refine(balance_pieces(pieces, dp_size, weights), weights, rounds=4 * len(pieces))
+        candidates.append(bins)
+    return min(
+        candidates, key=lambda c: (max(b.cost(weights) for b in c), sum(b.tokens for b in c))
+    )
 
 
 def partition_for_data_parallel(
@@ -459,6 +391,8 @@ def partition_for_data_parallel(
     *,
     lengths: torch.Tensor | None = None,
     cost_model: GPTShape | None = None,
+    groups=None,
+    equal_sizes: bool = False,
 ) -> list[torch.Tensor]:
     """Split a global batch across data-parallel ranks without scattering shared prefixes.
 
@@ -472,41 +406,45 @@ def partition_for_data_parallel(
     groups per rank, cutting them often costs more). Ranks may get different numbers of samples;
     each gets at least one.
 
+    With ``groups`` (or ``equal_sizes``) the units are given instead: each group's samples go to
+    one rank, groups are assigned longest-cost-first to the rank where they cost least (sharing
+    prefixes with what it holds already) and are not moved afterwards.
+
     Args:
-        data: the global batch, a dict with ``input_ids`` [B, L] and ``attention_mask`` [B, L]
-            (right-padded: a mask with left padding or holes is refused), or an ``input_ids``
-            tensor [B, L] with ``lengths``.
+        data: the global batch in any layout the packer takes (a dict with ``input_ids`` [B, L]
+            and ``attention_mask`` [B, L], right-padded; or ``input_ids`` a list of sequences, a
+            jagged nested tensor, or [T] with ``cu_seqlens``: :mod:`~megatron_tree.core.ragged`;
+            other entries are ignored), or an ``input_ids`` tensor [B, L] with ``lengths`` (or a
+            jagged nested one).
         dp_size: number of data-parallel ranks, at most B.
         lengths: int [B], sequence lengths, with an ``input_ids`` tensor (default: L for all).
         cost_model: the FLOP model that weighs tokens (linear layers) against attention pairs;
             None counts unique tokens only.
+        groups: a label per sample (e.g. verl's prompt ``uid``): samples with one label stay on one
+            rank. At least ``dp_size`` groups.
+        equal_sizes: every rank gets B / ``dp_size`` samples (a dispatch that splits the batch into
+            equal chunks); without ``groups`` every sample is a group of its own. Always possible
+            when the groups have one size and their number is a multiple of ``dp_size``.
 
     Returns:
         ``dp_size`` int64 tensors [B_r]: the sample indices of each rank, ascending.
     """
     dp_size = check_int("dp_size", dp_size, minimum=1)
+    equal_sizes = check_bool("equal_sizes", equal_sizes)
     keys, lengths = _partition_inputs(data, lengths)
-    if dp_size > keys.shape[0]:
-        raise ValueError(f"dp_size={dp_size} is larger than the batch ({keys.shape[0]} sequences)")
+    num_samples = keys.shape[0]
+    if dp_size > num_samples:
+        raise ValueError(f"dp_size={dp_size} is larger than the batch ({num_samples} sequences)")
     weights = cost_weights(cost_model)
-    order = _lexicographic_order(keys)
+    order = lexicographic_order(keys)
     sorted_lengths = lengths[order]
-    counts = TrieCounts(_neighbour_lcp(keys[order], sorted_lengths).numpy(), sorted_lengths.numpy())
-    total = weights[0] * float(counts.tokens[-1]) + weights[1] * float(counts.pairs[-1])
-    # Two cuts: pieces of at most half a rank's share, and whole groups (tries cut only while there
-    # are fewer than dp_size pieces). With one or two groups per rank the finer cut splits groups
-    # and repeats their prompts, and keeping them whole often balances better: the cheaper
-    # costliest rank (then fewer tokens) wins.
-    candidates = []
-    for max_cost in (total / dp_size / 2, math.inf):
-        pieces = cut_tries(counts, max_cost=max_cost, weights=weights)
-        while len(pieces) < dp_size:
-            pieces = _cut_once_more(pieces, counts, weights)
-        bins = refine(balance_pieces(pieces, dp_size, weights), weights, rounds=4 * len(pieces))
-        candidates.append(bins)
-    bins = min(
-        candidates, key=lambda c: (max(b.cost(weights) for b in c), sum(b.tokens for b in c))
-    )
+    counts = TrieCounts(neighbour_lcp(keys[order], sorted_lengths).numpy(), sorted_lengths.numpy())
+    if groups is None and not equal_sizes:
+        bins = _balance_pieces(counts, dp_size, weights)
+    else:
+        labels = _group_labels(groups, num_samples, dp_size, equal_sizes)[order.numpy()]
+        max_samples = num_samples // dp_size if equal_sizes else math.inf
+        bins = balance_groups(_pieces_by_group(counts, labels), dp_size, weights, max_samples)
     ranks = []
     for b in bins:
         members = np.concatenate([np.arange(first, end) for first, end in b.runs()])

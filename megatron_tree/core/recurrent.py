@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .mask import tree_depth
+from .tree import tree_depth
 
 __all__ = [
     "RecurrentPlan",
@@ -63,10 +63,11 @@ def parents_from_subtree_end(subtree_end: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Bucket:
-    """Segments of one level padded to one length: ``index`` [B, T] context rows (K = a zero row);
-    ``init`` [B], the slot of each segment's initial state in the state table (0 = zeros; None: all
-    start from zero); ``keep``, the rows whose final states later segments start from (they take
-    the table's next slots, in processing order; None: no row has children, no state is kept)."""
+    """Segments of one level padded to one length: ``index`` [B, T] context positions (K: a zero
+    entry appended to the context); ``init`` [B], the slot of each segment's initial state in the
+    state table (0 = zeros; None: all start from zero); ``keep``, the segments (indices into B)
+    whose final states later segments start from (they take the table's next slots, in processing
+    order; None: no segment has children, no state is kept)."""
 
     index: torch.Tensor
     init: torch.Tensor | None
@@ -124,7 +125,7 @@ class RecurrentPlan:
         slot[order] = torch.cumsum(has_children[order].long(), 0) * has_children[order]
         init = torch.where(parent_seg >= 0, slot[parent_seg.clamp(min=0)], 0)
         self.buckets: list[list[_Bucket]] = [[] for _ in range(self.num_levels)]
-        host_index = []  # every bucket's [B, T] rows, in processing order
+        host_index = []  # every bucket's [B, T] context positions, in processing order
         key = level[order] * 64 + band[order]
         for ids in torch.split(
             order, torch.unique_consecutive(key, return_counts=True)[1].tolist()

@@ -1,4 +1,5 @@
-"""The packed tree record: one trie of token sequences laid out in depth-first pre-order.
+"""The packed tree record: one trie of token sequences laid out in depth-first pre-order, and what
+its ``subtree_end`` encoding alone gives (:func:`tree_depth`).
 
 Legend for shapes: N = padded packed length, U = real packed (unique) tokens, S = sequences in the
 tree, T = sum of the lengths of those sequences (every token of every sequence, shared or not).
@@ -119,3 +120,33 @@ class PackedTree:
                 for name, value in self.__dict__.items()
             }
         )
+
+
+def subtree_end_of(tree: PackedTree | torch.Tensor) -> torch.Tensor:
+    """The ``subtree_end`` [N] of a :class:`PackedTree`, or an int tensor taken as one (flattened);
+    ValueError for a float or bool tensor."""
+    if isinstance(tree, PackedTree):
+        return tree.subtree_end
+    if tree.dtype.is_floating_point or tree.dtype == torch.bool:
+        raise ValueError(
+            f"subtree_end must be an integer tensor, got dtype {tree.dtype}; pass "
+            "PackedTree.subtree_end"
+        )
+    return tree.reshape(-1)
+
+
+def tree_depth(tree: PackedTree | torch.Tensor) -> torch.Tensor:
+    """int64 [N]: each position's depth in its tree (0 for a root and for padding), from
+    ``subtree_end`` alone.
+
+    The keys ``k <= q`` are q's ancestors (itself included) when their subtree reaches past q, and
+    otherwise have ``subtree_end[k] <= q``; no key after q has (``subtree_end[k] > k``). So
+    ``depth(q) = q - #{k : subtree_end[k] <= q}``: one sort and one search, O(N log N). It equals
+    the packed ``position_ids`` (token depths); only differences along ancestor paths matter.
+
+    Args:
+        tree: a :class:`PackedTree`, or its ``subtree_end`` int [N].
+    """
+    subtree_end = subtree_end_of(tree).to(torch.int64)
+    pos = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    return pos - torch.searchsorted(torch.sort(subtree_end).values, pos, right=True)

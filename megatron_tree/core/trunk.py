@@ -33,10 +33,11 @@ from __future__ import annotations
 import torch
 
 from .mask import padding_subtree_end
+from .partition import first_fit_decreasing
 from .rows import TreeRows, pair_offsets
 from .tree import PackedTree
 
-__all__ = ["TrunkPlan", "first_fit", "plan_trunk", "split_group"]
+__all__ = ["TrunkPlan", "plan_trunk", "split_group"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ class TrunkPlan:
     def __init__(self, trunk_nodes: torch.Tensor, pieces: list[tuple[int, int]], capacity: int):
         self.trunk_nodes, self.pieces, self.capacity = trunk_nodes, pieces, capacity
         self.trunk_parts = list(trunk_nodes.split(capacity)) if len(trunk_nodes) else []
-        bins = first_fit([end - start for start, end in pieces], capacity)
+        bins = first_fit_decreasing([end - start for start, end in pieces], capacity)
         bins.sort(key=lambda b: min(b))
         device = trunk_nodes.device
         self.branches = [
@@ -75,13 +76,14 @@ class TrunkPlan:
         return cls(torch.nonzero(trunk).flatten(), pieces, capacity)
 
     @property
-    def rows(self) -> list[torch.Tensor]:
-        """Every part's real rows, trunk parts first."""
+    def parts(self) -> list[torch.Tensor]:
+        """Every part's real positions (the rows it computes, padding aside), trunk parts
+        first."""
         return self.trunk_parts + self.branches
 
     def padded_rows(self, pad_to) -> int:
         """Rows computed, every part padded by ``pad_to`` (real rows -> padded rows)."""
-        return sum(pad_to(len(r)) for r in self.rows)
+        return sum(pad_to(len(positions)) for positions in self.parts)
 
     @classmethod
     def merged(cls, plans: list[TrunkPlan], sizes: list[int]) -> TrunkPlan:
@@ -115,22 +117,6 @@ def plan_trunk(
     top = ~trunk & ((parent < 0) | trunk[parent.clamp(min=0)])
     starts = torch.nonzero(top).flatten()
     return trunk, list(zip(starts.tolist(), ends[starts].tolist()))
-
-
-def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Bins of item indices, first-fit-decreasing."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        for b, left in enumerate(room):
-            if sizes[i] <= left:
-                bins[b].append(i)
-                room[b] -= sizes[i]
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - sizes[i])
-    return bins
 
 
 def _pad_tree(tree: PackedTree, padded_length: int, pad_token_id: int) -> PackedTree:
@@ -198,12 +184,12 @@ def split_group(
     """
     num_nodes = tree.num_tree_tokens
     device = tree.input_ids.device
-    rows = plan.rows
-    padded = [pad_to(len(r)) for r in rows]
-    tree = _pad_tree(tree, num_nodes + sum(p - len(r) for p, r in zip(padded, rows)), pad_token_id)
+    real = plan.parts  # each part's real positions
+    padded = [pad_to(len(r)) for r in real]
+    tree = _pad_tree(tree, num_nodes + sum(p - len(r) for p, r in zip(padded, real)), pad_token_id)
     owner = torch.empty(num_nodes, dtype=torch.int64, device=device)
     positions, next_pad = [], num_nodes
-    for i, (r, p) in enumerate(zip(rows, padded)):
+    for i, (r, p) in enumerate(zip(real, padded)):
         owner[r] = i
         positions.append(
             torch.cat([r, torch.arange(next_pad, next_pad + p - len(r), device=device)])
@@ -213,7 +199,7 @@ def split_group(
     site = owner[last]  # the part holding each sequence's last token takes its loss
     num_trunk = len(plan.trunk_parts)
     parts = []
-    for i, (pos, r) in enumerate(zip(positions, rows)):
+    for i, (pos, r) in enumerate(zip(positions, real)):
         view, tokens = _view(tree, torch.nonzero(site == i).flatten())
         before = min(i, num_trunk)  # the trunk parts whose keys this part extends
         part = TreeRows(
@@ -226,7 +212,7 @@ def split_group(
             records=i < num_trunk,
             group=group,
             index=i,
-            num_parts=len(rows),
+            num_parts=len(real),
             group_tokens=tokens,
             pair_offsets=pair_offsets(tree, pos),
         )

@@ -35,6 +35,7 @@ patches the router with per-micro-batch routes in verl's token order, which a tr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -55,6 +56,8 @@ from verl.workers.engine.megatron.transformer_impl import (
 )
 
 from ..core.packing import build_packed_tree_batch
+from ..core.partition import partition_for_data_parallel
+from ..core.trie import unique_tokens
 from ..mcore.schedule import Phases, StepContext, run_phases
 from ..patches._scoped import swapped
 
@@ -448,43 +451,23 @@ class TreeMegatronEngineWithValueHead(_TreeEngine, MegatronEngineWithValueHead):
 # ---------------------------------------------------------------------------------------------
 
 
-def unique_tokens(sequences: list[torch.Tensor]) -> int:
-    """Tokens of the prefix trie of ``sequences`` (1-D each): every shared prefix counted once."""
-    if not sequences:
-        return 0
-    ordered = sorted(tuple(s.tolist()) for s in sequences)
-    shared = 0
-    for a, b in zip(ordered, ordered[1:]):
-        n = min(len(a), len(b))
-        shared += next((k for k in range(n) if a[k] != b[k]), n)
-    return sum(len(s) for s in ordered) - shared
-
-
 def balance_prompt_groups(
     sequences: list[torch.Tensor], uids, dp_size: int
 ) -> list[list[int]] | None:
     """Sample indices per data-parallel rank with every prompt group (samples of one ``uid``) on one
-    rank and the ranks' tree tokens (:func:`unique_tokens`) balanced: groups longest first, each to
-    the least-loaded rank with room, the same number of groups on every rank. None when that cannot
-    give every rank as many samples (verl's dispatch splits the batch into equal chunks): the
-    group count is not a multiple of ``dp_size`` or the groups differ in size."""
-    groups: dict = {}
-    for i, uid in enumerate(uids):
-        groups.setdefault(uid, []).append(i)
-    sizes = {len(members) for members in groups.values()}
-    if len(groups) % dp_size or len(sizes) != 1:
+    rank, the same number of samples on every rank (verl's dispatch splits the batch into equal
+    chunks) and the ranks' tree tokens balanced: the core's data-parallel balancer,
+    :func:`~megatron_tree.core.partition.partition_for_data_parallel`, with ``groups=uids`` and
+    ``equal_sizes=True`` (a group joining a rank that holds its prompt repeats nothing). None when
+    the groups cannot fill equal chunks: their number is not a multiple of ``dp_size`` or they
+    differ in size."""
+    sizes = collections.Counter(uids).values()
+    if len(sizes) % dp_size or len(set(sizes)) != 1:
         return None
-    per_rank = len(groups) // dp_size
-    cost = {uid: unique_tokens([sequences[i] for i in members]) for uid, members in groups.items()}
-    loads, parts = [0] * dp_size, [[] for _ in range(dp_size)]
-    for uid in sorted(groups, key=lambda u: (-cost[u], groups[u][0])):
-        rank = min(
-            (r for r in range(dp_size) if len(parts[r]) < per_rank * len(groups[uid])),
-            key=lambda r: loads[r],
-        )
-        parts[rank] += groups[uid]
-        loads[rank] += cost[uid]
-    return parts
+    ranks = partition_for_data_parallel(
+        {"input_ids": list(sequences)}, dp_size, groups=list(uids), equal_sizes=True
+    )
+    return [rank.tolist() for rank in ranks]
 
 
 def tree_balance_batch(original):

@@ -13,7 +13,25 @@ import importlib
 import logging
 import traceback
 
+# verl imports this module at the end of ``import verl``, so its engine registry is importable.
+from verl.workers.engine import EngineRegistry
+from verl.workers.engine.base import BaseEngine
+
 logger = logging.getLogger(__name__)
+
+
+class MegatronTreeUnavailable(BaseEngine):
+    """Registered under megatron_tree's engine keys when its engines failed to import: building it
+    raises the reason (``reason``, set at registration)."""
+
+    reason = "unknown"
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(
+            "VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to "
+            f"import ({self.reason}); fix that (see the error logged at 'import verl') or unset "
+            "VERL_ENGINE_VENDOR"
+        )
 
 
 def _register() -> None:
@@ -30,17 +48,7 @@ def _register() -> None:
 
 
 def _register_refusal(reason: str) -> None:
-    from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.base import BaseEngine
-
-    class MegatronTreeUnavailable(BaseEngine):
-        def __init__(self, *args, **kwargs):
-            raise ValueError(
-                "VERL_ENGINE_VENDOR=megatron_tree, but megatron_tree's verl engines failed to "
-                f"import ({reason}); fix that (see the error logged at 'import verl') or unset "
-                "VERL_ENGINE_VENDOR"
-            )
-
+    MegatronTreeUnavailable.reason = reason
     for model_type in ("language_model", "value_model"):
         EngineRegistry.register(
             model_type=model_type,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
-from types import ModuleType
 
 import torch
 
@@ -38,92 +37,14 @@ def init_gloo_world(port: int = 29517) -> None:
 
 
 def register_cpu_platform() -> None:
-    """A verl platform (``verl.plugin.platform``) whose device is "cpu": get_device_name() ==
-    "cpu", get_device_id() == torch.device("cpu"), get_torch_device() a small CPU module. The
-    engine registry has no "cpu" key for megatron, so the lookup is pointed at the CUDA
-    registration with ``VERL_ENGINE_DEVICE=cuda`` (base.py reads it on every lookup)."""
-    from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
+    """A verl platform (``verl.plugin.platform``) whose device is "cpu":
+    :class:`~megatron_tree.testing.verl_platform.PlatformCPU`, registered as "cpu" and set as
+    verl's platform. The engine registry has no "cpu" key for megatron, so the lookup is pointed
+    at the CUDA registration with ``VERL_ENGINE_DEVICE=cuda`` (base.py reads it on every
+    lookup)."""
+    from verl.plugin.platform import set_platform
 
-    cpu_module = ModuleType("verl_cpu_device")
-    cpu_module.empty_cache = lambda: None
-    cpu_module.synchronize = lambda *a, **k: None
-    cpu_module.device_count = lambda: 0
-    cpu_module.is_available = lambda: True
-    cpu_module.manual_seed = lambda seed: None
-    cpu_module.manual_seed_all = lambda seed: None
-    cpu_module.current_device = lambda: torch.device("cpu")
-    cpu_module.memory_allocated = lambda *a, **k: 0
-    cpu_module.memory_reserved = lambda *a, **k: 0
-    cpu_module.max_memory_allocated = lambda *a, **k: 0
-    cpu_module.max_memory_reserved = lambda *a, **k: 0
-    cpu_module.mem_get_info = lambda *a, **k: (0, 0)
-
-    @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = cpu_module
-
-        def is_available(self):
-            return True
-
-        def is_platform_available(self, use_smi_check=False):
-            return True
-
-        def current_device(self):
-            return torch.device("cpu")
-
-        def device_count(self):
-            return 0
-
-        def set_device(self, device_index):
-            pass
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def get_device_capability(self, device_index=0):
-            return None, None
-
-        def communication_backend_name(self):
-            return "gloo"
-
-        def visible_devices_envvar(self):
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextmanager
-        def nvtx_range(self, msg):
-            yield
-
-        def profiler_start(self):
-            pass
-
-        def profiler_stop(self):
-            pass
-
-        def ray_resource_name(self):
-            return "CPU"
-
-        def ray_noset_envvars(self):
-            return []
-
-        def is_ipc_supported(self):
-            return False
-
-        def cudart(self):
-            return None
+    from .verl_platform import PlatformCPU  # imports verl; registers the platform
 
     set_platform(PlatformCPU())
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"

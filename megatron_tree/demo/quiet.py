@@ -25,7 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from .patches._scoped import swapped
+from ..patches._scoped import swapped
 
 VERBOSE_ENV = "MEGATRON_TREE_VERBOSE"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .core.mask import tree_block_layout
-from .core.tree import PackedTree
+from ..core.mask import tree_block_layout
+from ..core.tree import PackedTree
 
 EMPTY, PARTIAL, FULL, PAD = 0, 1, 2, 3
 _COLOURS = ("#ffffff", "#8cb2e0", "#1f4e8c", "#ebebeb")  # indexed by EMPTY, PARTIAL, FULL, PAD
