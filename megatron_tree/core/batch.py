@@ -63,7 +63,9 @@ class MicroBatch:
         return self.inputs[key]
 
     def get(self, key: str, default=None):
-        return self[key] if key in self else default
+        if key in self:
+            return self[key]
+        return default
 
     def __contains__(self, key: str) -> bool:
         return key in ("tree", "rows", "input_ids", "position_ids") or key in self.inputs
