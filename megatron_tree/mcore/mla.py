@@ -3,12 +3,14 @@ trees.
 
 Multi-latent attention owns its rotary embedding (plain RoPE or YaRN) and applies it to the
 decoupled rotary part of each query and key, at offsets 0..n-1 of the rows it is given. In a packed
-tree a token's position is its depth, so this subclass hands the layer the rotary table indexed by
-each row's depth (:meth:`megatron_tree.core.mask.TreeMaskPlan.query_depths`: the rows' depths in
-their tree, read off the mask of the micro-batch, for a whole tree, a context-parallel rank's rows
-or a trunk-reuse part alike). YaRN's ``mscale`` is applied as Megatron-Core applies it (to the
-rotary cos / sin, and squared in the softmax scale); the low-rank query / key-value projections,
-their norms and the up-projection recompute are Megatron's, unchanged. Its ``core_attention`` is
+tree a token's position is its depth, so this subclass builds its rotary module as
+:class:`~megatron_tree.mcore.rotary.TreeRotaryEmbedding` (or the YaRN variant) and runs each forward
+inside its ``at_depths`` with the rows' depths
+(:meth:`megatron_tree.core.mask.TreeMaskPlan.query_depths`: the rows' depths in their tree, read off
+the mask of the micro-batch, for a whole tree, a context-parallel rank's rows or a trunk-reuse part
+alike). YaRN's ``mscale`` is applied as Megatron-Core applies it (to the rotary cos / sin, and
+squared in the softmax scale); the low-rank query / key-value projections, their norms and the
+up-projection recompute are Megatron's, unchanged. Its ``core_attention`` is
 :class:`~megatron_tree.mcore.core_attention.TreeCoreAttention` (the spec rewrite puts it there).
 """
 
@@ -18,13 +20,14 @@ import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ..core.mask import TreeMask
-from ..core.rope import depth_rotary_pos_emb
+from .rotary import follow_depth
 
 
 class TreeMLASelfAttention(MLASelfAttention):
     """``MLASelfAttention`` whose rotary angles follow the rows' depths in the tree.
 
-    Same constructor, parameters and state dict as ``MLASelfAttention``. Refused (ValueError):
+    Same constructor, parameters and state dict as ``MLASelfAttention``; its ``rotary_pos_emb`` is a
+    :class:`~megatron_tree.mcore.rotary.TreeRotaryEmbedding`. Refused (ValueError):
     ``apply_rope_fusion`` (the fused MLA RoPE kernels rotate by packed offset),
     ``cache_mla_latents`` (an inference cache) and ``qk_clip`` / ``log_max_attention_logit`` (they
     read the max logit that the stock core attention records).
@@ -50,6 +53,7 @@ class TreeMLASelfAttention(MLASelfAttention):
                     f"{flag}=False"
                 )
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.rotary_pos_emb = follow_depth(self.rotary_pos_emb)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         """As ``MLASelfAttention.forward``; ``attention_mask`` must be the micro-batch's tree mask
@@ -67,20 +71,7 @@ class TreeMLASelfAttention(MLASelfAttention):
         if not isinstance(attention_mask, TreeMask):
             attention_mask = TreeMask(attention_mask)
         plan = attention_mask.plan
-        depths = plan.query_depths()  # int64 [r, n]
-        reach = plan.reach or plan.subtree_end.shape[-1]
-        rotary = self.rotary_pos_emb
-        table = type(rotary).forward
-
-        def depth_table(max_seq_len: int, offset: int = 0, packed_seq: bool = False, **unused):
-            # The whole table (packed_seq=True: no context-parallel slice), indexed by depth.
-            out = table(rotary, max(max_seq_len, reach), offset, packed_seq=True)
-            if isinstance(out, tuple):  # YaRN: (table, mscale)
-                return (depth_rotary_pos_emb(out[0], depths), *out[1:])
-            return depth_rotary_pos_emb(out, depths)
-
-        rotary.forward = depth_table
-        try:
+        with self.rotary_pos_emb.at_depths(
+            plan.query_depths(), reach=plan.reach or plan.subtree_end.shape[-1]
+        ):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
-        finally:
-            del rotary.forward

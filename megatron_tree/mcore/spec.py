@@ -19,6 +19,7 @@ import copy
 import functools
 from typing import Any
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -38,7 +39,9 @@ from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
 from .gated_delta_net import GatedDeltaNet, TreeGatedDeltaNet
 from .mla import TreeMLASelfAttention
-from .moe import ExpertRowParallelLinear, TreeMoELayer
+from .model import TreeGPTModel
+from .moe import TREE_LAYERS, ExpertRowParallelLinear, TreeMoELayer
+from .rotary import TreeRotaryEmbedding
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
 # that TE's classes are recognized without importing transformer-engine.
@@ -80,6 +83,7 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
             "training does not support"
         )
     _rewrite_moe(subs, where)
+    _rewrite_moe_layer(layer_spec, where)
     attention = subs.self_attention
     attention_cls = _module_class(attention)
     if attention_cls is IdentityOp:
@@ -187,6 +191,31 @@ def _rewrite_moe(subs: Any, where: str) -> None:
         and getattr(expert_subs, "linear_fc2", None) is RowParallelLinear
     ):
         expert_subs.linear_fc2 = ExpertRowParallelLinear
+
+
+def _rewrite_moe_layer(layer_spec: Any, where: str) -> None:
+    """A layer with a tree MoE layer becomes its tree layer (which hands the MoE layer the
+    micro-batch's mask plan; :class:`~megatron_tree.mcore.moe.TreeTransformerLayer`)."""
+    if not (
+        isinstance(_module_class(layer_spec.submodules.mlp), type)
+        and issubclass(_module_class(layer_spec.submodules.mlp), TreeMoELayer)
+    ):
+        return
+    layer_cls = _module_class(layer_spec)
+    if layer_cls in TREE_LAYERS.values():
+        return
+    if layer_cls not in TREE_LAYERS:
+        raise ValueError(
+            f"{where}: an MoE layer inside {_class_name(layer_cls)}: tree MoE layers need "
+            f"{sorted(_class_name(c) for c in TREE_LAYERS)} (their tree versions hand the router "
+            "its micro-batch's token weights)"
+        )
+    module = layer_spec.module
+    layer_spec.module = (
+        functools.partial(TREE_LAYERS[layer_cls], *module.args, **module.keywords)
+        if isinstance(module, functools.partial)
+        else TREE_LAYERS[layer_cls]
+    )
 
 
 def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 128) -> Any:
@@ -349,12 +378,16 @@ _STOCK_MIXERS = {
 
 
 def check_tree_model(model: Any) -> None:
-    """Raise ValueError unless every module of ``model`` that mixes tokens is a tree module.
+    """Raise ValueError unless every module of ``model`` that mixes or rotates tokens is a tree
+    module.
 
     Every ``TransformerLayer``'s self-attention must be a tree one (``TreeCoreAttention`` as its
     core attention, or ``TreeGatedDeltaNet``, or none), and no stock mixer (core attention, gated
     delta-net, Mamba mixer, MLA) may sit anywhere else: it would run causally over the packed
-    positions and silently mix branches. The error names the first such module and the fix.
+    positions and silently mix branches. Every rope / YaRN rotary module must follow token depth
+    (:class:`~megatron_tree.mcore.rotary.TreeRotaryEmbedding`, owned by a ``TreeGPTModel`` or a
+    ``TreeMLASelfAttention``): a stock ``GPTModel`` built with :func:`tree_attention_spec` rotates
+    every later branch by its packed offset. The error names the first such module and the fix.
     Checked once per model object (the result is remembered on it).
     """
     if getattr(model, "_megatron_tree_checked", False):
@@ -371,7 +404,34 @@ def check_tree_model(model: Any) -> None:
                 _refuse_mixer(model, f"{name}.self_attention", attention if core is None else core)
         elif type(module).__name__ in _STOCK_MIXERS:
             _refuse_mixer(model, name, module)
+    for name, module in model.named_modules():  # mixers first: a stock model names its attention
+        _check_rotary(name, module)
     object.__setattr__(model, "_megatron_tree_checked", True)
+
+
+def _check_rotary(name: str, module: Any) -> None:
+    """Refuse a module whose rotary table would follow packed offsets, not token depths: a stock
+    rotary module (GPTModel's or HybridModel's rope / YaRN, a stock MLA's), or one of ours owned by
+    a module that does not hand it the depths."""
+    rotary = getattr(module, "rotary_pos_emb", None)
+    if not isinstance(rotary, RotaryEmbedding):
+        return  # no rotary, or one that reads position_ids itself (mrope)
+    if isinstance(module, MLASelfAttention):
+        owner, fix = TreeMLASelfAttention, "Build the model with a spec from tree_attention_spec()"
+    else:
+        owner = TreeGPTModel
+        fix = (
+            f"Build a TreeGPTModel (megatron_tree.mcore.model) instead of {type(module).__name__}, "
+            "with the same arguments, or build the model through patch_bridge_for_tree_training / "
+            "patch_megatron_bridge_for_tree_training"
+        )
+    if isinstance(module, owner) and isinstance(rotary, TreeRotaryEmbedding):
+        return
+    raise ValueError(
+        f"{name or 'model'} ({type(module).__name__}) rotates by packed offset, not by token depth "
+        f"(its rotary_pos_emb is a {type(rotary).__name__}): every branch after the first in a "
+        f"packed tree would get the wrong rotary angles. {fix}: its rotary follows depth."
+    )
 
 
 def _refuse_mixer(model: Any, name: str, module: Any) -> None:

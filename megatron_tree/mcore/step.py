@@ -132,8 +132,9 @@ class TreeStepResult:
 
 @dataclass(frozen=True)
 class PackingConfig:
-    """How the step packs a batch given unpacked (:func:`build_packed_tree_batch`'s options);
-    every default is decided here, once (:meth:`resolve`).
+    """How the step packs an unpacked batch: the packer's options, each default decided once.
+
+    :meth:`resolve` turns them into :func:`build_packed_tree_batch`'s keyword arguments.
 
     Attributes:
         max_tokens_per_mb: a tree's unique-token capacity (required to pack).
