@@ -690,3 +690,18 @@ def test_ppo_kl_term_by_hand():
         ppo_clipped_loss(
             {"logprobs": logp}, {k: v for k, v in mb.items() if k != "ref_logprobs"}, kl_coef=0.5
         )
+
+
+def test_overlapped_moe_preprocessing_is_refused(world):
+    """Megatron's fine-grained MoE overlap calls the model's preprocessing outside its forward,
+    where the rotary table would follow packed offsets: refused by name."""
+    model = _build("tree", critic=False)
+    packed = build_packed_tree_batch(
+        _batch(branching_sequences()), max_tokens_per_mb=64, block_size=16
+    )
+    model.config.overlap_moe_expert_parallel_comm = True
+    try:
+        with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm=True"):
+            tree_forward_backward(model, packed, forward_only=True)
+    finally:
+        model.config.overlap_moe_expert_parallel_comm = False

@@ -400,6 +400,11 @@ def _model_chunks(model) -> list:
         )
     for chunk in chunks:
         check_tree_model(chunk)
+    if getattr(get_model_config(chunks[0]), "overlap_moe_expert_parallel_comm", False):
+        raise ValueError(
+            "overlap_moe_expert_parallel_comm=True runs the model's preprocessing outside its "
+            "forward, where the rotary table does not follow token depth: set it to False"
+        )
     return chunks
 
 
