@@ -705,3 +705,14 @@ def test_overlapped_moe_preprocessing_is_refused(world):
             tree_forward_backward(model, packed, forward_only=True)
     finally:
         model.config.overlap_moe_expert_parallel_comm = False
+
+
+def test_removed_trunk_options_name_the_replacement(world):
+    model = _build("tree", critic=False)
+    packed = build_packed_tree_batch(
+        _batch(branching_sequences()), max_tokens_per_mb=64, block_size=16
+    )
+    with pytest.raises(ValueError, match="recompute_trunks=False .* was removed"):
+        tree_forward_backward(model, packed, forward_only=True, recompute_trunks=False)
+    with pytest.warns(DeprecationWarning, match="trunk parts are always recomputed"):
+        tree_forward_backward(model, packed, forward_only=True, recompute_trunks=True)

@@ -275,6 +275,13 @@ def _legacy(groups, packing, legacy: dict) -> tuple[ProcessGroups, PackingConfig
             "removed: trunk reuse runs through Megatron's schedules with the trunk parts "
             "recomputed (docs/trunk-reuse.md); drop the argument"
         )
+    if legacy.get("recompute_trunks") is not None:
+        warnings.warn(
+            "tree_forward_backward(recompute_trunks=...) is deprecated: trunk parts are always "
+            "recomputed (one schedule, docs/trunk-reuse.md); drop the argument",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     return groups, packing
 
 
