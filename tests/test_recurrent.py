@@ -18,10 +18,13 @@ from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.core.recurrent import (
     RecurrentPlan,
     chunk_gated_delta_rule,
+    chunk_ssd,
     gated_delta_rule_reference,
     l2norm,
+    ssd_reference,
     tree_causal_conv,
     tree_gated_delta_rule,
+    tree_ssd,
 )
 from megatron_tree.testing.models import recurrent_sequences
 from megatron_tree.testing.synthetic import grpo_batch, pad_sequences, random_trie_sequences
@@ -61,7 +64,29 @@ def _check_tree(tree, chunk):
             ..., : len(idx)
         ]
         assert (conv[idx] - want_conv.permute(2, 0, 1)).abs().max() <= FP64_TOL
+    ssd = _ssd_inputs(tree.padded_length)
+    y = tree_ssd(*ssd, plan, chunk=chunk)
+    x, dt, a, b, c = ssd
+    for i in range(tree.num_sequences):
+        idx = tree.sequence_token_index(i)
+        want, _ = ssd_reference(x[idx], dt[idx], a, *(_per_head(t[idx]) for t in (b, c)))
+        assert (y[idx] - want).abs().max() <= FP64_TOL
     return plan
+
+
+def _ssd_inputs(n, heads=4, p=5, groups=2, state=3, seed=0):
+    """Mamba-2 SSD inputs: x [n, H, P], dt [n, H] >= 0, A [H] < 0, B, C [n, G, N]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, p, generator=g, dtype=torch.float64)
+    dt = torch.rand(n, heads, generator=g, dtype=torch.float64)
+    a = -torch.rand(heads, generator=g, dtype=torch.float64) * 2
+    b, c = (torch.randn(n, groups, state, generator=g, dtype=torch.float64) for _ in range(2))
+    return x, dt, a, b, c
+
+
+def _per_head(groups, heads=4):
+    """[n, G, N] -> [n, H, N]: head h reads group h // (H // G) (written out, not the library's)."""
+    return torch.stack([groups[:, h * groups.shape[1] // heads] for h in range(heads)], 1)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])
@@ -91,6 +116,31 @@ def test_chunked_rule_carries_initial_state():
         assert (got_state[0] - want_state).abs().max() <= FP64_TOL
 
 
+def test_chunked_ssd_carries_initial_state():
+    x, dt, a, b, c = _ssd_inputs(37)
+    b, c = _per_head(b), _per_head(c)
+    state = torch.randn(4, 5, 3, dtype=torch.float64)
+    want, want_state = ssd_reference(x, dt, a, b, c, state)
+    for chunk in (1, 5, 16, 64):
+        got, got_state = chunk_ssd(x[None], dt[None], a, b[None], c[None], state[None], chunk)
+        zero, none = chunk_ssd(x[None], dt[None], a, b[None], c[None], None, chunk, False)
+        assert none is None
+        assert (zero[0] - ssd_reference(x, dt, a, b, c)[0]).abs().max() <= FP64_TOL
+        assert (got[0] - want).abs().max() <= FP64_TOL
+        assert (got_state[0] - want_state).abs().max() <= FP64_TOL
+
+
+def test_ssd_padding_with_zero_dt_keeps_the_state():
+    """The bucket padding's premise: a token with dt = 0 and x = B = C = 0 leaves the state as it
+    is (exp(0 * A) = 1, no input)."""
+    x, dt, a, b, c = _ssd_inputs(9)
+    b, c = _per_head(b), _per_head(c)
+    _, state = ssd_reference(x, dt, a, b, c)
+    pad = lambda t: torch.cat([t, t.new_zeros(4, *t.shape[1:])])  # noqa: E731
+    _, padded = chunk_ssd(*(pad(t)[None] for t in (x, dt)), a, pad(b)[None], pad(c)[None], chunk=4)
+    assert (padded[0] - state).abs().max() <= FP64_TOL
+
+
 def test_backward_matches_finite_differences():
     """A prompt, two branches (one of them a one-token segment with a child) and a padding
     position."""
@@ -99,6 +149,8 @@ def test_backward_matches_finite_differences():
     plan = RecurrentPlan(tree.subtree_end)
     inputs = [t.requires_grad_(True) for t in _inputs(tree.padded_length, heads=1, dk=2, dv=2)]
     assert torch.autograd.gradcheck(lambda *a: tree_gated_delta_rule(*a, plan, chunk=4), inputs)
+    ssd = [t.requires_grad_(True) for t in _ssd_inputs(tree.padded_length, 2, 2, 1, 2)]
+    assert torch.autograd.gradcheck(lambda *a: tree_ssd(*a, plan, chunk=2), ssd)
 
 
 def test_passes_per_layer_follow_levels_not_segments():

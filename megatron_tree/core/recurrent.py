@@ -38,10 +38,14 @@ from .tree import tree_depth
 __all__ = [
     "RecurrentPlan",
     "chunk_gated_delta_rule",
+    "chunk_ssd",
     "gated_delta_rule_reference",
     "l2norm",
+    "scan_tree",
+    "ssd_reference",
     "tree_causal_conv",
     "tree_gated_delta_rule",
+    "tree_ssd",
 ]
 
 CHUNK = 64
@@ -258,6 +262,40 @@ def chunk_gated_delta_rule(
     return o.to(dtype), state if final_state else None
 
 
+def scan_tree(plan: RecurrentPlan, inputs, state_shape, dtype, scan) -> torch.Tensor:
+    """Run a chunked recurrence over a packed tree, level by level, one batched call per bucket.
+
+    Args:
+        plan: the context's segment schedule.
+        inputs: per-position tensors [K, ...] (first dims alike), gathered per bucket to [B, T,
+            ...] (a zero row stands for padding: inputs must make a zero row leave the state
+            unchanged).
+        state_shape: one segment's state shape (e.g. [H, dk, dv]); states are kept in ``dtype``.
+        scan: ``scan(*bucket_inputs, initial_state [B, *state_shape] or None, final_state: bool)
+            -> (out [B, T, *out_shape], final [B, *state_shape] or None)``.
+    Returns:
+        out [K, *out_shape]: each position's output as its root path alone gives it.
+    """
+    zero = lambda x: torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # noqa: E731
+    inputs = [zero(x) for x in inputs]
+    states = [torch.zeros(1, *state_shape, device=inputs[0].device, dtype=dtype)]
+    outs = []
+    for level in plan.buckets:
+        table = torch.cat(states) if len(states) > 1 else states[0]
+        for bucket in level:
+            idx = bucket.index
+            init = None if bucket.init is None else table.index_select(0, bucket.init)
+            out, final = scan(
+                *(x[idx] for x in inputs), initial_state=init, final_state=bucket.keep is not None
+            )
+            outs.append(out.reshape(-1, *out.shape[2:]))
+            if final is not None:
+                states.append(final.index_select(0, bucket.keep))
+    if not outs:
+        raise ValueError("scan_tree: the plan has no positions")
+    return torch.cat(outs).index_select(0, plan.inverse)
+
+
 def tree_gated_delta_rule(
     q, k, v, g, beta, plan: RecurrentPlan, chunk: int = CHUNK
 ) -> torch.Tensor:
@@ -270,36 +308,112 @@ def tree_gated_delta_rule(
     Returns:
         o [K, H, dv].
     """
-    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
-    zero = lambda x: torch.cat([x, x.new_zeros((1, *x.shape[1:]))])  # noqa: E731
-    q, k, v, g, beta = (zero(x) for x in (q, k, v, g, beta))
-    states = [
-        torch.zeros(
-            1, h, dk, dv, device=v.device, dtype=torch.promote_types(v.dtype, torch.float32)
-        )
-    ]
-    outs = []
-    for level in plan.buckets:
-        table = torch.cat(states) if len(states) > 1 else states[0]
-        for bucket in level:
-            idx = bucket.index
-            init = None if bucket.init is None else table.index_select(0, bucket.init)
-            o, final = chunk_gated_delta_rule(
-                q[idx],
-                k[idx],
-                v[idx],
-                g[idx],
-                beta[idx],
-                init,
-                chunk,
-                final_state=bucket.keep is not None,
-            )
-            outs.append(o.reshape(-1, h, dv))
-            if final is not None:
-                states.append(final.index_select(0, bucket.keep))
-    if not outs:
+    if plan.num_positions == 0:
         return v[:0]
-    return torch.cat(outs).index_select(0, plan.inverse)
+    h, dk, dv = k.shape[1], k.shape[2], v.shape[2]
+    scan = functools.partial(chunk_gated_delta_rule, chunk=chunk)
+    work = torch.promote_types(v.dtype, torch.float32)
+    return scan_tree(plan, (q, k, v, g, beta), (h, dk, dv), work, scan)
+
+
+def chunk_ssd(x, dt, A, B, C, initial_state=None, chunk: int = CHUNK, final_state: bool = True):
+    """Mamba-2's state-space dual (SSD) scan on a batch of sequences, chunk by chunk (at least fp32
+    inside).
+
+    Per head, with state S [P, N] starting at ``initial_state``:
+    ``S <- exp(dt_t A) S + dt_t x_t B_t^T;  y_t = S C_t``. In a chunk the outputs are one masked
+    (C B^T) product with the decays (the quadratic "attention" form) plus the entering state read
+    through C; only the chunk-to-chunk state is sequential. Right padding with dt = 0 (and x = B = C
+    = 0) leaves the state unchanged, so a padded sequence's final state is exact.
+
+    Args:
+        x: [b, T, H, P]; dt: [b, T, H] (after softplus and clamping, >= 0); A: [H] (negative);
+        B, C: [b, T, H, N] (one row per head: groups already expanded).
+        initial_state: [b, H, P, N], or None (zeros, never materialized).
+        final_state: compute the final state (False: skip the last chunk's state update).
+    Returns:
+        (y [b, T, H, P] in x's dtype, without the D skip; final state [b, H, P, N] fp32 or wider,
+        or None).
+    """
+    dtype = x.dtype
+    bsz, t, h, p = x.shape
+    c = max(1, min(chunk, t))
+    pad = (-t) % c
+    work = torch.promote_types(dtype, torch.float32)
+    x, B, C = (v.to(work).transpose(1, 2) for v in (x, B, C))  # [b, H, T, ...]
+    a = (dt.to(work) * A.to(work)).transpose(1, 2)  # [b, H, T] log decays
+    dt = dt.to(work).transpose(1, 2)
+    if pad:
+        x, B, C = (torch.nn.functional.pad(v, (0, 0, 0, pad)) for v in (x, B, C))
+        a, dt = (torch.nn.functional.pad(v, (0, pad)) for v in (a, dt))
+    n = (t + pad) // c
+    x, B, C = (v.reshape(bsz, h, n, c, v.shape[-1]) for v in (x, B, C))
+    a, dt = a.reshape(bsz, h, n, c), dt.reshape(bsz, h, n, c)
+    gam = a.cumsum(-1)
+    lower = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    xdt = x * dt[..., None]  # [b, H, n, C, P]
+    inner = C @ B.transpose(-1, -2) * decay  # [b, H, n, C, C]
+    state = None if initial_state is None else initial_state.to(work)
+    out = []
+    for i in range(n):
+        y = inner[:, :, i] @ xdt[:, :, i]
+        if state is not None:  # the entering state, decayed to each position, read through C
+            y = y + (C[:, :, i] @ state.transpose(-1, -2)) * gam[:, :, i, :, None].exp()
+        out.append(y)
+        if i == n - 1 and not final_state:
+            break
+        gi = gam[:, :, i]
+        tail = (gi[..., -1:] - gi).exp()[..., None]  # decay from each position to the chunk's end
+        update = (xdt[:, :, i] * tail).transpose(-1, -2) @ B[:, :, i]  # [b, H, P, N]
+        state = update if state is None else gi[..., -1, None, None].exp() * state + update
+    y = torch.stack(out, 2).reshape(bsz, h, n * c, p)[:, :, :t].transpose(1, 2)
+    return y.to(dtype), state if final_state else None
+
+
+def _heads(groups: torch.Tensor, heads: int) -> torch.Tensor:
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H // G)."""
+    g = groups.shape[-2]
+    if heads % g:
+        raise ValueError(f"{heads} heads cannot share {g} groups evenly")
+    return groups.repeat_interleave(heads // g, dim=-2) if heads != g else groups
+
+
+def tree_ssd(x, dt, A, B, C, plan: RecurrentPlan, chunk: int = CHUNK) -> torch.Tensor:
+    """Mamba-2's SSD scan over a packed tree: every position's output as its root path alone
+    gives (a segment starts from its parent segment's final state, a root from zero).
+
+    Args:
+        x: [K, H, P]; dt: [K, H] (after softplus and clamping, >= 0); A: [H] (negative,
+        -exp(A_log)); B, C: [K, G, N] with H % G == 0 (head h reads group h // (H // G)); K context
+        positions in pre-order, their structure in ``plan``.
+    Returns:
+        y [K, H, P] in x's dtype, without the D skip.
+    """
+    if plan.num_positions == 0:
+        return x[:0]
+    h, p = x.shape[1], x.shape[2]
+    B, C = _heads(B, h), _heads(C, h)
+    scan = functools.partial(chunk_ssd, A=A, chunk=chunk)
+
+    def run(x, dt, B, C, *, initial_state, final_state):
+        return scan(x, dt, B=B, C=C, initial_state=initial_state, final_state=final_state)
+
+    work = torch.promote_types(x.dtype, torch.float32)
+    return scan_tree(plan, (x, dt, B, C), (h, p, B.shape[-1]), work, run)
+
+
+def ssd_reference(x, dt, A, B, C, initial_state=None):
+    """Token-by-token SSD on one sequence, for tests: x [T, H, P], dt [T, H], A [H], B, C [T, H, N]
+    -> (y [T, H, P], final state [H, P, N]), in the inputs' dtype."""
+    t, h, p = x.shape
+    state = x.new_zeros(h, p, B.shape[-1]) if initial_state is None else initial_state
+    out = []
+    for i in range(t):
+        decay = (dt[i] * A).exp()[:, None, None]
+        state = decay * state + (dt[i][:, None] * x[i])[:, :, None] * B[i][:, None, :]
+        out.append(torch.einsum("hpn,hn->hp", state, C[i]))
+    return torch.stack(out), state
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None):
