@@ -208,3 +208,41 @@ def test_multi_latent_attention_costs(world, q_lora_rank):
     assert shape.linear_params_per_token == matmul_weights
     assert shape.pair_flops == 2 * 4 * (16 + 8 + 12)
     assert cost_weights(shape)[1] == 1728  # x 3 (forward + backward) x 2 layers
+
+
+def test_hybrid_pattern_counts_mamba_attention_and_mlp_layers():
+    """A HybridModel pattern, by hand: ``M*M-|E`` has two Mamba-2 mixers, one attention layer, one
+    dense MLP and one MoE layer (the pipeline bar is no layer); only the attention layer costs per
+    pair, the Mamba layers per token (projections, convolution, state)."""
+    from types import SimpleNamespace
+
+    from megatron_tree.core.flops import GPTShape
+
+    config = SimpleNamespace(
+        hidden_size=64,
+        num_layers=5,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        gated_linear_unit=False,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=48,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        mamba_num_groups=2,
+        mamba_state_dim=8,
+    )
+    shape = GPTShape.from_config(config, vocab=100, hybrid_layer_pattern="M*M-|E")
+    assert (shape.layers, shape.attention_layers, shape.mamba_layers) == (3, 1, 2)
+    inner = 4 * 16
+    mamba = 64 * (2 * inner + 2 * 2 * 8 + 4) + inner * 64
+    attention = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64
+    mlp = 64 * 128 * 2
+    moe = 64 * 4 + 2 * (64 * 32 * 2) + 64 * 48 * 2
+    assert shape.linear_params_per_token == 2 * mamba + attention + mlp + moe + 64 * 100
+    conv = 2 * 4 * (inner + 2 * 2 * 8)
+    assert shape.recurrent_flops_per_token == 2 * (conv + 6 * 4 * 16 * 8)
+    assert shape.pair_flops * shape.attention_layers == 4 * 4 * 16

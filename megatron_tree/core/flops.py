@@ -6,10 +6,11 @@ costs ``2 * heads * (query-key dim + value dim)`` per allowed (query, key) pair 
 (QK^T and PV: ``4 * heads * head_dim`` for standard attention; multi-latent attention's query-key
 dim is its no-rope plus rope dims, its value dim its own); a gated delta-net layer (hybrids) costs
 per token only: its projections, its convolution and ``6 * dk * dv`` per value head for the state
-(read, update, output: three matrix-vector products), no pairs. The allowed pairs are read off
-``subtree_end`` in O(N) (equivalently, the sum over tokens of depth + 1: a token sees its ancestors
-and itself); a backward is twice a forward. Padding is not counted: the model gives the ideal of the
-layout.
+(read, update, output: three matrix-vector products), no pairs; so does a Mamba-2 layer: its
+projections, its convolution and ``6 * headdim * d_state`` per head (decay, update, read). The
+allowed pairs are read off ``subtree_end`` in O(N) (equivalently, the sum over tokens of depth + 1:
+a token sees its ancestors and itself); a backward is twice a forward. Padding is not counted: the
+model gives the ideal of the layout.
 
 The cost is linear in (tokens, pairs), so packing can weigh any part of a trie by
 :func:`cost_weights` without laying it out.
@@ -70,6 +71,15 @@ class GPTShape:
     qk_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Mamba-2 hybrids (Nemotron-H, HybridModel patterns): ``mamba_layers`` of the ``layers`` are
+    # Mamba-2 mixers; in a hybrid pattern the MLPs are layers of their own, so ``mlp_layers`` sets
+    # the dense MLP count (default: every layer that is not MoE, the GPT block).
+    mamba_layers: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mlp_layers: int | None = None
 
     def __post_init__(self):
         if self.num_experts < 0 or (self.num_experts and not 1 <= self.topk <= self.num_experts):
@@ -79,9 +89,17 @@ class GPTShape:
             )
         if self.moe_layers is not None and not 0 <= self.moe_layers <= self.layers:
             raise ValueError(f"moe_layers={self.moe_layers} must be in [0, layers={self.layers}]")
-        if not 0 <= self.linear_layers <= self.layers:
+        if not 0 <= self.linear_layers + self.mamba_layers <= self.layers:
             raise ValueError(
-                f"linear_layers={self.linear_layers} must be in [0, layers={self.layers}]"
+                f"linear_layers={self.linear_layers} + mamba_layers={self.mamba_layers} must be in "
+                f"[0, layers={self.layers}]"
+            )
+        if self.mamba_layers and not (
+            self.mamba_heads and self.mamba_head_dim and self.mamba_groups and self.mamba_state
+        ):
+            raise ValueError(
+                "a Mamba hybrid (mamba_layers > 0) needs mamba_heads, mamba_head_dim, "
+                "mamba_groups and mamba_state"
             )
         if self.linear_layers and not (
             self.linear_key_heads
@@ -99,8 +117,14 @@ class GPTShape:
             )
 
     @classmethod
-    def from_config(cls, config, vocab: int) -> GPTShape:
+    def from_config(cls, config, vocab: int, hybrid_layer_pattern: str | None = None) -> GPTShape:
         """From a Megatron ``TransformerConfig`` (dense or MoE) and the vocabulary size.
+
+        A HybridModel's layers come from its ``hybrid_layer_pattern`` (the argument, else
+        ``config.hybrid_layer_pattern`` as Megatron-Bridge's provider has it): ``*`` attention,
+        ``+`` MLA, ``G`` gated delta-net, ``M`` Mamba-2 (``mamba_num_heads``, ``mamba_head_dim``,
+        ``mamba_num_groups``, ``mamba_state_dim``), ``-`` MLP, ``E`` MoE; ``|`` and the MTP part
+        after ``/`` are not counted.
 
         MoE fields read: ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
         ``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate`` and ``moe_layer_freq``
@@ -139,10 +163,15 @@ class GPTShape:
                 qk_rope_head_dim=config.qk_pos_emb_head_dim,
                 v_head_dim=config.v_head_dim,
             )
+        pattern = hybrid_layer_pattern or getattr(config, "hybrid_layer_pattern", None)
+        layers = config.num_layers
+        if pattern:
+            moe.update(_hybrid_counts(pattern, config))
+            layers = moe.pop("layers")
         return cls(
             hidden=config.hidden_size,
             attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
-            layers=config.num_layers,
+            layers=layers,
             heads=config.num_attention_heads,
             query_groups=config.num_query_groups or config.num_attention_heads,
             ffn_hidden=config.ffn_hidden_size,
@@ -204,14 +233,18 @@ class GPTShape:
     @property
     def attention_layers(self) -> int:
         """Softmax-attention layers (the ones that cost per pair)."""
-        return self.layers - self.linear_layers
+        return self.layers - self.linear_layers - self.mamba_layers
+
+    @property
+    def _mamba_inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
 
     @property
     def linear_params_per_token(self) -> int:
         """Weights one token multiplies by (active parameters for MoE), embedding lookup
         excluded."""
         moe_layers = self.num_moe_layers
-        dense_layers = self.layers - moe_layers
+        dense_layers = self.layers - moe_layers if self.mlp_layers is None else self.mlp_layers
         mlp = (
             dense_layers * self._mlp_params(self.ffn_hidden)
             + moe_layers * self.moe_params_per_token
@@ -221,19 +254,29 @@ class GPTShape:
             self.linear_value_heads * self.linear_value_dim,
         )
         gdn = self.hidden * (2 * qk + 2 * v + 2 * self.linear_value_heads) + v * self.hidden
+        inner, bc = self._mamba_inner, 2 * self.mamba_groups * self.mamba_state
+        mamba = self.hidden * (2 * inner + bc + self.mamba_heads) + inner * self.hidden
         return (
             self.attention_layers * self.attention_params
             + self.linear_layers * gdn
+            + self.mamba_layers * mamba
             + mlp
             + self.hidden * self.vocab
         )
 
     @property
     def recurrent_flops_per_token(self) -> int:
-        """Forward FLOPs per token of the gated delta-net layers beyond their projections: the
-        depthwise convolution and the state's three matrix-vector products per value head."""
+        """Forward FLOPs per token of the gated delta-net and Mamba-2 layers beyond their
+        projections: the depthwise convolution and the state's three products per (value) head."""
+        mamba = 0
+        if self.mamba_layers:
+            conv = (
+                2 * self.conv_width * (self._mamba_inner + 2 * self.mamba_groups * self.mamba_state)
+            )
+            state = 6 * self.mamba_heads * self.mamba_head_dim * self.mamba_state
+            mamba = self.mamba_layers * (conv + state)
         if not self.linear_layers:
-            return 0
+            return mamba
         conv = (
             2
             * self.conv_width
@@ -243,7 +286,7 @@ class GPTShape:
             )
         )
         state = 6 * self.linear_value_heads * self.linear_key_dim * self.linear_value_dim
-        return self.linear_layers * (conv + state)
+        return mamba + self.linear_layers * (conv + state)
 
 
 def _moe_layer_count(freq, num_layers: int) -> int:
@@ -259,6 +302,33 @@ def _moe_layer_count(freq, num_layers: int) -> int:
             "and ones"
         )
     return sum(pattern)
+
+
+def _hybrid_counts(pattern: str, config) -> dict:
+    """GPTShape fields of a HybridModel layer pattern (the part before ``/``, ``|`` dropped)."""
+    main = pattern.split("/")[0].replace("|", "")
+    unknown = set(main) - set("M*+G-ED")
+    if unknown:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r}: unknown symbols {sorted(unknown)}")
+    counts = {c: main.count(c) for c in "M*+G-ED"}
+    fields = {
+        "layers": counts["M"] + counts["*"] + counts["+"] + counts["G"] + counts["D"],
+        "mlp_layers": counts["-"],
+        "moe_layers": counts["E"],
+        "linear_layers": counts["G"],
+        "mamba_layers": counts["M"],
+    }
+    if counts["M"]:
+        heads = config.mamba_num_heads or (
+            2 * config.hidden_size // config.mamba_head_dim
+        )  # Megatron's default: expand 2
+        fields.update(
+            mamba_heads=heads,
+            mamba_head_dim=config.mamba_head_dim,
+            mamba_groups=config.mamba_num_groups,
+            mamba_state=config.mamba_state_dim,
+        )
+    return fields
 
 
 def _linear_layer_count(freq, num_layers: int) -> int:
