@@ -18,11 +18,18 @@ the baseline, gets a line saying why. It writes a PNG of the first tree's attent
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
     python examples/tree_vs_baseline.py --model qwen3_moe_tiny  # mixture of experts (top-2 of 8)
     python examples/tree_vs_baseline.py --model qwen35_tiny     # gated delta-net hybrid (M-Bridge)
+    python examples/tree_vs_baseline.py --model nemotron_h_tiny # Mamba-2 hybrid (M-Bridge)
 
 ``--model qwen35_tiny`` builds a tiny Qwen3.5 (``examples/configs/qwen35_tiny``: three gated
 delta-net layers then one attention layer) through Megatron-Bridge (the Python 3.12 Megatron-Bridge
 stack); its FLOP-model ideal counts the gated delta-net layers per token, so it sits closer to the
 token ratio than a dense model's.
+
+``--model nemotron_h_tiny`` builds a tiny Nemotron-H (``examples/configs/nemotron_h_tiny``: pattern
+``M-M*-M-``, three Mamba-2 mixers, one attention layer, three MLP layers) as a Megatron-Core
+``HybridModel`` through Megatron-Bridge; its ideal counts the Mamba-2 layers per token. Its HF
+reference runs each sequence in one scan chunk (``megatron_tree.testing.reference.one_mamba_chunk``:
+transformers' multi-chunk torch path is inexact).
 
 ``--model qwen3_moe_tiny`` builds the bundled tiny Qwen3-MoE (``examples/configs/qwen3_moe_tiny``:
 the dense model's attention, 8 experts of width 256 per layer, top-2, renormalized) through
@@ -48,10 +55,9 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 PHASES = 7
-MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny")
-HYBRID_MODELS = (
-    "qwen35_tiny",
-)  # gated delta-net hybrids: Megatron-Bridge only (transformers >= 5.8)
+MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron_h_tiny")
+# Gated delta-net and Mamba-2 hybrids: Megatron-Bridge only (transformers >= 5.8)
+HYBRID_MODELS = ("qwen35_tiny", "nemotron_h_tiny")
 
 
 def parse_args(argv=None):
@@ -77,7 +83,7 @@ def parse_args(argv=None):
         default=None,
         choices=["mbridge", "megatron-bridge"],
         help="HF bridge that builds the model (default mbridge; megatron-bridge, the Python "
-        "3.12 Megatron-Bridge stack, for qwen35_tiny)",
+        "3.12 Megatron-Bridge stack, for qwen35_tiny and nemotron_h_tiny)",
     )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="timed steps of each kind (median)")
@@ -93,8 +99,8 @@ def parse_args(argv=None):
         args.bridge = "megatron-bridge" if args.model in HYBRID_MODELS else "mbridge"
     if args.model in HYBRID_MODELS and args.bridge != "megatron-bridge":
         p.error(
-            f"--model {args.model} (a gated delta-net hybrid) needs --bridge megatron-bridge: "
-            "mbridge has no Qwen3.5 bridge"
+            f"--model {args.model} (a recurrent hybrid) needs --bridge megatron-bridge: mbridge "
+            "has no bridge for it"
         )
     if args.config is None:
         args.config = str(HERE / "configs" / args.model)
@@ -156,13 +162,17 @@ def hf_logprobs(path: str, batch: dict, rows: list[int]) -> dict[int, torch.Tens
     """Reference: HuggingFace on each unpacked sequence; rolled log-probs [L - 1] per row."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_tree.testing.reference import one_mamba_chunk
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = {}
     with torch.no_grad():
         for row in rows:
             n = int(batch["attention_mask"][row].sum())
             seq = batch["input_ids"][row, :n]
-            logp = torch.log_softmax(model(seq[None]).logits[0].double(), dim=-1)
+            with one_mamba_chunk(model, n):
+                logits = model(seq[None]).logits[0]
+            logp = torch.log_softmax(logits.double(), dim=-1)
             out[row] = logp[torch.arange(n - 1), seq[1:]].float()
     return out
 
@@ -288,7 +298,8 @@ def build_model(args, ckpt: str):
         model = bridge.get_model(weight_path=ckpt, bf16=args.bf16, wrap_with_ddp=False)[0]
     model.train()
     gpt = getattr(model, "module", model)  # bf16 models come wrapped in Float16Module
-    return model, GPTShape.from_config(model.config, gpt.vocab_size)
+    pattern = getattr(gpt, "hybrid_layer_pattern", None)  # a HybridModel's layers
+    return model, GPTShape.from_config(model.config, gpt.vocab_size, hybrid_layer_pattern=pattern)
 
 
 def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int], reference=None):

@@ -8,6 +8,7 @@ float64 log-softmax on the gathered logits, the loss normalization written out h
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -188,3 +189,24 @@ def finalize_sequence_parallel_grads(model) -> None:
     _allreduce_non_tensor_model_parallel_grads(
         [ddp_like], model.config, ps.get_tensor_model_parallel_group()
     )
+
+
+@contextlib.contextmanager
+def one_mamba_chunk(hf_model, length: int):
+    """Run HuggingFace's Mamba-2 mixers of ``hf_model`` with one scan chunk of at least ``length``
+    tokens while the block lasts (restored after).
+
+    transformers' Nemotron-H ``torch_forward`` (5.12) sums the chunk-to-chunk state recurrence over
+    the wrong axis (the target chunk instead of the source chunk), so its outputs past the first
+    ``chunk_size`` tokens are off (9e-4 on a float64 mixer at 33 tokens with chunk 16, measured
+    against the token-by-token recurrence); within one chunk it is exact (4e-8: its fp32 cast).
+    A reference run inside this block is the exact Mamba-2 computation."""
+    mixers = [m for m in hf_model.modules() if hasattr(m, "chunk_size") and hasattr(m, "A_log")]
+    saved = [m.chunk_size for m in mixers]
+    for m in mixers:
+        m.chunk_size = max(m.chunk_size, length)
+    try:
+        yield
+    finally:
+        for m, chunk in zip(mixers, saved):
+            m.chunk_size = chunk
