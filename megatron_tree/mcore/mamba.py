@@ -27,6 +27,8 @@ Backends: the pure-torch chunked scan on every device; on CUDA with ``mamba_ssm`
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,8 @@ try:  # megatron-core >= 0.16 ships the Mamba layers; they import mamba_ssm lazi
     from megatron.core.ssm.mamba_mixer import MambaMixer
 except ImportError:  # pragma: no cover - megatron-core without Mamba
     _mamba_mixer = MambaLayer = MambaMixer = None
+
+logger = logging.getLogger(__name__)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -88,14 +92,27 @@ def _without_mamba_ssm_requirement():
         _mamba_mixer.HAVE_MAMBA_SSM, _mamba_mixer.ExtendedRMSNorm = saved
 
 
+@functools.cache
+def _mamba_ssm_kernels() -> bool:
+    """mamba_ssm's Triton SSD kernels import here (checked once; logged once where not)."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # noqa: F401
+    except ImportError as exc:
+        logger.warning(
+            "tree Mamba layers on CUDA without mamba_ssm's kernels (%s): running the pure-torch "
+            "chunked scan (exact, slower); `pip install mamba-ssm` for the Triton kernels",
+            exc,
+        )
+        return False
+    return True
+
+
 def _ssd_backend(x: torch.Tensor):
     """The SSD scan for ``x``'s device: mamba_ssm's kernel on CUDA where it is installed, else the
     pure-torch chunked scan."""
-    if x.is_cuda:
-        try:
-            from ..core.ssd_kernels import tree_ssd_mamba_ssm
-        except ImportError:
-            return tree_ssd
+    if x.is_cuda and _mamba_ssm_kernels():
+        from ..core.ssd_kernels import tree_ssd_mamba_ssm
+
         return tree_ssd_mamba_ssm
     return tree_ssd
 
