@@ -210,3 +210,29 @@ def one_mamba_chunk(hf_model, length: int):
     finally:
         for m, chunk in zip(mixers, saved):
             m.chunk_size = chunk
+
+
+class OneSequence(torch.nn.Module):
+    """A tree model on one sequence at a time (a one-chain tree), with the stock call signature
+    ``model(input_ids [1, L], position_ids, attention_mask=None)`` that
+    :func:`unpacked_reference_step` uses: the unpacked reference for models whose stock token mixers
+    cannot run here (Megatron's gated delta-net and Mamba mixers call GPU-only kernels). On a
+    chain the tree layers do what the stock ones do (a causal convolution, a scan from zero)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask=None):
+        from ..core.mask import tree_attention_mask
+        from ..core.packing import build_packed_tree_batch
+
+        n = input_ids.shape[1]
+        batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        mb = build_packed_tree_batch(
+            batch, max_tokens_per_mb=max(n, 1), block_size=1, pad_to_max=False, share_trunks=False
+        )[0]
+        out = self.model(
+            mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(mb["tree"])
+        )
+        return out[:, :n]

@@ -1,0 +1,186 @@
+"""Nemotron-H (Mamba-2 hybrid, Megatron-Core's HybridModel) training steps with trees, through
+Megatron-Bridge: gradients against the unpacked run under full and selective recompute and trunk
+reuse, and the forward under TP=2, CP=2 and PP=2 against HuggingFace.
+
+The unpacked reference for gradients is the same model on each sequence alone (a one-chain tree,
+:class:`~megatron_tree.testing.reference.OneSequence`: Megatron's own ``MambaMixer`` runs only on
+GPU kernels); the forward is checked against HuggingFace's Nemotron-H, which is independent (run in
+one scan chunk per sequence: :func:`~megatron_tree.testing.reference.one_mamba_chunk`). Runs in the
+Megatron-Bridge stack (transformers >= 5.8); skipped elsewhere, with the reason shown.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
+from megatron_tree.testing.models import (
+    RECOMPUTE_MODES,
+    max_err,
+    megatron_bridge_tree_model,
+    recompute_fields,
+    recurrent_sequences,
+    step_logprobs,
+)
+from megatron_tree.testing.reference import gradient_errors, parameter_grads
+from megatron_tree.testing.tolerances import GRAD_RTOL, HF_HYBRID_LOGP_TOL, LOSS_RTOL
+
+pytestmark = [*MEGATRON_BRIDGE_STACK]
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):
+    """A tiny random Nemotron-H checkpoint (pattern ``M*M-``) and HF's log-probs of every
+    sequence of ``recurrent_sequences()`` alone."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    path = str(tmp_path_factory.mktemp("nemotron_h"))
+    make_hf_checkpoint("nemotron_h", path)
+    return path, _hf_logprobs(path, recurrent_sequences())
+
+
+def _hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tree.testing.reference import one_mamba_chunk
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            with one_mamba_chunk(model, len(s)):
+                logits = model(s[None]).logits[0]
+            out[i] = torch.log_softmax(logits, -1)[:-1].gather(1, s[1:, None])[:, 0]
+    return out
+
+
+def _model(path: str, **fields):
+    return megatron_bridge_tree_model(path, backend="sdpa", **fields)
+
+
+def _step_vs_unpacked(path: str, fields: dict, **packing):
+    """(tree loss, unpacked loss, tree gradients, unpacked gradients) of one PPO step on
+    ``recurrent_sequences()``; ``fields`` set on both models' providers."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree import tree_forward_backward
+    from megatron_tree.core.heads import LogProbs
+    from megatron_tree.core.losses import ppo_clipped_loss
+    from megatron_tree.mcore.step import PackingConfig, ProcessGroups
+    from megatron_tree.testing.reference import OneSequence, unpacked_reference_step
+    from megatron_tree.testing.synthetic import rl_batch
+
+    batch = rl_batch(recurrent_sequences(), response_start=5)
+    loss_fn = lambda outputs, mb: ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)  # noqa: E731
+    reference = OneSequence(_model(path, **fields))
+    want = float(unpacked_reference_step(reference, batch, loss_fn))
+    model = _model(path, **fields)
+    result = tree_forward_backward(
+        model,
+        batch,
+        loss_fn,
+        gather=LogProbs(),
+        groups=ProcessGroups(tp=ps.get_tensor_model_parallel_group()),
+        packing=PackingConfig(**packing),
+    )
+    grads = [parameter_grads(m, prefix="model.") for m in (model, reference)]
+    return float(result.loss), want, *grads
+
+
+def _assert_step_close(got_loss, want_loss, got, want):
+    assert got_loss == pytest.approx(want_loss, rel=LOSS_RTOL)
+    errors = gradient_errors(got, want)
+    for name in ("mixer.in_proj", "mixer.conv1d_weight", "mixer.A_log", "mixer.norm"):
+        assert any(name in n for n in errors), name
+    assert max(errors.values()) <= GRAD_RTOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+def test_nemotron_h_step_gradients_equal_unpacked(world, recompute, nemotron_h):
+    """Full recompute re-runs whole Mamba layers from the micro-batch's mask plan; selective
+    recompute (core attention) leaves them and recomputes the attention layer."""
+    got = _step_vs_unpacked(
+        nemotron_h[0], recompute_fields(recompute), max_tokens_per_mb=128, block_size=16
+    )
+    _assert_step_close(*got)
+
+
+def test_nemotron_h_trunk_reuse_gradients_equal_unpacked(world, nemotron_h):
+    """Capacity 64 with 200+ tokens of prompt groups: trunk parts record each Mamba layer's
+    convolution input and dt logits; their branches rescan along the trunk from them, with
+    gradients reaching the trunk through the store."""
+    from megatron_tree.core.packing import build_packed_tree_batch
+    from megatron_tree.testing.synthetic import rl_batch
+
+    packed = build_packed_tree_batch(
+        rl_batch(recurrent_sequences(), response_start=5),
+        max_tokens_per_mb=64,
+        block_size=16,
+        pad_to_max=False,
+        share_trunks=True,
+    )
+    assert any(mb["rows"].records for mb in packed), "the batch must form a trunk group"
+    got = _step_vs_unpacked(
+        nemotron_h[0], {}, max_tokens_per_mb=64, block_size=16, share_trunks=True
+    )
+    _assert_step_close(*got)
+
+
+def _layout_worker(rank: int, path: str, fields: dict, packing: dict):
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree.mcore.step import PackingConfig, ProcessGroups, tree_forward_backward
+    from megatron_tree.testing.synthetic import pad_sequences
+
+    model = _model(path, **fields).eval()
+    if fields.get("pipeline_model_parallel_size", 1) > 1:  # this stage holds its segment only
+        kinds = [
+            type(layer.mixer if hasattr(layer, "mixer") else layer).__name__
+            for layer in model.decoder.layers
+        ]
+        want = (
+            ["TreeMambaMixer", "TransformerLayer"]
+            if ps.is_pipeline_first_stage()
+            else ["TreeMambaMixer", "MLPLayer"]
+        )
+        assert kinds == want, kinds
+    if ps.is_pipeline_last_stage():
+        return step_logprobs(model, recurrent_sequences(), **packing)
+    tree_forward_backward(  # the first stage's part of the schedule: no outputs there
+        model,
+        pad_sequences(recurrent_sequences()),
+        None,
+        forward_only=True,
+        groups=ProcessGroups(tp=ps.get_tensor_model_parallel_group()),
+        packing=PackingConfig(**packing),
+    )
+    return None
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"tp": 2}, id="tp2"),
+        pytest.param({"cp": 2, "tp": 1}, id="cp2"),
+        pytest.param({"pp": 2, "tp": 1}, id="pp2"),
+    ],
+)
+def test_nemotron_h_parallel_layouts_match_hf(nemotron_h, layout):
+    """TP=2 splits the Mamba heads and groups (each rank scans its heads over the whole tree); CP=2
+    all-gathers the convolution input and dt logits so each rank scans the whole tree and keeps its
+    rows; PP=2 puts ``M*`` and ``M-`` on two stages (the pattern's ``|``)."""
+    path, want = nemotron_h
+    fields = {
+        "tensor_model_parallel_size": layout.get("tp", 1),
+        "context_parallel_size": layout.get("cp", 1),
+    }
+    packing = {"max_tokens_per_mb": 64, "block_size": 16}
+    if layout.get("pp"):
+        fields |= {"pipeline_model_parallel_size": 2, "hybrid_layer_pattern": "M*|M-"}
+    ranks = run_spawned(_layout_worker, 2, path, fields, packing, **layout)
+    results = [r for r in ranks if r is not None]
+    assert results
+    for logprobs in results:
+        assert max_err(logprobs, want) <= HF_HYBRID_LOGP_TOL
