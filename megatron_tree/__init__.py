@@ -4,8 +4,9 @@ Layout, by dependency:
 
 * ``megatron_tree.core``: pure torch (the trie record, packing, the mask and its plans, tree
   attention, log-probs, losses). Imports no Megatron, mbridge or transformers.
-* ``megatron_tree.mcore``: Megatron-Core glue (core attention module, ``TreeGPTModel``, spec
-  rewrite, value head, the training step). Imports Megatron at the top.
+* ``megatron_tree.mcore``: Megatron-Core glue (core attention module, ``TreeGPTModel`` and
+  ``TreeHybridModel``, the recurrent mixers, spec rewrite, value head, the training step). Imports
+  Megatron at the top.
 * ``megatron_tree.bridges``: HuggingFace bridges (mbridge).
 * ``megatron_tree.testing``: synthetic batches, small models, the unpacked reference, the spawned
   world harness; for tests, demos and benchmarks.

@@ -166,7 +166,7 @@ def main() -> int:
 
     install_test_only_shims()
     from megatron_tree.core.recurrent import RecurrentPlan
-    from megatron_tree.core.ssd_kernels import kernel_calls, tree_ssd_mamba_ssm
+    from megatron_tree.mcore.ssd_kernels import kernel_calls, tree_ssd_mamba_ssm
 
     ok = True
     tree = small_tree()

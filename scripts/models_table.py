@@ -34,16 +34,14 @@ FAMILY = {
     "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture, its own bridge)",
     "glm4_moe": "GLM-4.5 (partial rotary, routed + shared experts)",
     "gpt_oss": "gpt-oss (sinks, sliding / full layers, biased experts)",
+    "nemotron_h": "Nemotron-H (Mamba-2 hybrid, HybridModel `M*M-`)",
+    "nemotron_h_moe": "Nemotron 3 Nano style (Mamba-2 + MoE hybrid, HybridModel `ME*ME`)",
+    "qwen3_as_hybrid": "Qwen3 built as a HybridModel (`*-*-`, GPTModel's successor)",
 }
 
 REFUSED = [
     (
-        "Nemotron-H and other Mamba hybrids; megatron-core 0.19's HybridModel",
-        "Mamba layers are not tree-aware yet; refused by name (ValueError), never run across "
-        "branches",
-    ),
-    (
-        "DeepSeek-V3.2, GLM-5 (DeepSeek sparse attention, DSAttention)",
+        "DeepSeek-V3.2, GLM-5 (DeepSeek sparse attention, DSAttention; `D` in a hybrid pattern)",
         "its indexer selects keys by content, which a tree mask cannot express; refused by name",
     ),
     (

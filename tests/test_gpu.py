@@ -512,8 +512,8 @@ def ssd_kernel_runs(
     one-token segments) and a 200-token prompt with 150- and 70-token continuations and, after a
     one-token branch point, 90- and 3-token ones: segments over several chunks. (A plain function:
     scripts/check_ssd_interpreter.py-style shims run it on the CPU in Triton's interpreter.)"""
-    from megatron_tree.core import ssd_kernels
     from megatron_tree.core.recurrent import RecurrentPlan
+    from megatron_tree.mcore import ssd_kernels
     from megatron_tree.testing.models import recurrent_sequences
 
     g = torch.Generator().manual_seed(9)

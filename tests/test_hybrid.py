@@ -255,39 +255,3 @@ def test_stock_hybrid_modules_are_refused(world):
         tree_forward_backward(
             Stock(), {"input_ids": torch.ones(1, 4, dtype=torch.long)}, None, forward_only=True
         )
-
-
-def test_mamba_hybrid_is_refused_by_name(world, tmp_path):
-    """Nemotron-H (Mamba-2 layers) builds a HybridModel through Megatron-Bridge: refused before any
-    model exists, naming the reason."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
-    from megatron_tree.patches import megatron_bridge_te
-
-    # Megatron-Bridge imports only with it where transformer-engine is missing
-    megatron_bridge_te.apply()
-    from megatron.bridge import AutoBridge
-
-    config = AutoConfig.for_model(
-        "nemotron_h",
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=4,
-        hybrid_override_pattern="M*M-",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=1,
-        conv_kernel=4,
-        chunk_size=16,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with patch_megatron_bridge_for_tree_training():
-        bridge = AutoBridge.from_hf_pretrained(str(tmp_path), dtype=torch.float32)
-    with pytest.raises(ValueError, match="Nemotron-H build a HybridModel"):
-        bridge.to_megatron_provider(load_weights=False)

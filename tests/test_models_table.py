@@ -36,7 +36,7 @@ def test_recorded_results_become_one_row_per_family_and_bridge(tmp_path, monkeyp
     lines = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(lines) == 2 and lines[0].startswith("| `qwen3`")  # families in the table's order
     assert "TP=1, TP=2" in lines[1] and lines[1].endswith("| 3.0e-06 |")  # the worst over layouts
-    assert "DSAttention" in table and "Nemotron-H" in table
+    assert "DSAttention" in table and "Multi-token prediction" in table
 
 
 def test_readme_table_is_replaced_between_its_markers(tmp_path, monkeypatch):

@@ -21,8 +21,15 @@ provider (:func:`make_tree_provider`):
   :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet`;
 * its ``provide()`` builds :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE): the module
   global is swapped while it runs (process-wide for that moment) and restored; the built model is
-  checked to have tree attention in every layer (``attention_backend=local`` would make
-  Megatron-Bridge overwrite ``core_attention``; it is set to ``auto``).
+  checked to have tree attention in every layer (``attention_backend`` is set to ``auto``:
+  ``local`` would make Megatron-Bridge overwrite ``core_attention``, ``flash`` / ``fused`` set
+  NVTE_* variables that a later model in the process clashes with);
+* Mamba hybrids (Nemotron-H, Nemotron 3: a ``HybridModelProvider``): its ``hybrid_stack_spec``
+  (the bridge's transformer-engine one by default; without transformer-engine
+  :func:`megatron_tree.mcore.hybrid.local_hybrid_stack_spec`) is rewritten the same way (Mamba
+  mixers become :class:`megatron_tree.mcore.mamba.TreeMambaMixer`), and ``provide()`` builds
+  :class:`megatron_tree.mcore.hybrid.TreeHybridModel` (the module global ``MCoreHybridModel``
+  swapped as above). Multi-token prediction is refused at ``provide()``.
 
 No weight-map change is needed: Megatron-Bridge's mapping registry already knows the local spec's
 separate norm weights. Megatron-Bridge is imported on first use (the patch block or
@@ -85,6 +92,17 @@ def _megatron_bridge() -> tuple[Any, type]:
     return gpt_provider, AutoBridge
 
 
+@functools.cache
+def _hybrid_provider() -> Any:
+    """Megatron-Bridge's ``hybrid_provider`` module (None where it has none)."""
+    _megatron_bridge()
+    try:
+        from megatron.bridge.models.hybrid import hybrid_provider
+    except ImportError:  # pragma: no cover - Megatron-Bridge without HybridModel providers
+        return None
+    return hybrid_provider
+
+
 def te_layer_specs() -> set:
     """Megatron-Bridge's transformer-engine layer specs (a provider's default), which fail to build
     without transformer-engine; :func:`make_tree_provider` swaps them for the local spec."""
@@ -129,33 +147,78 @@ def _resolve_spec(spec: Any, config: Any, vp_stage: int | None) -> Any:
     return spec(config)
 
 
-def _check_tree_model(model: Any) -> None:
-    if not isinstance(model, TreeGPTModel):
-        raise ValueError(f"the provider built {type(model).__name__}, not a TreeGPTModel")
+def _hybrid_mtp_depths(provider: Any) -> int:
+    """The MTP depths of a hybrid provider's (finalized) layer pattern; 0 for a GPT provider."""
+    pattern = getattr(provider, "hybrid_layer_pattern", None)
+    if not pattern:
+        return 0
+    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+
+    return parse_hybrid_pattern(pattern).mtp_num_depths
+
+
+def _check_tree_model(model: Any, tree_cls: type) -> None:
+    if not isinstance(model, tree_cls):
+        raise ValueError(f"the provider built {type(model).__name__}, not a {tree_cls.__name__}")
     check_tree_model(model)
+
+
+def _tree_hybrid_stack_spec(
+    provider: Any, hybrid: Any, use_te: bool, backend: str, block_size: int
+):
+    """The provider's ``hybrid_stack_spec`` as a function of the config that returns it rewritten
+    by tree_attention_spec (None: the provider's default; the transformer-engine default without
+    transformer-engine: the local hybrid stack spec)."""
+    from ..mcore.hybrid import local_hybrid_stack_spec
+
+    base = provider.hybrid_stack_spec
+    te_defaults = (
+        None,
+        hybrid.transformer_engine_hybrid_stack_spec,
+        hybrid.default_hybrid_stack_spec,
+    )
+    if not use_te and any(base is spec for spec in te_defaults):
+        base = local_hybrid_stack_spec
+
+    def tree_stack_spec(config):
+        if base is None:
+            spec = hybrid.get_default_hybrid_stack_spec(config)
+        elif isinstance(base, ModuleSpec) or not callable(base):
+            spec = base
+        elif inspect.signature(base).parameters:
+            spec = base(config)
+        else:
+            spec = base()
+        return tree_attention_spec(spec, backend=backend, block_size=block_size)
+
+    return tree_stack_spec
 
 
 def make_tree_provider(
     provider: Any, *, backend: str = "auto", block_size: int = 128, hf_config: Any = None
 ) -> Any:
-    """Make a Megatron-Bridge ``GPTModelProvider`` build tree models (in place, idempotent).
+    """Make a Megatron-Bridge ``GPTModelProvider`` or ``HybridModelProvider`` build tree models
+    (:class:`~megatron_tree.mcore.model.TreeGPTModel` /
+    :class:`~megatron_tree.mcore.hybrid.TreeHybridModel`; in place, idempotent).
 
     With the checkpoint's ``hf_config`` (what the bound bridges pass), a sigmoid router is checked
     to be one Megatron reproduces (:func:`megatron_tree.bridges.routing.sigmoid_router_fields`).
 
     Raises:
-        ValueError: not a GPT provider; at ``provide()``, multi-token prediction
-        (``mtp_num_layers``,
-            not a tree operation: set it to None first).
+        ValueError: neither a GPT nor a hybrid provider; at ``provide()``, multi-token prediction
+            (``mtp_num_layers``, an MTP part of a hybrid pattern; not a tree operation: set
+            ``mtp_num_layers`` to None first).
     """
     if getattr(provider, _BOUND_ATTR, None) is not None:
         return provider
     gpt_provider, _ = _megatron_bridge()
-    if not isinstance(provider, gpt_provider.GPTModelProvider):
+    hybrid = _hybrid_provider()
+    is_hybrid = hybrid is not None and isinstance(provider, hybrid.HybridModelProvider)
+    if not (is_hybrid or isinstance(provider, gpt_provider.GPTModelProvider)):
         raise ValueError(
-            f"{type(provider).__name__} is not a GPTModelProvider; tree training supports GPT "
-            "models (attention, MoE and gated delta-net hybrids); Mamba hybrids such as "
-            "Nemotron-H build a HybridModel, which is not supported with trees yet"
+            f"{type(provider).__name__} is neither a GPTModelProvider nor a HybridModelProvider; "
+            "tree training builds GPT models (attention, MoE and gated delta-net hybrids) and "
+            "hybrid models (Mamba hybrids such as Nemotron-H)"
         )
     if (
         hf_config is not None
@@ -168,12 +231,19 @@ def make_tree_provider(
         provider.mtp_num_layers == 0
     ):  # Kimi-K2's provider: 0 means none, but megatron-core 0.16 runs MTP
         provider.mtp_num_layers = None
-    if provider.attention_backend == AttnBackend.local:
-        provider.attention_backend = AttnBackend.auto  # local would overwrite core_attention
+    if provider.attention_backend != AttnBackend.auto:
+        # Tree attention replaces the core attention, so the backend is moot, except that "local"
+        # would make Megatron-Bridge overwrite core_attention, and Megatron's LanguageModule
+        # asserts that the NVTE_* variables an earlier model set in this process match its
+        # backend: HybridModelProvider asks for "flash" where GPT providers use "auto", and
+        # building both kinds in one process raised (as mbridge's patch does).
+        provider.attention_backend = AttnBackend.auto
     use_te = _transformer_engine_available()
-    base_spec = provider.transformer_layer_spec
+    base_spec = None if is_hybrid else provider.transformer_layer_spec  # hybrid: stack spec below
     if not use_te:
-        if base_spec in te_layer_specs():
+        if base_spec is None:
+            pass
+        elif base_spec in te_layer_specs():
             base_spec = gpt_provider.local_layer_spec
         elif base_spec is _hybrid_te_spec():
             base_spec = local_hybrid_block_spec
@@ -188,21 +258,38 @@ def make_tree_provider(
         )
 
     original_provide = provider.provide
+    if is_hybrid:
+        from ..mcore.hybrid import TreeHybridModel
+
+        module, tree_cls, model_global = hybrid, TreeHybridModel, "MCoreHybridModel"
+        provider.hybrid_stack_spec = _tree_hybrid_stack_spec(
+            provider, hybrid, use_te, backend, block_size
+        )
+    else:
+        module, tree_cls, model_global = gpt_provider, TreeGPTModel, "MCoreGPTModel"
+        provider.transformer_layer_spec = tree_layer_spec
 
     @functools.wraps(original_provide)
     def provide(*args, **kwargs):
-        if provider.mtp_num_layers:  # e.g. DeepSeek-V3's num_nextn_predict_layers=1
+        if provider.mtp_num_layers or _hybrid_mtp_depths(provider):
             raise ValueError(
-                f"provider.mtp_num_layers={provider.mtp_num_layers}: multi-token prediction is not "
-                "supported with tree training (a branch point has one next token per child); set "
-                "provider.mtp_num_layers = None before provide() (RL trains the main head only)"
+                f"provider.mtp_num_layers={provider.mtp_num_layers}"
+                + (f", hybrid_layer_pattern={provider.hybrid_layer_pattern!r}" if is_hybrid else "")
+                + ": multi-token prediction is not supported with tree training (a branch point "
+                "has one next token per child); set provider.mtp_num_layers = None before "
+                "provide()"
+                + (
+                    " and provider.mtp_hybrid_override_pattern = None before finalize()"
+                    if is_hybrid
+                    else ""
+                )
+                + " (RL trains the main head only)"
             )
-        with swapped(gpt_provider, MCoreGPTModel=TreeGPTModel):
+        with swapped(module, **{model_global: tree_cls}):
             model = original_provide(*args, **kwargs)
-        _check_tree_model(model)
+        _check_tree_model(model, tree_cls)
         return model
 
-    provider.transformer_layer_spec = tree_layer_spec
     provider.provide = provide
     setattr(provider, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
     return provider

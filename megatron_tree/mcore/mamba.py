@@ -21,7 +21,7 @@ tree's plan is the same on every rank.
 
 Backends: the pure-torch chunked scan on every device; on CUDA with ``mamba_ssm`` installed,
 ``mamba_chunk_scan_combined`` once per (level, length bucket) of the plan
-(:func:`~megatron_tree.core.ssd_kernels.tree_ssd_mamba_ssm`).
+(:func:`~megatron_tree.mcore.ssd_kernels.tree_ssd_mamba_ssm`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _ssd_backend(x: torch.Tensor):
     """The SSD scan for ``x``'s device: mamba_ssm's kernel on CUDA where it is installed, else the
     pure-torch chunked scan."""
     if x.is_cuda and _mamba_ssm_kernels():
-        from ..core.ssd_kernels import tree_ssd_mamba_ssm
+        from .ssd_kernels import tree_ssd_mamba_ssm
 
         return tree_ssd_mamba_ssm
     return tree_ssd

@@ -7,10 +7,13 @@ becomes :class:`megatron_tree.mcore.mla.TreeMLASelfAttention` (its rotary part f
 ``MoELayer`` becomes :class:`megatron_tree.mcore.moe.TreeMoELayer` (the same module and parameters,
 with router losses computed as if unpacked); a ``GatedDeltaNet`` (Qwen3-Next, Qwen3.5) becomes
 :class:`megatron_tree.mcore.gated_delta_net.TreeGatedDeltaNet` (its convolution and recurrence
-follow the tree's root paths); every other submodule (TE or local linear layers, norms, dense MLPs,
-experts, routers) is kept. Attention it cannot rewrite (DeepSeek sparse attention, Mamba layers,
-cross attention, unknown attention or core-attention modules) raises ``ValueError`` naming the
-layer: nothing is skipped silently.
+follow the tree's root paths); in a hybrid stack spec (megatron-core >= 0.19's ``HybridStack``:
+Nemotron-H, Nemotron 3) a ``MambaLayer`` and its ``MambaMixer`` become
+:class:`megatron_tree.mcore.mamba.TreeMambaLayer` / ``TreeMambaMixer`` and the attention, MLA, gated
+delta-net and MoE layers are rewritten as above; every other submodule (TE or local linear layers,
+norms, dense MLPs, experts, routers) is kept. Attention it cannot rewrite (DeepSeek sparse
+attention, cross attention, unknown attention or core-attention modules) raises ``ValueError``
+naming the layer: nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -39,9 +42,18 @@ from ..core.checks import check_int
 from .core_attention import TreeCoreAttention
 from .gated_delta_net import GatedDeltaNet, TreeGatedDeltaNet
 from .mla import TreeMLASelfAttention
-from .model import TreeGPTModel
+from .model import DepthRoPE
 from .moe import TREE_LAYERS, ExpertRowParallelLinear, TreeMoELayer
 from .rotary import TreeRotaryEmbedding
+
+try:  # megatron-core >= 0.19
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+except ImportError:  # pragma: no cover - older megatron-core: no hybrid stack to rewrite
+    HybridStack = HybridStackSubmodules = None
+try:
+    from .mamba import MambaLayer, MambaMixer, TreeMambaLayer, TreeMambaMixer
+except ImportError:  # pragma: no cover - megatron-core without Mamba layers
+    MambaLayer = MambaMixer = TreeMambaLayer = TreeMambaMixer = None
 
 # Core-attention modules the rewrite knows to be plain softmax(QK^T)V attention, by class name so
 # that TE's classes are recognized without importing transformer-engine.
@@ -72,8 +84,9 @@ def _rewrite_layer(layer_spec: Any, where: str, core_attention_spec: Any) -> Any
     ):
         raise ValueError(
             f"{where}: cannot rewrite {_class_name(layer_cls)} for tree attention; only "
-            "TransformerLayer specs are supported (Mamba layers are not: Nemotron-H cannot be "
-            "tree-trained yet)"
+            "TransformerLayer specs are supported here (Mamba layers live in a hybrid stack spec: "
+            "rewrite the HybridStack spec, e.g. local_hybrid_stack_spec(), and build a "
+            "TreeHybridModel)"
         )
     subs = layer_spec.submodules
     cross = getattr(subs, "cross_attention", IdentityOp)
@@ -218,6 +231,56 @@ def _rewrite_moe_layer(layer_spec: Any, where: str) -> None:
     )
 
 
+def _rewrite_mamba_layer(layer_spec: Any, where: str) -> None:
+    """A ``MambaLayer`` spec becomes a ``TreeMambaLayer`` (it hands its mixer the tree mask) and its
+    ``MambaMixer`` a ``TreeMambaMixer`` (same parameters)."""
+    layer_cls = _module_class(layer_spec)
+    if layer_cls is IdentityOp or TreeMambaLayer is None:
+        return  # no Mamba layers (without tree ones, check_tree_model refuses a built stock mixer)
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, MambaLayer)):
+        raise ValueError(
+            f"{where}: cannot rewrite {_class_name(layer_cls)} for tree training; expected a "
+            "MambaLayer"
+        )
+    _to_tree_module(
+        layer_spec,
+        layer_cls,
+        MambaLayer,
+        TreeMambaLayer,
+        where,
+        "Mamba layer",
+        "Megatron's MambaLayer drops the attention mask, which carries the tree to the mixer",
+    )
+    mixer = layer_spec.submodules.mixer
+    _to_tree_module(
+        mixer,
+        _module_class(mixer),
+        MambaMixer,
+        TreeMambaMixer,
+        f"{where} mixer",
+        "Mamba mixer",
+        "its convolution and scan would run across the tree's branches",
+    )
+
+
+# The HybridStack layers rewritten like GPT layers (the pattern symbols they build); mlp_layer (-)
+# mixes no tokens, dsa_layer (D) is refused by TreeHybridModel, mtp_block_spec (/) too.
+_HYBRID_TRANSFORMER_LAYERS = ("attention_layer", "mla_layer", "gdn_layer", "moe_layer")
+
+
+def _rewrite_hybrid(subs: Any, core_attention_spec: Any) -> None:
+    for name in _HYBRID_TRANSFORMER_LAYERS:
+        layer = getattr(subs, name)
+        if _module_class(layer) is not IdentityOp:
+            setattr(subs, name, _rewrite_layer(layer, f"hybrid {name}", core_attention_spec))
+    _rewrite_mamba_layer(subs.mamba_layer, "hybrid mamba_layer")
+
+
+def _is_hybrid_stack(spec: Any) -> bool:
+    cls = _module_class(spec)
+    return HybridStack is not None and isinstance(cls, type) and issubclass(cls, HybridStack)
+
+
 def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 128) -> Any:
     """A copy of ``spec`` with tree attention in every self-attention layer.
 
@@ -225,7 +288,10 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
         spec: a TransformerLayer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec()`` or
             ``get_gpt_layer_with_transformer_engine_spec()``), a ``TransformerBlockSubmodules``
             (e.g. ``get_gpt_decoder_block_spec(config, ...)``), a TransformerBlock ``ModuleSpec``,
-            or a list of layer specs. The input is not modified.
+            a list of layer specs, or a HybridStack ``ModuleSpec`` / ``HybridStackSubmodules``
+            (megatron-core >= 0.19: ``hybrid_stack_spec``,
+            :func:`~megatron_tree.mcore.hybrid.local_hybrid_stack_spec`). The input is not
+            modified.
         backend: TreeCoreAttention backend (``"auto"``, ``"sdpa"``, ``"flex"``, ``"block_sparse"``).
         block_size: tile size of the flex / block-sparse backends.
 
@@ -249,6 +315,14 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
     if isinstance(spec, TransformerBlockSubmodules):
         spec.layer_specs = rewrite_list(spec.layer_specs, "block ")
         return spec
+    if HybridStackSubmodules is not None and isinstance(spec, HybridStackSubmodules):
+        _rewrite_hybrid(spec, core)
+        return spec
+    if isinstance(spec, ModuleSpec) and _is_hybrid_stack(spec):
+        if not isinstance(spec.submodules, HybridStackSubmodules):
+            raise ValueError("HybridStack spec without HybridStackSubmodules cannot be rewritten")
+        _rewrite_hybrid(spec.submodules, core)
+        return spec
     if isinstance(spec, list):
         return rewrite_list(spec, "")
     if isinstance(spec, ModuleSpec):
@@ -263,7 +337,8 @@ def tree_attention_spec(spec: Any, *, backend: str = "auto", block_size: int = 1
         return _rewrite_layer(spec, "layer spec", core)
     raise ValueError(
         f"cannot rewrite a spec of type {type(spec).__name__}; pass a layer ModuleSpec, a "
-        "TransformerBlockSubmodules, a TransformerBlock ModuleSpec or a list of layer specs"
+        "TransformerBlockSubmodules, a TransformerBlock ModuleSpec, a list of layer specs or a "
+        "HybridStack spec"
     )
 
 
@@ -385,9 +460,10 @@ def check_tree_model(model: Any) -> None:
     core attention, or ``TreeGatedDeltaNet``, or none), and no stock mixer (core attention, gated
     delta-net, Mamba mixer, MLA) may sit anywhere else: it would run causally over the packed
     positions and silently mix branches. Every rope / YaRN rotary module must follow token depth
-    (:class:`~megatron_tree.mcore.rotary.TreeRotaryEmbedding`, owned by a ``TreeGPTModel`` or a
-    ``TreeMLASelfAttention``): a stock ``GPTModel`` built with :func:`tree_attention_spec` rotates
-    every later branch by its packed offset. The error names the first such module and the fix.
+    (:class:`~megatron_tree.mcore.rotary.TreeRotaryEmbedding`, owned by a ``TreeGPTModel``, a
+    ``TreeHybridModel`` or a ``TreeMLASelfAttention``): a stock ``GPTModel`` or ``HybridModel``
+    built with :func:`tree_attention_spec` rotates every later branch by its packed offset. Mamba
+    mixers must be ``TreeMambaMixer``s. The error names the first such module and the fix.
     Checked once per model object (the result is remembered on it).
     """
     if getattr(model, "_megatron_tree_checked", False):
@@ -402,27 +478,41 @@ def check_tree_model(model: Any) -> None:
                 or (TreeGatedDeltaNet is not None and isinstance(attention, TreeGatedDeltaNet))
             ):
                 _refuse_mixer(model, f"{name}.self_attention", attention if core is None else core)
-        elif type(module).__name__ in _STOCK_MIXERS:
+        elif type(module).__name__ in _STOCK_MIXERS or _is_stock_mamba(module):
             _refuse_mixer(model, name, module)
     for name, module in model.named_modules():  # mixers first: a stock model names its attention
         _check_rotary(name, module)
     object.__setattr__(model, "_megatron_tree_checked", True)
 
 
+def _is_stock_mamba(module: Any) -> bool:
+    """A Mamba mixer (a MambaMixer subclass too) that is not a tree one."""
+    return (
+        MambaMixer is not None
+        and isinstance(module, MambaMixer)
+        and not isinstance(module, TreeMambaMixer)
+    )
+
+
 def _check_rotary(name: str, module: Any) -> None:
     """Refuse a module whose rotary table would follow packed offsets, not token depths: a stock
     rotary module (GPTModel's or HybridModel's rope / YaRN, a stock MLA's), or one of ours owned by
-    a module that does not hand it the depths."""
+    a module that does not hand it the depths (a ``DepthRoPE`` model or a tree MLA does)."""
     rotary = getattr(module, "rotary_pos_emb", None)
     if not isinstance(rotary, RotaryEmbedding):
         return  # no rotary, or one that reads position_ids itself (mrope)
     if isinstance(module, MLASelfAttention):
         owner, fix = TreeMLASelfAttention, "Build the model with a spec from tree_attention_spec()"
     else:
-        owner = TreeGPTModel
+        owner = DepthRoPE  # TreeGPTModel, TreeHybridModel
+        tree = (
+            "TreeHybridModel (megatron_tree.mcore.hybrid)"
+            if _is_hybrid_model(module)
+            else "TreeGPTModel (megatron_tree.mcore.model)"
+        )
         fix = (
-            f"Build a TreeGPTModel (megatron_tree.mcore.model) instead of {type(module).__name__}, "
-            "with the same arguments, or build the model through patch_bridge_for_tree_training / "
+            f"Build a {tree} instead of {type(module).__name__}, with the same arguments, or "
+            "build the model through patch_bridge_for_tree_training / "
             "patch_megatron_bridge_for_tree_training"
         )
     if isinstance(module, owner) and isinstance(rotary, TreeRotaryEmbedding):
@@ -434,13 +524,21 @@ def _check_rotary(name: str, module: Any) -> None:
     )
 
 
+def _is_hybrid_model(module: Any) -> bool:
+    return any(cls.__name__ == "HybridModel" for cls in type(module).__mro__)
+
+
 def _refuse_mixer(model: Any, name: str, module: Any) -> None:
     kind = type(module).__name__
-    hint = {"MambaMixer": " Mamba layers (Nemotron-H) are not supported with trees yet."}.get(
-        kind, ""
-    )
-    if type(model).__name__ == "HybridModel":
-        hint += " For a HybridModel, build a TreeGPTModel with local_hybrid_block_spec instead."
+    hint = {
+        "MambaMixer": " tree_attention_spec() makes a hybrid stack's MambaLayer / MambaMixer a "
+        "TreeMambaLayer / TreeMambaMixer (megatron_tree.mcore.mamba)."
+    }.get(kind, "")
+    if _is_hybrid_model(model) and not isinstance(model, DepthRoPE):
+        hint += (
+            " For a HybridModel, build a TreeHybridModel (megatron_tree.mcore.hybrid) with the "
+            "same arguments and its stack spec rewritten by tree_attention_spec()."
+        )
     raise ValueError(
         f"{name or 'model'} is a stock {kind}, which would attend across the tree's branches; "
         "build the model with a spec from tree_attention_spec() (or through "

@@ -141,6 +141,52 @@ FRONTIER_TINY = {
 }
 
 
+# Mamba-2 hybrids (Nemotron-H; transformers >= 5.8, the Megatron-Bridge stack), built by
+# Megatron-Core's HybridModel from a layer pattern (M Mamba-2, * attention without position
+# embedding, - squared-ReLU MLP, E MoE): 4 Mamba heads of 16 (d_inner 64 = hidden) in 2 groups of
+# state 16, convolution kernel 4. HF's reference scan (torch_forward, the CPU path) differs from
+# Megatron's in three ways that these settings remove: it clamps dt from below at time_step_min
+# (Megatron limits it to (0, inf) only: 0 here, set after the weights are drawn since HF's init
+# takes its log); its gated norm's eps is layer_norm_epsilon (Megatron's is 1e-5, as is the real
+# models' layer_norm_epsilon); and it carries the state across its scan chunks wrongly (transformers
+# 5.12 sums the inter-chunk decay over the wrong axis), so the chunk (256) exceeds every test
+# sequence (the tree mixer does not read it; testing.reference.one_mamba_chunk widens it further).
+MAMBA_ARCHS = ("nemotron_h",)
+MAMBA_TINY = {
+    "nemotron_h": dict(
+        hybrid_override_pattern="M*M-",
+        num_hidden_layers=4,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=256,
+        layer_norm_epsilon=1e-5,
+    ),
+}
+# Nemotron 3 Nano's layer kinds, scaled down: Mamba and MoE layers around one attention layer; the
+# MoE routes sigmoid scores plus a correction bias to the top 2 of 4 squared-ReLU experts (FFN 32),
+# renormalized and scaled by 2.5, plus a shared expert (FFN 48).
+NEMOTRON_H_MOE = dict(
+    hybrid_override_pattern="ME*ME",
+    num_hidden_layers=5,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
+# The Mamba hybrid checkpoints of the tests ({name: (arch, HF config overrides)}, for
+# make_hf_checkpoints): dense and MoE.
+MAMBA_CASES = {"nemotron_h": ("nemotron_h", {}), "nemotron_h_moe": ("nemotron_h", NEMOTRON_H_MOE)}
+
+
 def register_kimi_k2() -> None:
     """Make ``model_type="kimi_k2"`` / ``KimiK2ForCausalLM`` (Megatron-Bridge's Kimi-K2 bridge)
     loadable offline in this process: Kimi-K2 checkpoints run DeepSeek-V3's modeling code from their
@@ -173,13 +219,14 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
     """Save a tiny random ``arch`` model (hidden 64, 2 layers, 4 heads, 2 KV heads) to ``path``.
 
     ``arch`` is one of ``ARCHS`` (dense), ``MOE_ARCHS`` (experts as in :data:`MOE_TINY`),
-    ``HYBRID_ARCHS`` (:data:`HYBRID_TINY`, transformers >= 5.8) or ``FRONTIER_ARCHS``
-    (:data:`FRONTIER_TINY`); ``overrides`` replace HF config
-    fields (e.g. ``norm_topk_prob=False``).
+    ``HYBRID_ARCHS`` (:data:`HYBRID_TINY`, transformers >= 5.8), ``FRONTIER_ARCHS``
+    (:data:`FRONTIER_TINY`) or ``MAMBA_ARCHS`` (:data:`MAMBA_TINY`, transformers >= 5.8; the MoE
+    variant with ``**NEMOTRON_H_MOE``); ``overrides`` replace HF config fields (e.g.
+    ``norm_topk_prob=False``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    known = ARCHS + MOE_ARCHS + HYBRID_ARCHS + FRONTIER_ARCHS
+    known = ARCHS + MOE_ARCHS + HYBRID_ARCHS + FRONTIER_ARCHS + MAMBA_ARCHS
     if arch not in known:
         raise ValueError(f"arch={arch!r} is not one of {known}")
 
@@ -201,6 +248,9 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
     common.update(MOE_TINY.get(arch, {}))
     common.update(HYBRID_TINY.get(arch, {}))
     common.update(FRONTIER_TINY.get(arch, {}))
+    if arch in MAMBA_ARCHS:  # no rotary; its eps is layer_norm_epsilon (the bridge maps both)
+        del common["rope_theta"], common["rms_norm_eps"]
+        common.update(MAMBA_TINY[arch])
     common.update(overrides)
     if (
         arch == "kimi_k2"
@@ -216,16 +266,36 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
         # ~2e-5 (measured against HF in fp64), above the 1e-5 parity bar.
         centered = arch in HYBRID_ARCHS
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_f.weight")):  # norm_f: Nemotron-H's final
                 shift = 1.0 if centered and not name.endswith("linear_attn.norm.weight") else 0.0
                 p.uniform_(0.6 - shift, 1.4 - shift)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.1 if centered else 0.15)
             else:
                 p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H's router bias (a buffer)
+                b.normal_(0.0, 0.2)
+    if arch in MAMBA_ARCHS:
+        model.config.time_step_min = 0.0  # see MAMBA_TINY
     model.save_pretrained(path, safe_serialization=True)
     if arch == "kimi_k2":
         _rename_to_kimi_k2(path)
+    if arch in MAMBA_ARCHS:
+        _rename_weights(path, {"backbone.embedding.weight": "backbone.embeddings.weight"})
+
+
+def _rename_weights(path: str, renames: dict[str, str]) -> None:
+    """Rename tensors of the single-file checkpoint at ``path``: transformers 5 saves Nemotron-H's
+    embedding as ``backbone.embedding.weight`` (it reads both), NVIDIA's checkpoints and
+    Megatron-Bridge's weight map name it ``backbone.embeddings.weight``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    save_file({renames.get(k, k): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
 
 
 def _rename_to_kimi_k2(path: str) -> None:
@@ -396,7 +466,12 @@ def packed_logprobs(logits: torch.Tensor, micro_batch: dict) -> dict[int, torch.
 
 
 def megatron_bridge_tree_model(
-    path: str, *, tp: int = 1, cp: int = 1, backend: str = "auto", **provider_fields
+    path: str,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    backend: str = "auto",
+    **provider_fields,
 ):
     """The tree model Megatron-Bridge builds from the HF checkpoint at ``path`` under
     ``patch_megatron_bridge_for_tree_training`` (fp32, no DDP; ``provider_fields`` set on the
@@ -417,6 +492,74 @@ def megatron_bridge_tree_model(
         setattr(provider, name, value)
     provider.finalize()
     return provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
+
+
+def megatron_bridge_gpt_as_hybrid(path: str, *, tree: bool = True, backend: str = "auto"):
+    """The GPT checkpoint at ``path`` (e.g. the tiny Qwen3) as a Megatron-Core ``HybridModel``: its
+    Megatron-Bridge GPT provider's fields in a ``HybridModelProvider`` with one attention and one
+    MLP layer per GPT layer (pattern ``"*-" * L``, rope), the GPT model's weights renamed onto it
+    (:func:`gpt_state_dict_as_hybrid`). ``tree``: built through
+    :func:`~megatron_tree.bridges.megatron_bridge.make_tree_provider` (a ``TreeHybridModel``);
+    else a stock ``HybridModel`` from :func:`~megatron_tree.mcore.hybrid.local_hybrid_stack_spec`.
+    fp32, no DDP. Needs parallel_state."""
+    import dataclasses
+
+    from ..bridges.megatron_bridge import make_tree_provider
+    from ..mcore.hybrid import local_hybrid_stack_spec
+
+    gpt = megatron_bridge_tree_model(path, backend=backend)
+    # imported here: Megatron-Bridge imports without transformer-engine only once
+    # megatron_tree.patches.megatron_bridge_te is applied (the bridge module above applies it)
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+
+    config = gpt.config  # the finalized GPT provider
+    own = {"num_layers", "hybrid_stack_spec", "position_embedding_type"}
+    fields = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(HybridModelProvider)
+        if f.init and not f.name.startswith("_") and f.name not in own and hasattr(config, f.name)
+    }
+    pattern = "*-" * config.num_layers
+    provider = HybridModelProvider(
+        **fields, hybrid_layer_pattern=pattern, position_embedding_type="rope"
+    )
+    if tree:
+        make_tree_provider(provider, backend=backend)
+    else:
+        provider.hybrid_stack_spec = local_hybrid_stack_spec
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, bf16=False, fp16=False)[0]
+    model.load_state_dict(gpt_state_dict_as_hybrid(gpt.state_dict(), pattern))
+    return model
+
+
+def gpt_state_dict_as_hybrid(state: dict, pattern: str) -> dict:
+    """A GPTModel state dict renamed for a HybridModel of ``pattern`` (one attention ``*`` and one
+    MLP ``-`` / ``E`` position per GPT layer, Mamba positions having no GPT source), by
+    Megatron-Core's own layer correspondence (``gpt_compatible_layer_maps``): GPT layer i's
+    ``input_layernorm`` / ``self_attention`` go to its attention position, ``pre_mlp_layernorm`` /
+    ``mlp`` to its MLP position, ``decoder.final_layernorm`` becomes ``decoder.final_norm``."""
+    import re
+
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
+
+    maps = gpt_compatible_layer_maps(pattern)
+    attention = {gpt: hybrid for hybrid, gpt in maps.attention_to_gpt.items()}
+    mlp = {gpt: hybrid for hybrid, gpt in maps.mlp_to_gpt.items()}
+    layer = re.compile(
+        r"decoder\.layers\.(\d+)\.((input_layernorm|self_attention|pre_mlp_layernorm|mlp)\..*)"
+    )
+    out = {}
+    for key, value in state.items():
+        match = layer.fullmatch(key)
+        if match:
+            gpt, rest, part = int(match[1]), match[2], match[3]
+            target = attention if part in ("input_layernorm", "self_attention") else mlp
+            key = f"decoder.layers.{target[gpt]}.{rest}"
+        elif key.startswith("decoder.final_layernorm."):
+            key = "decoder.final_norm." + key.removeprefix("decoder.final_layernorm.")
+        out[key] = value
+    return out
 
 
 def tree_logprobs(

@@ -2,11 +2,11 @@
 
 ``mamba_chunk_scan_combined`` takes one differentiable initial state per batch row and returns
 the final states. A tree therefore runs through the torch path's level loop
-(:func:`~.recurrent.scan_tree`): level by level of the :class:`~.recurrent.RecurrentPlan`, one
-batch row per segment, one kernel call per (level, length bucket), each segment starting from its
-parent segment's final state. A
-bucket's shorter segments are padded at the right with dt = 0 and x = B = C = 0, which leaves the
-state unchanged, so their final states are exact; that is why the already-processed dt is passed
+(:func:`~megatron_tree.core.recurrent.scan_tree`): level by level of the
+:class:`~megatron_tree.core.recurrent.RecurrentPlan`, one batch row per segment, one kernel call per
+(level, length bucket), each segment starting from its parent segment's final state. A bucket's
+shorter segments are padded at the right with dt = 0 and x = B = C = 0, which leaves the state
+unchanged, so their final states are exact; that is why the already-processed dt is passed
 (``dt_bias=None, dt_softplus=False``): a softplus of the padding's dt would not be 0.
 
 mamba_ssm is imported on the first call only (CPU machines lack it).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import CHUNK, RecurrentPlan, scan_tree
+from ..core.recurrent import CHUNK, RecurrentPlan, scan_tree
 
 __all__ = ["kernel_calls", "tree_ssd_mamba_ssm"]
 
@@ -55,7 +55,7 @@ def tree_ssd_mamba_ssm(x, dt, A, B, C, plan: RecurrentPlan, chunk: int = CHUNK) 
         dt: [K, H], already ``softplus(dt + dt_bias)`` and clamped (>= 0).
         A: [H], negative (``-exp(A_log)``).
         B, C: [K, G, N], H % G == 0 (head h reads group h // (H // G)).
-        plan: the context's :class:`~.recurrent.RecurrentPlan`.
+        plan: the context's :class:`~megatron_tree.core.recurrent.RecurrentPlan`.
         chunk: the kernel's chunk length; a bucket shorter than it runs with the next power of
             two >= its length (at least 16), which changes rounding only.
     Returns:

@@ -1,0 +1,218 @@
+"""Megatron-Core's HybridModel with trees (megatron-core 0.19, where it replaces GPTModel), through
+Megatron-Bridge: Mamba-2 hybrids (Nemotron-H dense, and MoE as in Nemotron 3 Nano) and a GPT
+checkpoint (Qwen3) built as a HybridModel with rope.
+
+Tiny random HF checkpoints (``MAMBA_CASES``) load through
+``patch_megatron_bridge_for_tree_training`` into ``TreeHybridModel``s whose Mamba layers run
+``TreeMambaMixer``; every sequence of branching tries (``recurrent_sequences``: one- and
+two-token segments between branch points, a branch at a root's first token) gets the log-probs HF's
+reference scan (``torch_forward``, the CPU path) gives it alone. Qwen3's GPT layers become one
+attention and one MLP layer each (pattern ``*-*-``), where depth RoPE matters (Nemotron-H has no
+position embedding). Runs in the Megatron-Bridge stack (transformers >= 5.8); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
+from megatron_tree.testing.models import (
+    MAMBA_CASES,
+    branching_sequences,
+    max_err,
+    megatron_bridge_gpt_as_hybrid,
+    megatron_bridge_tree_model,
+    record_parity,
+    recurrent_sequences,
+    small_gpt_config,
+    tree_logprobs,
+)
+from megatron_tree.testing.tolerances import LOGP_TOL
+
+pytestmark = [
+    *MEGATRON_BRIDGE_STACK,
+]
+
+# A wrong segment state, convolution window or rotary angle moves log-probs by >= 1e-3; the
+# measured errors against HF fp32 are <= 4e-6 (summation order only).
+
+
+@pytest.fixture(scope="module")
+def mamba_checkpoints(tmp_path_factory):
+    from megatron_tree.testing.models import make_hf_checkpoints
+
+    return make_hf_checkpoints(tmp_path_factory.mktemp("mamba"), MAMBA_CASES)
+
+
+@pytest.fixture(scope="module")
+def mamba_references(mamba_checkpoints):
+    from megatron_tree.testing.models import hf_references
+
+    return hf_references(mamba_checkpoints, recurrent_sequences())
+
+
+@pytest.mark.parametrize("case", list(MAMBA_CASES))
+def test_nemotron_h_tree_logprobs_match_hf(world, case, mamba_checkpoints, mamba_references):
+    from megatron_tree.mcore.hybrid import LocalHybridStack, TreeHybridModel
+    from megatron_tree.mcore.mamba import TreeMambaLayer, TreeMambaMixer
+    from megatron_tree.mcore.spec import check_tree_model
+
+    model = megatron_bridge_tree_model(mamba_checkpoints[case], backend="sdpa").eval()
+    assert isinstance(model, TreeHybridModel) and isinstance(model.decoder, LocalHybridStack)
+    pattern = model.hybrid_layer_pattern
+    mamba = [layer for layer, kind in zip(model.decoder.layers, pattern) if kind == "M"]
+    assert len(mamba) == pattern.count("M") == 2
+    assert all(
+        isinstance(layer, TreeMambaLayer) and isinstance(layer.mixer, TreeMambaMixer)
+        for layer in mamba
+    )
+    check_tree_model(model)
+    err = max_err(tree_logprobs(model, recurrent_sequences()), mamba_references[case])
+    assert err <= LOGP_TOL
+    record_parity(case, "megatron-bridge", err)
+
+
+def test_gpt_checkpoint_as_hybrid_model_matches_hf(world, checkpoints, references):
+    """Qwen3 as a HybridModel (``*-*-``, rope): the tree model's rotary follows depth, and every
+    branch gets HF's log-probs; the same model built stock is refused."""
+    from megatron_tree.mcore.hybrid import TreeHybridModel
+    from megatron_tree.mcore.rotary import TreeRotaryEmbedding
+    from megatron_tree.mcore.spec import check_tree_model
+
+    model = megatron_bridge_gpt_as_hybrid(checkpoints["qwen3"], backend="sdpa").eval()
+    assert isinstance(model, TreeHybridModel)
+    assert model.hybrid_layer_pattern == "*-*-"
+    assert isinstance(model.rotary_pos_emb, TreeRotaryEmbedding)
+    check_tree_model(model)
+    err = max_err(tree_logprobs(model, branching_sequences()), references["qwen3"])
+    assert err <= LOGP_TOL
+    record_parity("qwen3_as_hybrid", "megatron-bridge", err)
+
+    stock = megatron_bridge_gpt_as_hybrid(checkpoints["qwen3"], tree=False)
+    assert type(stock).__name__ == "HybridModel"
+    with pytest.raises(ValueError, match=r"stock DotProductAttention.*build a TreeHybridModel"):
+        check_tree_model(stock)
+
+
+def test_stock_hybrid_model_with_tree_spec_is_refused(world):
+    """A stock HybridModel built from a tree stack spec has tree mixers but rotates by packed
+    offset: refused, naming TreeHybridModel."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_tree.mcore.hybrid import TreeHybridModel, local_hybrid_stack_spec
+    from megatron_tree.mcore.spec import check_tree_model, tree_attention_spec
+
+    config = small_gpt_config(num_layers=2)
+    spec = tree_attention_spec(local_hybrid_stack_spec(config))
+    kwargs = dict(
+        hybrid_stack_spec=spec,
+        vocab_size=128,
+        max_sequence_length=256,
+        hybrid_layer_pattern="*-",
+        position_embedding_type="rope",
+    )
+    with pytest.raises(ValueError, match=r"rotates by packed offset.*TreeHybridModel"):
+        check_tree_model(HybridModel(config, **kwargs))
+    check_tree_model(TreeHybridModel(config, **kwargs))
+
+
+@pytest.mark.parametrize("kind", ["local", "transformer_engine"])
+def test_tree_spec_rewrites_the_hybrid_stack(kind):
+    """Our local hybrid stack spec and megatron-core's transformer-engine one (built on GPUs; its
+    modules are stand-ins without transformer-engine): every token mixer becomes a tree one, the
+    MLP / DSA / MTP entries are kept, the input is not modified."""
+    if kind == "local":
+        from megatron_tree.mcore.hybrid import local_hybrid_stack_spec
+
+        stack = local_hybrid_stack_spec()
+    else:
+        pytest.importorskip("transformer_engine")
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as stack
+
+    from megatron_tree.mcore.core_attention import TreeCoreAttention
+    from megatron_tree.mcore.gated_delta_net import TreeGatedDeltaNet
+    from megatron_tree.mcore.mamba import TreeMambaLayer, TreeMambaMixer
+    from megatron_tree.mcore.mla import TreeMLASelfAttention
+    from megatron_tree.mcore.moe import TreeMoELayer, TreeMoETransformerLayer
+    from megatron_tree.mcore.spec import _module_class, tree_attention_spec
+
+    before = repr(stack)
+    subs = tree_attention_spec(stack).submodules
+    assert repr(stack) == before
+    assert subs.mamba_layer.module is TreeMambaLayer
+    assert subs.mamba_layer.submodules.mixer.module is TreeMambaMixer
+    for layer in (subs.attention_layer, subs.mla_layer):
+        assert layer.submodules.self_attention.submodules.core_attention.module is TreeCoreAttention
+    assert subs.mla_layer.submodules.self_attention.module is TreeMLASelfAttention
+    assert subs.gdn_layer.submodules.self_attention.module is TreeGatedDeltaNet
+    assert _module_class(subs.moe_layer) is TreeMoETransformerLayer
+    assert _module_class(subs.moe_layer.submodules.mlp) is TreeMoELayer
+    original = stack.submodules
+    assert repr(subs.mlp_layer) == repr(original.mlp_layer)
+    assert repr(subs.dsa_layer) == repr(original.dsa_layer)
+    assert repr(subs.mtp_block_spec) == repr(original.mtp_block_spec)
+
+
+def test_custom_mamba_mixer_is_refused_by_name():
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    from megatron_tree.mcore.hybrid import local_hybrid_stack_spec
+    from megatron_tree.mcore.spec import tree_attention_spec
+
+    spec = local_hybrid_stack_spec()
+    spec.submodules.mamba_layer.submodules.mixer.module = type("MyMixer", (MambaMixer,), {})
+    with pytest.raises(ValueError, match="mamba_layer mixer: custom Mamba mixer MyMixer"):
+        tree_attention_spec(spec)
+
+
+def test_stock_mamba_mixer_is_refused(world):
+    """A model with a stock MambaMixer (its scan would run across branches) is refused, naming the
+    fix."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    from megatron_tree.mcore.spec import check_tree_model
+
+    class Stock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Module()
+            self.layer.mixer = MambaMixer.__new__(MambaMixer)
+            torch.nn.Module.__init__(self.layer.mixer)
+
+    with pytest.raises(ValueError, match="layer.mixer is a stock MambaMixer.*TreeMambaMixer"):
+        check_tree_model(Stock())
+
+
+@pytest.mark.parametrize("positional", [False, True])
+@pytest.mark.parametrize(
+    ("pattern", "fields", "match"),
+    [
+        ("MD-", {}, "DeepSeek sparse attention"),
+        ("*-/*-", {}, "multi-token prediction"),
+        ("*-", {"mtp_num_layers": 1}, "multi-token prediction"),
+    ],
+)
+def test_tree_hybrid_model_refuses_by_name(world, pattern, fields, match, positional):
+    """DeepSeek sparse attention layers and multi-token prediction, before anything is built
+    (the pattern given by keyword, as Megatron-Bridge does, or by position)."""
+    from megatron_tree.mcore.hybrid import TreeHybridModel, local_hybrid_stack_spec
+
+    args = (local_hybrid_stack_spec(), 128, 256)
+    with pytest.raises(ValueError, match=match):
+        if positional:
+            TreeHybridModel(small_gpt_config(**fields), *args, pattern)
+        else:
+            TreeHybridModel(small_gpt_config(**fields), *args, hybrid_layer_pattern=pattern)
+
+
+def test_nemotron_h_with_mtp_is_refused_at_provide(world, tmp_path):
+    """A Nemotron-H checkpoint with MTP layers (num_nextn_predict_layers): the bridge's provider
+    refuses to build until MTP is switched off."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    make_hf_checkpoint(
+        "nemotron_h", str(tmp_path), num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*-"
+    )
+    with pytest.raises(ValueError, match="multi-token prediction.*mtp_hybrid_override_pattern"):
+        megatron_bridge_tree_model(str(tmp_path), backend="sdpa")
