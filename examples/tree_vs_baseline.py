@@ -148,6 +148,8 @@ def write_checkpoint(config_dir: str, out_dir: str) -> None:
     """A HuggingFace checkpoint of the bundled config with seeded random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megatron_tree.testing.models import save_checkpoint
+
     config = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -155,7 +157,7 @@ def write_checkpoint(config_dir: str, out_dir: str) -> None:
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_checkpoint(model, out_dir)  # Nemotron-H: exact HF reference, names Megatron-Bridge reads
 
 
 def hf_logprobs(path: str, batch: dict, rows: list[int]) -> dict[int, torch.Tensor]:
@@ -302,6 +304,17 @@ def build_model(args, ckpt: str):
     return model, GPTShape.from_config(model.config, gpt.vocab_size, hybrid_layer_pattern=pattern)
 
 
+def layers_text(model, shape) -> str:
+    """ "4 layers", or a HybridModel's pattern and what its symbols are."""
+    pattern = getattr(getattr(model, "module", model), "hybrid_layer_pattern", None)
+    if not pattern:
+        return f"{shape.layers} layers"
+    return (
+        f"hybrid pattern {pattern} ({shape.mamba_layers} Mamba-2, {shape.attention_layers} "
+        f"attention, {shape.mlp_layers} MLP, {shape.num_moe_layers} MoE layers)"
+    )
+
+
 def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int], reference=None):
     """Max |log-prob - HF| over ``rows`` (rank 0 computes the HF reference once and passes it
     back)."""
@@ -313,7 +326,7 @@ def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int
     return err, reference
 
 
-def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict, dict]:
+def warm_up(model, batches: dict, device: str, step, moe: bool) -> tuple[dict, dict, dict]:
     """One run of each batch: (results, (peak memory, of which attention kernels') in bytes (the
     attention part None on CUDA, where the peak is the allocator's), tokens per expert or None).
 
@@ -323,7 +336,6 @@ def warm_up(model, batches: dict, device: str, step) -> tuple[dict, dict, dict]:
     """
     from megatron_tree.mcore.moe_stats import ExpertTokenCounter
 
-    moe = bool(getattr(model.config, "num_moe_experts", None))
     results, peaks, experts = {}, {}, {}
     for name, packed in batches.items():
         counter = ExpertTokenCounter(model) if moe else contextlib.nullcontext()
@@ -514,7 +526,7 @@ def main(argv=None) -> dict:
         experts = f"{shape.num_experts} experts (top-{shape.topk}), " if shape.num_experts else ""
         progress(
             f"built {type(getattr(model, 'module', model)).__name__} through {args.bridge}: hidden "
-            f"{shape.hidden}, {shape.layers} layers, "
+            f"{shape.hidden}, {layers_text(model, shape)}, "
             f"{experts}vocab "
             f"{shape.vocab}, TP {args.tp}, backend {args.backend}, {args.device}"
         )
@@ -567,7 +579,9 @@ def main(argv=None) -> dict:
         return result
 
     batches = {"tree": packed, "base": unshared}
-    results, peaks, experts = warm_up(model, batches, args.device, step)
+    results, peaks, experts = warm_up(
+        model, batches, args.device, step, moe=shape.num_moe_layers > 0
+    )
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
     times = timed(batches, args.reps, step)

@@ -216,3 +216,26 @@ def test_nemotron_h_with_mtp_is_refused_at_provide(world, tmp_path):
     )
     with pytest.raises(ValueError, match="multi-token prediction.*mtp_hybrid_override_pattern"):
         megatron_bridge_tree_model(str(tmp_path), backend="sdpa")
+
+
+@pytest.mark.parametrize("case", list(MAMBA_CASES))
+def test_flop_model_counts_a_built_nemotron_h(world, case, mamba_checkpoints):
+    """GPTShape.from_config with the model's layer pattern: its matmul weights per token are the
+    built model's 2-D weights (the routed experts a token skips aside), its attention pairs are
+    charged to the one attention layer, and its Mamba layers cost per token."""
+    from megatron_tree.core.flops import GPTShape
+
+    model = megatron_bridge_tree_model(mamba_checkpoints[case], backend="sdpa")
+    shape = GPTShape.from_config(
+        model.config, vocab=model.vocab_size, hybrid_layer_pattern=model.hybrid_layer_pattern
+    )
+    assert shape.attention_layers == 1 and shape.mamba_layers == model.hybrid_layer_pattern.count(
+        "M"
+    )
+    routed = shape.num_experts - shape.topk if shape.num_experts else 0
+    unused = routed * shape._mlp_params(shape.moe_ffn_hidden) * shape.num_moe_layers
+    matmul_weights = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n
+    )
+    assert shape.linear_params_per_token == matmul_weights - unused
+    assert shape.recurrent_flops_per_token > 0

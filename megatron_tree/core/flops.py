@@ -318,6 +318,8 @@ def _hybrid_counts(pattern: str, config) -> dict:
         "linear_layers": counts["G"],
         "mamba_layers": counts["M"],
     }
+    if not counts["E"]:  # the config's expert fields describe no layer of this pattern
+        fields.update(num_experts=0, topk=0)
     if counts["M"]:
         heads = config.mamba_num_heads or (
             2 * config.hidden_size // config.mamba_head_dim

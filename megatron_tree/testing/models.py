@@ -276,12 +276,23 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # Nemotron-H's router bias (a buffer)
                 b.normal_(0.0, 0.2)
-    if arch in MAMBA_ARCHS:
-        model.config.time_step_min = 0.0  # see MAMBA_TINY
-    model.save_pretrained(path, safe_serialization=True)
+    save_checkpoint(model, path)
     if arch == "kimi_k2":
         _rename_to_kimi_k2(path)
-    if arch in MAMBA_ARCHS:
+
+
+def save_checkpoint(model, path: str) -> None:
+    """``model.save_pretrained(path)`` (safetensors), with two Nemotron-H fixes so that HF is an
+    exact reference and Megatron-Bridge loads every weight: ``time_step_min = 0`` (HF's CPU scan
+    clamps dt from below there, Megatron does not; set after the weights are drawn, as HF's init
+    takes its log) and the embedding saved as ``backbone.embeddings.weight`` (transformers 5 writes
+    ``backbone.embedding.weight``, which Megatron-Bridge's map does not know: it would leave the
+    embedding uninitialized without an error)."""
+    nemotron_h = getattr(model.config, "model_type", None) == "nemotron_h"
+    if nemotron_h:
+        model.config.time_step_min = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    if nemotron_h:
         _rename_weights(path, {"backbone.embedding.weight": "backbone.embeddings.weight"})
 
 
