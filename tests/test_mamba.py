@@ -57,6 +57,7 @@ def _mixer(world_size_tp: int = 1):
         d_model=HIDDEN,
         layer_number=1,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        chunk_size=8,  # the tries' longer segments span several scan chunks
     ).double()
     with torch.no_grad():  # away from the all-ones / zero init, so every parameter matters
         mixer.norm.weight.uniform_(0.5, 1.5)

@@ -18,6 +18,7 @@ from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.models import (
     RECOMPUTE_MODES,
+    hf_logprobs,
     max_err,
     megatron_bridge_tree_model,
     recompute_fields,
@@ -39,22 +40,7 @@ def nemotron_h(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("nemotron_h"))
     make_hf_checkpoint("nemotron_h", path)
-    return path, _hf_logprobs(path, recurrent_sequences())
-
-
-def _hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    from megatron_tree.testing.reference import one_mamba_chunk
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = {}
-    with torch.no_grad():
-        for i, s in enumerate(seqs):
-            with one_mamba_chunk(model, len(s)):
-                logits = model(s[None]).logits[0]
-            out[i] = torch.log_softmax(logits, -1)[:-1].gather(1, s[1:, None])[:, 0]
-    return out
+    return path, hf_logprobs(path, recurrent_sequences())
 
 
 def _model(path: str, **fields):

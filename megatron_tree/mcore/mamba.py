@@ -183,7 +183,9 @@ if MambaMixer is not None:
             bg, cg = (
                 t.reshape(k_ctx, b * self.ngroups_local_tp, self.d_state) for t in (b_in, c_in)
             )
-            y = _ssd_backend(x)(xh, dt.reshape(k_ctx, b * heads), a, bg, cg, recurrent)
+            y = _ssd_backend(x)(
+                xh, dt.reshape(k_ctx, b * heads), a, bg, cg, recurrent, chunk=self.chunk_size
+            )
             d = self.D.to(work)
             d = d.reshape(heads, p) if self.D_has_hdim else d[:, None]
             y = y.reshape(k_ctx, b, heads, p).to(work) + d * xh.reshape(k_ctx, b, heads, p).to(work)

@@ -149,8 +149,9 @@ FRONTIER_TINY = {
 # (Megatron limits it to (0, inf) only: 0 here, set after the weights are drawn since HF's init
 # takes its log); its gated norm's eps is layer_norm_epsilon (Megatron's is 1e-5, as is the real
 # models' layer_norm_epsilon); and it carries the state across its scan chunks wrongly (transformers
-# 5.12 sums the inter-chunk decay over the wrong axis), so the chunk (256) exceeds every test
-# sequence (the tree mixer does not read it; testing.reference.one_mamba_chunk widens it further).
+# 5.12 sums the inter-chunk decay over the wrong axis), so hf_logprobs runs each sequence in one
+# chunk (testing.reference.one_mamba_chunk). The tree mixer scans in chunks of 16, so the test
+# tries' longer segments span several.
 MAMBA_ARCHS = ("nemotron_h",)
 MAMBA_TINY = {
     "nemotron_h": dict(
@@ -162,7 +163,7 @@ MAMBA_TINY = {
         ssm_state_size=16,
         n_groups=2,
         conv_kernel=4,
-        chunk_size=256,
+        chunk_size=16,
         layer_norm_epsilon=1e-5,
     ),
 }
@@ -674,6 +675,8 @@ def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Reference: HuggingFace on each sequence alone."""
     from transformers import AutoModelForCausalLM
 
+    from .reference import one_mamba_chunk
+
     model = AutoModelForCausalLM.from_pretrained(
         path, torch_dtype=torch.float32, attn_implementation="eager"
     )
@@ -681,7 +684,8 @@ def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     out = {}
     with torch.no_grad():
         for i, s in enumerate(seqs):
-            logits = model(s[None]).logits[0]
+            with one_mamba_chunk(model, len(s)):  # exact HF Mamba-2 (no-op for other models)
+                logits = model(s[None]).logits[0]
             out[i] = torch.log_softmax(logits.float(), -1)[:-1].gather(1, s[1:, None])[:, 0]
     return out
 
