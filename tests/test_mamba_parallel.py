@@ -47,9 +47,10 @@ def _model(path: str, **fields):
     return megatron_bridge_tree_model(path, backend="sdpa", **fields)
 
 
-def _step_vs_unpacked(path: str, fields: dict, **packing):
+def _step_vs_unpacked(path: str, fields: dict, reference_fields: dict | None = None, **packing):
     """(tree loss, unpacked loss, tree gradients, unpacked gradients) of one PPO step on
-    ``recurrent_sequences()``; ``fields`` set on both models' providers."""
+    ``recurrent_sequences()``; ``fields`` set on both models' providers (``reference_fields`` on
+    the reference's instead, if given)."""
     from megatron.core import parallel_state as ps
 
     from megatron_tree import tree_forward_backward
@@ -61,7 +62,9 @@ def _step_vs_unpacked(path: str, fields: dict, **packing):
 
     batch = rl_batch(recurrent_sequences(), response_start=5)
     loss_fn = lambda outputs, mb: ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)  # noqa: E731
-    reference = OneSequence(_model(path, **fields))
+    reference = OneSequence(
+        _model(path, **(fields if reference_fields is None else reference_fields))
+    )
     want = float(unpacked_reference_step(reference, batch, loss_fn))
     model = _model(path, **fields)
     result = tree_forward_backward(
@@ -74,6 +77,22 @@ def _step_vs_unpacked(path: str, fields: dict, **packing):
     )
     grads = [parameter_grads(m, prefix="model.") for m in (model, reference)]
     return float(result.loss), want, *grads
+
+
+def _grads_worker(rank: int, path: str, fields: dict) -> tuple:
+    """One PPO step at a TP / CP layout against the unpacked run of the same sharded model; CP
+    ranks' gradients averaged over the data x context group as Megatron's DDP does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    alone = {**fields, "context_parallel_size": 1}  # each sequence whole on every rank
+    loss, want, got, ref = _step_vs_unpacked(
+        path, fields, alone, max_tokens_per_mb=64, block_size=16
+    )
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    for g in got.values():
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, group=group)
+    return loss, want, got, ref
 
 
 def _assert_step_close(got_loss, want_loss, got, want):
@@ -127,6 +146,21 @@ def test_nemotron_h_moe_step_gradients_equal_unpacked(world, tmp_path):
     got = _step_vs_unpacked(str(tmp_path), fields, max_tokens_per_mb=128, block_size=16)
     _assert_step_close(*got)
     assert any("mlp.experts" in n for n in got[2]) and any("shared_experts" in n for n in got[2])
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param({"tp": 2}, id="tp2"), pytest.param({"cp": 2, "tp": 1}, id="cp2")]
+)
+def test_nemotron_h_parallel_step_gradients_equal_unpacked(nemotron_h, layout):
+    """TP=2: each rank's shard of every Mamba parameter (heads and groups split) gets the unpacked
+    gradient; CP=2: each rank scans the whole tree from the all-gathered inputs and backpropagates
+    its rows' share, and the shares add up to the unpacked gradient."""
+    fields = {
+        "tensor_model_parallel_size": layout.get("tp", 1),
+        "context_parallel_size": layout.get("cp", 1),
+    }
+    for rank in run_spawned(_grads_worker, 2, nemotron_h[0], fields, **layout):
+        _assert_step_close(*rank)
 
 
 def _layout_worker(rank: int, path: str, fields: dict, packing: dict):
