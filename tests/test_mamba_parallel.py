@@ -47,6 +47,18 @@ def _model(path: str, **fields):
     return megatron_bridge_tree_model(path, backend="sdpa", **fields)
 
 
+def _ppo_batch() -> dict:
+    from megatron_tree.testing.synthetic import rl_batch
+
+    return rl_batch(recurrent_sequences(), response_start=5)
+
+
+def _ppo_loss(outputs, mb):
+    from megatron_tree.core.losses import ppo_clipped_loss
+
+    return ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)
+
+
 def _step_vs_unpacked(path: str, fields: dict, reference_fields: dict | None = None, **packing):
     """(tree loss, unpacked loss, tree gradients, unpacked gradients) of one PPO step on
     ``recurrent_sequences()``; ``fields`` set on both models' providers (``reference_fields`` on
@@ -55,13 +67,10 @@ def _step_vs_unpacked(path: str, fields: dict, reference_fields: dict | None = N
 
     from megatron_tree import tree_forward_backward
     from megatron_tree.core.heads import LogProbs
-    from megatron_tree.core.losses import ppo_clipped_loss
     from megatron_tree.mcore.step import PackingConfig, ProcessGroups
     from megatron_tree.testing.reference import OneSequence, unpacked_reference_step
-    from megatron_tree.testing.synthetic import rl_batch
 
-    batch = rl_batch(recurrent_sequences(), response_start=5)
-    loss_fn = lambda outputs, mb: ppo_clipped_loss(outputs, mb, clip_eps=0.2, entropy_coef=0.01)  # noqa: E731
+    batch, loss_fn = _ppo_batch(), _ppo_loss
     reference = OneSequence(
         _model(path, **(fields if reference_fields is None else reference_fields))
     )
@@ -161,6 +170,42 @@ def test_nemotron_h_parallel_step_gradients_equal_unpacked(nemotron_h, layout):
     }
     for rank in run_spawned(_grads_worker, 2, nemotron_h[0], fields, **layout):
         _assert_step_close(*rank)
+
+
+def _pp_grads_worker(rank: int, path: str) -> tuple:
+    """One PPO step at PP=2 (``M*|M-``): (loss on the last stage or None, gradients by whole-model
+    parameter name)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_tree import tree_forward_backward
+    from megatron_tree.core.heads import LogProbs
+    from megatron_tree.mcore.step import PackingConfig, ProcessGroups
+
+    model = _model(path, pipeline_model_parallel_size=2, hybrid_layer_pattern="M*|M-")
+    result = tree_forward_backward(
+        model,
+        _ppo_batch(),
+        _ppo_loss,
+        gather=LogProbs(),
+        groups=ProcessGroups(tp=ps.get_tensor_model_parallel_group()),
+        packing=PackingConfig(max_tokens_per_mb=64, block_size=16),
+    )
+    names = _global_names(model)
+    grads = {names[n]: g for n, g in parameter_grads(model).items()}
+    return (float(result.loss) if result.loss is not None else None), grads
+
+
+def test_nemotron_h_pipeline_parallel_2_step_gradients_equal_unpacked(world, nemotron_h):
+    """PP=2: the two stages' gradients, by whole-model name, are the unpacked run's."""
+    from megatron_tree.testing.reference import OneSequence, unpacked_reference_step
+
+    reference = OneSequence(_model(nemotron_h[0]))
+    want_loss = float(unpacked_reference_step(reference, _ppo_batch(), _ppo_loss))
+    want = parameter_grads(reference, prefix="model.")
+    first, last = run_spawned(_pp_grads_worker, 2, nemotron_h[0], pp=2, tp=1)
+    assert first[0] is None
+    assert not first[1].keys() & last[1].keys()
+    _assert_step_close(last[0], want_loss, {**first[1], **last[1]}, want)
 
 
 def _layout_worker(rank: int, path: str, fields: dict, packing: dict):
