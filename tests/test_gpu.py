@@ -331,9 +331,9 @@ def _split_one_rank(packed):
     is done here, as ``tree_forward_backward`` does it for CP > 1."""
     import torch.distributed as dist
 
-    from megatron_tree.mcore.step import _split_for_context_parallel
+    from megatron_tree.mcore.step import split_for_context_parallel
 
-    split = _split_for_context_parallel(packed, dist.group.WORLD)
+    split = split_for_context_parallel(packed, dist.group.WORLD)
     assert all(not mb["rows"].is_whole and mb["rows"].cp_size == 1 for mb in split)
     return split
 

@@ -262,6 +262,27 @@ def test_vocab_stats_and_values():
     assert torch.equal(values.grad[:, 0], counts)
 
 
+def _vocab_stats_cp_worker(rank: int, seed: int):
+    import torch.distributed as dist
+
+    from megatron_tree.core.context_parallel import context_parallel_split
+
+    seqs, tree, logits = random_case(seed)
+    rows = context_parallel_split(tree, 2, rank, dist.group.WORLD, unit=1)
+    mine = logits[rows.positions][None]  # this rank's rows [1, n, V]
+    return gather_packed_tree_vocab_stats(mine, tree, rows=rows), tree, logits
+
+
+def test_vocab_stats_of_context_parallel_rows_equal_the_whole_trees():
+    """Each CP rank's rows give the min / max logit of every sequence token (0 at the other
+    rank's rows, then summed over the group): each token's own row's, on both ranks."""
+    seed = next(s for s in range(20) if random_case(s)[1].padded_length % 2 == 0)
+    for (vmin, vmax), tree, logits in run_spawned(_vocab_stats_cp_worker, 2, seed, megatron=False):
+        rows = logits[tree.token_index]
+        assert torch.equal(vmin, rows.min(-1).values)
+        assert torch.equal(vmax, rows.max(-1).values)
+
+
 def test_dummy_tree():
     n = 6
     dummy = _dummy(n)

@@ -27,27 +27,41 @@ __all__ = [
 
 @torch.no_grad()
 def gather_packed_tree_vocab_stats(
-    logits: torch.Tensor, tree: PackedTree, *, tp_group: dist.ProcessGroup | None = None
+    logits: torch.Tensor,
+    tree: PackedTree,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    rows: TreeRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max logit over the full (sharded) vocabulary at every sequence token.
+    """Min and max logit over the full (sharded) vocabulary at every sequence token (no grad).
 
     Args:
-        logits: as in gather_packed_tree_logprobs_entropy (raw, no temperature).
+        logits: as in gather_packed_tree_logprobs_entropy (raw, no temperature); under context
+            parallelism or trunk reuse this rank's n rows [1, n, V / tp].
         tree: the micro-batch's packed tree.
         tp_group: tensor-parallel group the vocab is sharded over; None for no sharding.
+        rows: the micro-batch's :class:`~megatron_tree.core.rows.TreeRows` when ``logits`` holds
+            only some of the tree's positions: entries of other rows read 0 before
+            ``rows.complete`` (which sums them over the context-parallel group).
 
     Returns:
         (vocab_min [T], vocab_max [T]) fp32, in ``tree.token_index`` order, not rolled: entry t
         is the row of token t.
     """
-    logits = rows_of(logits, tree, "logits")
-    real = logits[: tree.num_tree_tokens]
+    whole = rows is None or rows.is_whole
+    logits = rows_of(logits, tree, "logits") if whole else logits.reshape(-1, logits.shape[-1])
+    real = logits.detach()[: tree.num_tree_tokens] if whole else logits.detach()
     # One collective: max of (max, -min).
-    stats = torch.stack([real.amax(-1), -real.amin(-1)]).float()  # [2, U]
+    stats = torch.stack([real.amax(-1), -real.amin(-1)]).float()  # [2, U] (whole) or [2, n]
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=tp_group)
     token_index = tree.token_index.to(logits.device)
-    return -stats[1][token_index], stats[0][token_index]
+    if whole:
+        return -stats[1][token_index], stats[0][token_index]
+    local = rows.local_index.to(logits.device)[token_index]
+    mine = torch.where(local >= 0, stats[:, local.clamp(min=0)], 0.0)
+    vocab_max, negated_min = rows.complete([mine[0], mine[1]])
+    return -negated_min, vocab_max
 
 
 def gather_packed_tree_values(

@@ -355,7 +355,7 @@ def tree_forward_backward(
     averaged = [groups.dp, groups.cp] if groups.grad_average else []
     scale = loss_scale(config, counts, total, forward_only, averaged)
     device = next(chunks[0].parameters()).device
-    on_device = _split_for_context_parallel(packed, groups.cp).to(device)
+    on_device = split_for_context_parallel(packed, groups.cp).to(device)
     if route_key is not None:
         check_replaying(chunks, route_key)
     ctx = StepContext(
@@ -365,7 +365,7 @@ def tree_forward_backward(
         loss_scale=scale,
         routes=None if route_key is None else replay_routes(on_device, route_key),
         router_stats=router_losses_on(config),
-        ep_group=groups.dp if _expert_parallel(config) else None,
+        ep_group=groups.dp if expert_parallel(config) else None,
     )
     _check_dropout(config, on_device, forward_only)
     loss = TokenLoss(
@@ -415,24 +415,24 @@ def _model_chunks(model) -> list:
     return chunks
 
 
-def _expert_parallel(config) -> bool:
+def expert_parallel(config) -> bool:
     return (
         bool(config.num_moe_experts) and parallel_state.get_expert_model_parallel_world_size() > 1
     )
 
 
-def _constant_shapes(config) -> str | None:
+def constant_shapes(config) -> str | None:
     """Why the step needs trees of one length, or None."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         return "pipeline parallelism (stages exchange fixed-shape activations)"
-    if _expert_parallel(config) and config.moe_token_dispatcher_type == "allgather":
+    if expert_parallel(config) and config.moe_token_dispatcher_type == "allgather":
         return "the allgather token dispatcher (it gathers equal-length token blocks)"
     return None
 
 
 def _packed(batch, packing, route_key, config, groups: ProcessGroups) -> PackedTreeBatch:
     """The packed batch to step on: ``batch`` itself (checked), or ``batch`` packed here."""
-    if _expert_parallel(config) and groups.dp is None:
+    if expert_parallel(config) and groups.dp is None:
         raise ValueError(
             f"expert_model_parallel_size={parallel_state.get_expert_model_parallel_world_size()}: "
             "expert-parallel ranks are data-parallel ranks and must run the same number of "
@@ -441,7 +441,7 @@ def _packed(batch, packing, route_key, config, groups: ProcessGroups) -> PackedT
     align = config.context_parallel_size * (
         config.tensor_model_parallel_size if config.sequence_parallel else 1
     )
-    constant = _constant_shapes(config)
+    constant = constant_shapes(config)
     if not isinstance(batch, PackedTreeBatch):
         kwargs = (packing or PackingConfig()).resolve(constant_shapes=constant, align=align)
         if route_key is not None:
@@ -514,7 +514,7 @@ def _result(logs, total, packed, loss: TokenLoss, timings, expert_tokens) -> Tre
     return result
 
 
-def _split_for_context_parallel(packed: PackedTreeBatch, cp_group) -> PackedTreeBatch:
+def split_for_context_parallel(packed: PackedTreeBatch, cp_group) -> PackedTreeBatch:
     """Each micro-batch with this CP rank's rows (split on the host, before the batch moves)."""
     if cp_group is None:
         return packed
