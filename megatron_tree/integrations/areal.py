@@ -1,0 +1,437 @@
+"""Tree training inside AReaL's Megatron engine (AReaL 1.0.x), switched on in two lines of the
+entry script, without a line of AReaL changed::
+
+    import areal.engine
+    from megatron_tree.integrations import areal as tree_areal
+
+    areal.engine.MegatronPPOActor = tree_areal.TreeMegatronPPOActor
+    areal.engine.MegatronPPOCritic = tree_areal.TreeMegatronPPOCritic
+
+AReaL's trainer looks these names up when it builds its engines (and its single controller sends
+the class's import path to the workers), so the rest of the user's setup stays as it is:
+``actor.enable_tree_training=true``, ``mb_spec.max_tokens_per_mb``, ``pad_to_maximum``, AReaL's
+losses, metrics and checkpoints. With ``enable_tree_training`` off the classes are AReaL's own.
+
+With it on, the engine is AReaL's Megatron PPO actor / critic with its tree path replaced:
+
+* the model is built inside :func:`~megatron_tree.bridges.mbridge.patch_bridge_for_tree_training`
+  (``bridge_type="mbridge"``) or
+  :func:`~megatron_tree.bridges.megatron_bridge.patch_megatron_bridge_for_tree_training`
+  (``"megatron-bridge"``, which AReaL refuses for trees): tree attention with depth RoPE, in the
+  dtype the config asks for (mbridge builds its config in bf16 at ``from_pretrained``; AReaL
+  rebuilds it only with gradient checkpointing, so ``dtype="float32"`` otherwise trains bf16
+  parameters: here the config is rebuilt);
+* micro-batches are the package's trees
+  (:func:`~megatron_tree.core.packing.build_packed_tree_batch`, ``max_tokens_per_mb`` as the
+  capacity, every data-parallel rank with as many trees, prompt groups larger than a micro-batch
+  with trunk reuse), split over the context-parallel ranks
+  (:func:`~megatron_tree.mcore.step.split_for_context_parallel`), which AReaL asserts against;
+* each step runs on the package's one schedule (:func:`~megatron_tree.mcore.schedule.run_phases`)
+  with the package's (tensor-parallel) log-prob / entropy / vocab-statistics or value gather as
+  the head and AReaL's own loss on each micro-batch's sequences, in AReaL's packed 1-D layout
+  (:class:`_AReaLLoss`); forward results come back through AReaL's own reordering as ``[B, L]``;
+* ``tree_token_ratio`` goes to AReaL's stats tracker, as AReaL's tree path reports it.
+
+Refused with the reason: vision-language models, ``bridge_type`` other than mbridge /
+megatron-bridge (AReaL's own registry builds stock GPT models).
+
+Legend: B batch size, L padded length, T a micro-batch's sequence tokens, M micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from areal.engine import megatron_engine
+from areal.engine.megatron_engine import MegatronPPOActor, MegatronPPOCritic
+from areal.utils import stats_tracker
+from areal.utils.data import MicroBatchList
+from megatron.core import parallel_state as mpu
+from megatron.core.utils import get_model_config
+
+from ..core.batch import PackedTreeBatch
+from ..core.heads import LogProbs, Values
+from ..core.packing import build_packed_tree_batch
+from ..core.results import gather_packed_tree_vocab_stats
+from ..mcore.schedule import StepContext, run_phases
+from ..mcore.spec import check_tree_model
+from ..mcore.step import PackingConfig, constant_shapes, expert_parallel, split_for_context_parallel
+from ..patches._scoped import swapped
+
+logger = logging.getLogger(__name__)
+
+TESTED_VERSIONS = ("1.0.4",)
+
+
+@dataclass
+class TreeMicroBatchList(MicroBatchList):
+    """AReaL's ``MicroBatchList`` of a packed batch: ``mbs[i]`` is micro-batch i's sequences in
+    AReaL's packed 1-D layout (what its loss functions read), ``packed`` this rank's rows of the
+    trees. ``forward_indices`` lists the sequences in micro-batch order, so AReaL's own
+    ``reorder_and_pad_outputs`` gives results back as ``[B, L]``."""
+
+    packed: PackedTreeBatch | None = None
+
+    def to(self, *args, **kwargs) -> TreeMicroBatchList:
+        moved = super().to(*args, **kwargs)
+        fields = {f: getattr(moved, f) for f in moved.__dataclass_fields__ if f != "packed"}
+        return TreeMicroBatchList(**fields, packed=self.packed.to(*args, **kwargs))
+
+
+class TreeHeadOutputs(dict):
+    """A micro-batch's per-token head outputs {name: [T]} (``logprobs``, ``entropy``,
+    ``vocab_min``, ``vocab_max`` or ``values``): what AReaL's loss and result functions read in
+    place of the model output when the engine trains with trees."""
+
+
+class _AReaLHead:
+    """:class:`~megatron_tree.mcore.schedule.Head`: the package's gather at a micro-batch's rows
+    (``gather``: ``LogProbs`` or ``Values``), with the vocabulary's min / max logit (no grad) for
+    AReaL's loss when ``vocab_stats``."""
+
+    def __init__(self, gather, tp_group, vocab_stats: bool):
+        self.gather, self.tp_group, self.vocab_stats = gather, tp_group, vocab_stats
+
+    def __call__(self, output: torch.Tensor, tree, rows) -> dict:
+        outputs = self.gather.gather(output, tree, self.tp_group, rows)
+        if self.vocab_stats:
+            outputs["vocab_min"], outputs["vocab_max"] = gather_packed_tree_vocab_stats(
+                output, tree, tp_group=self.tp_group, rows=rows
+            )
+        return outputs
+
+
+class _AReaLLoss:
+    """:class:`~megatron_tree.mcore.schedule.Loss`: AReaL's ``process_output_fn`` on a
+    micro-batch's head outputs and its sequences' data (``mbs[index]``), in Megatron's
+    ``(loss, logs)`` protocol.
+
+    AReaL scales each micro-batch's loss for Megatron's division by the batch's M micro-batches
+    and sums the loss weight over the data x context-parallel group (Megatron multiplies a
+    ``(loss, logs)`` loss by the CP size; AReaL's CP ranks each take the whole sequence's gradient
+    through an all-gather). Here a schedule call runs ``num_micro_batches`` of them and each CP
+    rank's gradient flows into its own rows only (the CP ranks' gradients add up), so the loss is
+    rescaled by ``cp * num_micro_batches / M``: the same gradient as AReaL's per token.
+
+    Forward only, ``process_output_fn`` runs after the schedule, in micro-batch order (AReaL
+    appends results in call order; trunk parts run before the other micro-batches).
+    """
+
+    def __init__(self, mbs: list[dict], process_output: Callable, cp_size: int, defer: bool):
+        self.mbs, self.process_output, self.cp_size, self.defer = (
+            mbs,
+            process_output,
+            cp_size,
+            defer,
+        )
+        self.pending: dict[int, TreeHeadOutputs] = {}
+
+    def __call__(self, index: int, mb, outputs: dict, *, num_micro_batches: int) -> tuple:
+        zero = sum(v.sum() for v in outputs.values() if v.is_floating_point()) * 0.0
+        if mb.tree.num_sequences == 0:
+            return zero, {}
+        outputs = TreeHeadOutputs(outputs)
+        if self.defer:
+            self.pending[index] = outputs
+            return zero, {}
+        loss = self.process_output(outputs, self.mbs[index])
+        return loss * (self.cp_size * num_micro_batches / len(self.mbs)), {}
+
+    def flush(self) -> None:
+        for index in sorted(self.pending):
+            self.process_output(self.pending.pop(index), self.mbs[index])
+
+
+class _TreeEngine:
+    """What the tree engines change in AReaL's Megatron engine (see the module docstring).
+
+    Attributes (class level; override per instance): ``tree_backend`` (TreeCoreAttention
+    backend), ``tree_block_size`` (packing alignment), ``tree_share_trunks`` (trunk reuse for
+    prompt groups larger than a micro-batch), ``tree_stats`` (the last batch's packing).
+    """
+
+    tree_backend = "auto"
+    tree_block_size = 128
+    tree_share_trunks = True
+    tree_stats: dict | None = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        # AReaL's own tree path stays off (its attention, packing, gathers and refusals); ours
+        # runs where the config asks for trees.
+        self.tree_training = bool(self.enable_tree_training)
+        self.enable_tree_training = False
+        self._head_outputs: tuple[str, ...] | None = None
+
+    # -- build --------------------------------------------------------------------------------
+
+    def initialize(self, addr, ft_spec, *args, **kwargs):
+        if not self.tree_training:
+            return super().initialize(addr, ft_spec, *args, **kwargs)
+        _check_version()
+        with ExitStack() as stack:
+            stack.enter_context(self._bridge_patch())
+            # AReaL refuses CP for models it runs in the padded BSHD layout (gated delta-net,
+            # Mamba); trees never use that layout.
+            stack.enter_context(swapped(megatron_engine, requires_padded_seq=lambda _: False))
+            result = super().initialize(addr, ft_spec, *args, **kwargs)
+        if self.is_vision_model:
+            raise ValueError(
+                f"model_type={self.hf_config.model_type!r} is a vision-language model, which the "
+                "tree engine does not support (its inputs are not token trees): set "
+                "enable_tree_training=False"
+            )
+        for chunk in self.model:
+            check_tree_model(chunk)
+        return result
+
+    def _bridge_patch(self):
+        if self.bridge_cls == "mbridge":
+            from ..bridges.mbridge import patch_bridge_for_tree_training as patch
+        elif self.bridge_cls == "megatron-bridge":
+            from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training as patch
+        else:
+            raise ValueError(
+                f"megatron.bridge_type={self.bridge_cls!r}: the tree engine builds its models "
+                "through a bridge; set bridge_type='mbridge' or 'megatron-bridge'"
+            )
+        return patch(backend=self.tree_backend, block_size=self.tree_block_size)
+
+    def _build_hf_mcore_bridge(self):
+        bridge = super()._build_hf_mcore_bridge()
+        if self.bridge_cls == "mbridge" and bridge.config.params_dtype != self.dtype:
+            logger.info(
+                "megatron_tree: mbridge built its config in %s; rebuilt in %s (dtype=%r)",
+                bridge.config.params_dtype,
+                self.dtype,
+                self.config.dtype,
+            )
+            bridge.set_extra_args()  # rebuilds bridge.config from bridge.dtype
+        return bridge
+
+    # -- micro-batches ------------------------------------------------------------------------
+
+    def _prepare_mb_list(self, input_: dict[str, Any]) -> MicroBatchList:
+        if not self.tree_training:
+            return super()._prepare_mb_list(input_)
+        input_ids, mask = input_["input_ids"], input_["attention_mask"]
+        shape = tuple(input_ids.shape)
+        per_token = {
+            k: v
+            for k, v in input_.items()
+            if k not in ("input_ids", "attention_mask")
+            and isinstance(v, torch.Tensor)
+            and tuple(v.shape[:2]) == shape
+        }
+        config = get_model_config(self.model[0])
+        cp = mpu.get_context_parallel_world_size()
+        align = cp * (mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1)
+        packing = PackingConfig(
+            max_tokens_per_mb=self._capacity(align),
+            block_size=self.tree_block_size,
+            pad_to_max=True if self.config.pad_to_maximum else None,
+            share_trunks=self.tree_share_trunks,
+        ).resolve(constant_shapes=constant_shapes(config), align=align)
+        packed = build_packed_tree_batch(
+            {"input_ids": input_ids, "attention_mask": mask, **per_token},
+            dp_group=self.data_parallel_group,
+            **packing,
+        )
+        self._report(packed)
+        rows = split_for_context_parallel(
+            packed, mpu.get_context_parallel_group() if cp > 1 else None
+        )
+        per_sequence = {
+            k: v
+            for k, v in input_.items()
+            if k not in per_token and k not in ("input_ids", "attention_mask")
+        }
+        mbs = [_areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
+        order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
+        backward = [0] * len(order)
+        for position, sequence in enumerate(order):
+            backward[sequence] = position
+        return TreeMicroBatchList(
+            data=input_,
+            mb_spec=self.config.mb_spec,
+            mbs=mbs,
+            group_lens=[mb.tree.num_tree_tokens for mb in packed],
+            forward_indices=order,
+            backward_indices=backward,
+            padded_mbs=mbs,
+            padding_lengths=[
+                mb.rows.num_rows * mb.rows.cp_size - mb.tree.num_tree_tokens for mb in packed
+            ],
+            padded_to_lengths=[mb.rows.num_rows * mb.rows.cp_size for mb in packed],
+            packed=rows,
+        )
+
+    def _capacity(self, align: int) -> int:
+        tokens = self.config.mb_spec.max_tokens_per_mb
+        if tokens is None:
+            raise ValueError(
+                "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
+                "unique tokens of one tree)"
+            )
+        unit = math.lcm(self.tree_block_size, align)
+        capacity = -(-int(tokens) // unit) * unit
+        if capacity != tokens:
+            logger.info(
+                "megatron_tree: max_tokens_per_mb=%d rounded up to %d (a multiple of the block "
+                "size %d and the CP x SP alignment %d)",
+                tokens,
+                capacity,
+                self.tree_block_size,
+                align,
+            )
+        return capacity
+
+    def _report(self, packed: PackedTreeBatch) -> None:
+        self.tree_stats = {
+            "sequences": packed.batch_size,
+            "micro_batches": len(packed),
+            "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
+            "tokens_unpacked": packed.num_real_tokens,
+            "tokens_computed": packed.num_padded_tokens,
+            "tree_token_ratio": packed.tree_token_ratio,
+        }
+        stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
+        logger.info(
+            "megatron_tree: %s",
+            " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in self.tree_stats.items()
+            ),
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
+        if not isinstance(mb_list, TreeMicroBatchList):
+            return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        self._ensure_ready()
+        config = get_model_config(self.model[0])
+        cp = mpu.get_context_parallel_world_size()
+        tp_group = (
+            mpu.get_tensor_model_parallel_group()
+            if mpu.get_tensor_model_parallel_world_size() > 1
+            else None
+        )
+        head = self._head(tp_group)
+        loss = _AReaLLoss(mb_list.mbs, process_output_fn, cp, defer=forward_only)
+        ctx = StepContext(
+            list(self.model),
+            config,
+            moe=bool(config.num_moe_experts),
+            ep_group=mpu.get_data_parallel_group() if expert_parallel(config) else None,
+            per_token=False,
+        )
+        run_phases(ctx, list(mb_list.packed), head, loss, forward_only=forward_only)
+        loss.flush()
+
+    def _head(self, tp_group) -> _AReaLHead:
+        if self.config.is_critic:
+            return _AReaLHead(Values(), tp_group, vocab_stats=False)
+        outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
+        gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
+        return _AReaLHead(gather, tp_group, vocab_stats="vocab_min" in outputs)
+
+    @contextmanager
+    def _outputs(self, names: tuple[str, ...]):
+        self._head_outputs = names
+        try:
+            yield
+        finally:
+            self._head_outputs = None
+
+    def forward_batch(self, *args, **kwargs):
+        # AReaL's forward results are log-probs (or values): no entropy or vocab statistics.
+        with self._outputs(("logprobs",)):
+            return super().forward_batch(*args, **kwargs)
+
+    def _compute_logprobs_and_loss(
+        self,
+        output,
+        inputs: dict[str, Any],
+        loss_fn: Callable[..., torch.Tensor],
+        loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor],
+        total_loss_weight: torch.Tensor,
+        loss_multiplier: float = 1.0,
+    ) -> torch.Tensor:
+        if not isinstance(output, TreeHeadOutputs):
+            return super()._compute_logprobs_and_loss(
+                output, inputs, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier
+            )
+        local_weight = loss_weight_fn(inputs)
+        if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
+            return sum(v.sum() for v in output.values() if v.requires_grad) * 0.0
+        if self.config.is_critic:
+            loss = loss_fn(output["values"], inputs)
+        else:
+            loss = loss_fn(
+                output["logprobs"],
+                output["entropy"],
+                inputs,
+                vocab_min_logits=output["vocab_min"],
+                vocab_max_logits=output["vocab_max"],
+            )
+        return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    def _compute_forward_result(self, output, inputs: dict[str, Any]):
+        if not isinstance(output, TreeHeadOutputs):
+            return super()._compute_forward_result(output, inputs)
+        return output["values" if self.config.is_critic else "logprobs"]
+
+
+def _areal_micro_batch(mb, per_sequence: dict, batch_size: int) -> dict:
+    """Micro-batch ``mb``'s sequences in AReaL's packed 1-D layout: ``input_ids`` [T],
+    ``cu_seqlens`` int32 [S + 1], ``max_seqlen``, the per-token inputs [T, ...] (from the packer,
+    in the tree's sequence order), per-sequence tensors [B, ...] at its sequences, the rest as
+    is."""
+    tree = mb.tree
+    lengths = tree.cu_seqlens.diff()
+    result = {
+        "input_ids": tree.input_ids[tree.token_index],
+        "cu_seqlens": tree.cu_seqlens.to(torch.int32),
+        "max_seqlen": int(lengths.max()) if tree.num_sequences else 0,
+        **mb.inputs,
+    }
+    ids = tree.sequence_ids.to(torch.long)
+    for k, v in per_sequence.items():
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch_size:
+            result[k] = v[ids.to(v.device)]
+        else:
+            result[k] = v
+    return result
+
+
+def _check_version() -> None:
+    import areal
+
+    version = getattr(areal, "__version__", None)
+    if version is None:
+        from areal.version import __version__ as version
+    if version not in TESTED_VERSIONS:
+        logger.warning(
+            "megatron_tree: AReaL %s; the tree engine is tested with AReaL %s (it replaces "
+            "MegatronEngine's _prepare_mb_list, forward_backward_batch, _compute_logprobs_and_loss "
+            "and _compute_forward_result: check that they have the same signatures)",
+            version,
+            ", ".join(TESTED_VERSIONS),
+        )
+
+
+class TreeMegatronPPOActor(_TreeEngine, MegatronPPOActor):
+    """AReaL's ``MegatronPPOActor`` with tree micro-batches and tree attention (the actor and the
+    reference policy)."""
+
+
+class TreeMegatronPPOCritic(_TreeEngine, MegatronPPOCritic):
+    """AReaL's ``MegatronPPOCritic`` with tree micro-batches and tree attention: each sequence's
+    values are the value head's output at its own tokens' rows."""
