@@ -3,7 +3,8 @@
 # stack, the test tools and matplotlib. Safe to run repeatedly: a stamp file skips the install
 # when nothing it depends on has changed. The stack follows the interpreter (see scripts/_env.sh):
 #   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
-# Both with mbridge 0.15.1 and transformers < 5.
+# Both with mbridge 0.15.1 and transformers < 5. MEGATRON_TREE_BRIDGE adds a framework:
+# megatron-bridge, verl, verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one).
 #
 # torch is installed first and pinned, so pip never resolves an unpinned `torch` again later. Where
 # pip finds a CPU wheel (as on our CPU machines for Python 3.11) that is what it installs; PyPI's
@@ -72,6 +73,19 @@ install_verl() {
   install_without_deps "verl==0.9.1" "torch|megatron-core|transformers" ray "tensordict==0.10.0" omegaconf \
     codetiming peft accelerate datasets pandas pyarrow pillow pydantic fastapi uvicorn psutil dill "$@"
 }
+install_areal() {
+  # AReaL 1.0.4 without its declared dependencies (vLLM/SGLang clients, ray, wandb, datasets, ...
+  # and transformers 5, torch < 2.11), then what its Megatron engine, PPO actor and PPOTrainer
+  # import at module level, found by importing them: all small. Its engine runs with the default
+  # stack as installed (megatron-core 0.16.1, mbridge 0.15.1, transformers 4.57, torch 2.13). What
+  # they import but never use on that path and is large or GPU-only (ray, numba, datasets, wandb,
+  # swanlab, trackio, megatron.bridge, the FP8 Triton kernels) is stood in for by
+  # megatron_tree/testing/areal_platform.py, never installed.
+  echo "[setup] installing areal 1.0.4 (--no-deps) and what its Megatron engine imports"
+  install_without_deps "areal==1.0.4" "torch|megatron-core|transformers" \
+    "hydra-core==1.4.0.dev1" omegaconf colorlog uvloop lark aiohttp aiofiles httpx flask openai \
+    orjson psutil pydantic tenacity torchdata tabulate pybase64 tensorboardX
+}
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   install_megatron_bridge
 elif [ "$BRIDGE" = "verl" ]; then
@@ -86,8 +100,10 @@ elif [ "$BRIDGE" = "verl-megatron-bridge" ]; then
   # megatron-bridge 0.6.2).
   install_megatron_bridge
   install_verl megatron-energon
+elif [ "$BRIDGE" = "areal" ]; then
+  install_areal
 elif [ -n "$BRIDGE" ]; then
-  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl or verl-megatron-bridge" >&2
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl, verl-megatron-bridge or areal" >&2
   exit 2
 fi
 echo "$want" > "$stamp"

@@ -1,0 +1,333 @@
+"""AReaL 1.0.4's own Megatron engine (``MegatronPPOActor`` / ``MegatronPPOCritic``) as a test
+fixture: an engine builder through AReaL's own creation path, an AReaL-format batch, and the
+parameter gradients of a ``train_batch``.
+
+Run inside a gloo world (``megatron_tree.testing.dist.run_spawned``), after
+:func:`~megatron_tree.testing.areal_platform.setup_cpu` on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+
+# Tokens per micro-batch of the test engines: the whole test batch (384 tokens of
+# branching_sequences) in one; AReaL's tree path pads every tree to it (pad_to_maximum).
+MB_TOKENS = 512
+
+
+def _ensure_parallel_state(tp: int, cp: int) -> None:
+    """AReaL's create_process_group initializes Megatron's parallel_state only when it creates the
+    world itself; in a world made by the test harness it uses the layout already there, so make it
+    TP=``tp`` x CP=``cp`` first."""
+    from megatron.core import parallel_state as mpu
+
+    from .dist import reinitialize_model_parallel
+
+    if (
+        mpu.model_parallel_is_initialized()
+        and mpu.get_tensor_model_parallel_world_size() == tp
+        and mpu.get_context_parallel_world_size() == cp
+    ):
+        return
+    reinitialize_model_parallel(tp=tp, cp=cp)
+
+
+def _rank_env() -> None:
+    """``initialize`` reads RANK / LOCAL_RANK / WORLD_SIZE from the environment (torchrun's)."""
+    import torch.distributed as dist
+
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+
+
+@contextlib.contextmanager
+def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
+    """``PPOTrainer._create_train_engine`` / ``_create_critic`` look the class up as
+    ``areal.engine.MegatronPPOActor`` / ``MegatronPPOCritic`` at call time; ``engine_cls`` takes
+    its place for the call."""
+    import areal.engine as engines
+
+    name = "MegatronPPOCritic" if critic else "MegatronPPOActor"
+    original = getattr(engines, name)  # resolves the lazy import
+    if engine_cls is not None:
+        setattr(engines, name, engine_cls)
+    try:
+        yield
+    finally:
+        setattr(engines, name, original)
+
+
+def make_config(
+    path: str,
+    *,
+    critic: bool = False,
+    tree: bool = False,
+    dtype: str = "float32",
+    mb_tokens: int = MB_TOKENS,
+    **config,
+):
+    """AReaL's ``PPOActorConfig`` (``critic``: ``PPOCriticConfig``) for the HF checkpoint at
+    ``path`` with the Megatron engine config: ``enable_tree_training=tree``,
+    ``mb_spec.max_tokens_per_mb=mb_tokens``, ``pad_to_maximum=tree`` (AReaL's tree path refuses
+    False: "No padding is not supported for tree training"), ``gradient_checkpointing=False``,
+    ``dtype``, an Adam optimizer at lr 0 without warmup (clipping at 1.0), dropout off, Megatron's
+    non-distributed optimizer; ``config`` replaces any field (an ``optimizer`` dict updates the
+    optimizer's fields)."""
+    from areal.api.cli_args import (
+        DistributedDataParallelConfig,
+        MegatronEngineConfig,
+        MicroBatchSpec,
+        OptimizerConfig,
+        PPOActorConfig,
+        PPOCriticConfig,
+    )
+
+    optimizer = dict(lr=0.0, warmup_steps_proportion=0.0, gradient_clipping=1.0)
+    optimizer.update(config.pop("optimizer", {}))
+    fields = dict(
+        experiment_name="megatron_tree",
+        trial_name="test",
+        path=path,
+        enable_tree_training=tree,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=mb_tokens),
+        pad_to_maximum=tree,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        dtype=dtype,
+        optimizer=OptimizerConfig(**optimizer),
+        # Megatron's DistributedOptimizer accepts only torch.cuda tensor types ("Wrapped parameters
+        # must be one of torch.cuda.FloatTensor, ..."): the plain one on a CPU.
+        megatron=MegatronEngineConfig(
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=False)
+        ),
+    )
+    if not critic:
+        fields["ppo_n_minibatches"] = 1
+    fields.update(config)
+    return (PPOCriticConfig if critic else PPOActorConfig)(**fields)
+
+
+def build_areal_engine(
+    path: str,
+    *,
+    critic: bool = False,
+    tree: bool = False,
+    tp: int = 1,
+    cp: int = 1,
+    dtype: str = "float32",
+    mb_tokens: int = MB_TOKENS,
+    engine_cls: type | None = None,
+    fp32_params: bool = False,
+    total_train_steps: int = 10,
+    **config,
+):
+    """AReaL's Megatron PPO actor (``critic``: critic) for the HF checkpoint at ``path``, made the
+    way AReaL's trainer makes it and initialized.
+
+    The config is :func:`make_config`'s. The engine comes from ``PPOTrainer._create_train_engine``
+    (``_create_critic``), called without a trainer (it reads nothing of the trainer outside
+    single-controller mode, which is switched off with ``AREAL_SPMD_MODE=1``), with a
+    ``ModelAllocation("megatron", ..., ParallelStrategy(tp, cp, dp = the rest))``; that calls
+    ``create_process_group``. Then ``initialize(None, FinetuneSpec(...))``.
+
+    Args:
+        engine_cls: a subclass to build instead of AReaL's class (e.g. an adapter's); it is put in
+            ``areal.engine``'s place for the call, where AReaL's trainer looks it up.
+        tp, cp: the Megatron layout; the world's parallel_state is set to it first.
+        dtype: the engine's ``dtype``. Note: with ``gradient_checkpointing=False`` AReaL's
+            mbridge path builds bf16 parameters even for "float32" (mbridge's config is made in
+            bf16 at ``from_pretrained``); nothing here changes that. For an fp32 reference, use
+            ``fp32_params``.
+        fp32_params: for AReaL's own stock engine only (not ``tree``, no ``engine_cls``), as the
+            fp32 reference: the bridge's Megatron config is rebuilt after AReaL sets
+            ``bridge.dtype`` (what its ``set_extra_args`` does when gradient checkpointing is on),
+            so the parameters are fp32. Test-side only; the engine under test gets no such help.
+    """
+    import torch.distributed as dist
+    from areal.api import FinetuneSpec
+    from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
+    from areal.api.cli_args import SchedulingStrategy
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    _ensure_parallel_state(tp, cp)
+    _rank_env()
+    os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
+    cfg = make_config(path, critic=critic, tree=tree, dtype=dtype, mb_tokens=mb_tokens, **config)
+    world = dist.get_world_size()
+    alloc = ModelAllocation(
+        backend="megatron",
+        name="critic" if critic else "actor",
+        parallel=ParallelStrategy(
+            tensor_parallel_size=tp,
+            context_parallel_size=cp,
+            data_parallel_size=world // (tp * cp),
+        ),
+        scheduling_strategy=SchedulingStrategy(),
+    )
+    trainer = SimpleNamespace(scheduler=None)  # _create_* read self.scheduler only when remote
+    create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
+    if fp32_params and (tree or engine_cls is not None):
+        raise ValueError("fp32_params is for AReaL's own stock (non-tree) reference engine only")
+    with _engine_class(critic, engine_cls):
+        engine = create(trainer, cfg, alloc)
+    if fp32_params:
+        _rebuild_bridge_config_after_dtype(engine)
+    engine.initialize(
+        None,
+        FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
+    )
+    return engine
+
+
+def _rebuild_bridge_config_after_dtype(engine) -> None:
+    """mbridge builds ``bridge.config`` (params_dtype, bf16) in ``from_pretrained`` with its
+    default bf16; AReaL's ``_build_hf_mcore_bridge`` then sets ``bridge.dtype = engine.dtype`` but
+    rebuilds the config only through ``set_extra_args`` (gradient checkpointing on). Rebuild it
+    here for this engine, on the instance."""
+    build = engine._build_hf_mcore_bridge
+
+    def build_hf_mcore_bridge():
+        bridge = build()
+        bridge.config = bridge._build_config()
+        return bridge
+
+    engine._build_hf_mcore_bridge = build_hf_mcore_bridge
+
+
+def parameter_dtypes(engine) -> set[torch.dtype]:
+    """The dtypes of the engine's model parameters."""
+    return {p.dtype for model in engine.model for p in model.parameters()}
+
+
+def areal_trajectories(
+    seqs: list[torch.Tensor],
+    *,
+    prompt_lens: list[int] | None = None,
+    logprobs: list[torch.Tensor] | None = None,
+    rewards: list[float] | None = None,
+    seed: int = 0,
+) -> list[dict[str, torch.Tensor]]:
+    """Per-trajectory dicts as AReaL's RLVR workflow returns them (each tensor ``[1, L_i]``, the
+    reward ``[1]``): ``input_ids`` (int32), ``attention_mask`` (bool, all True), ``loss_mask``
+    (int32, 0 on the prompt, 1 on the response), ``logprobs`` (float32, the rollout's log-prob of
+    token t at position t, 0 on the prompt), ``versions`` (int32, -1 on the prompt, 0 on the
+    response), ``rewards`` (float32). This list is what ``PPOTrainer`` hands to
+    ``actor.compute_logp``, ``compute_advantages`` and ``ppo_update``.
+
+    Args:
+        seqs: 1-D token tensors.
+        prompt_lens: prompt tokens of each sequence (default 1: every later token is a response
+            token).
+        logprobs: the rollout log-probs of each sequence in HF order (``L_i - 1`` values, of tokens
+            1 .. L_i - 1, e.g. :func:`~megatron_tree.testing.models.hf_logprobs`); default 0.
+        rewards: one per sequence; default drawn from N(0, 1) with ``seed``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if rewards is None:
+        rewards = torch.randn(len(seqs), generator=g).tolist()
+    out = []
+    for i, s in enumerate(seqs):
+        n, p = len(s), 1 if prompt_lens is None else prompt_lens[i]
+        logp = torch.zeros(n)
+        if logprobs is not None:
+            logp[1:] = logprobs[i].float()
+        response = torch.arange(n) >= p
+        traj = {
+            "input_ids": s.to(torch.int32),
+            "loss_mask": response.to(torch.int32),
+            "logprobs": logp * response,
+            "versions": torch.where(response, 0, -1).to(torch.int32),
+            "attention_mask": torch.ones(n, dtype=torch.bool),
+            "rewards": torch.tensor(float(rewards[i])),
+        }
+        out.append({k: v.unsqueeze(0) for k, v in traj.items()})
+    return out
+
+
+def areal_batch(seqs: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
+    """:func:`areal_trajectories` concatenated the way AReaL's engines do it (its own
+    ``concat_padded_tensors``): ``[B, L]`` tensors, right-padded (``attention_mask`` False on the
+    padding), ``rewards`` ``[B]``."""
+    from areal.utils.data import concat_padded_tensors
+
+    return concat_padded_tensors(areal_trajectories(seqs, **kwargs))
+
+
+def per_sequence(batch_values: torch.Tensor, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """AReaL's per-token outputs ``[B, L]`` (``compute_logp``: position t holds the log-prob of
+    token t + 1) as ``{sequence: L_i - 1 values}``, the order of
+    :func:`~megatron_tree.testing.models.hf_logprobs`."""
+    return {i: batch_values[i, : len(s) - 1].float() for i, s in enumerate(seqs)}
+
+
+@contextlib.contextmanager
+def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The parameter gradients of each ``train_batch`` in the block, as AReaL's backward left them.
+
+    ``train_batch`` zeroes the gradients first (``optimizer_zero_grad``), runs the forward-backward
+    into Megatron DDP's ``main_grad`` buffers, then calls ``engine.optimizer_step()``, whose
+    Megatron ``optimizer.step()`` clips the gradients in place (the fp32 optimizer's ``.grad`` is
+    the ``main_grad`` buffer) before stepping. So the engine's ``optimizer_step`` is wrapped, on the
+    instance, to copy every ``main_grad`` (by the unwrapped model's parameter names) before it
+    runs: raw, unclipped, unscaled, one dict per ``optimizer_step``. The step itself still runs (at
+    the builder's lr 0 it leaves the weights unchanged)."""
+    from .reference import parameter_grads
+
+    grads: list[dict[str, torch.Tensor]] = []
+    step = engine.optimizer_step
+
+    def optimizer_step():
+        merged: dict[str, torch.Tensor] = {}
+        for chunk in engine.model:
+            merged.update(
+                parameter_grads(chunk, prefix="module.", main_grad=True, require_all=True)
+            )
+        grads.append(merged)
+        return step()
+
+    engine.optimizer_step = optimizer_step
+    try:
+        yield grads
+    finally:
+        del engine.optimizer_step  # the class's method again
+
+
+def trie_depths(seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """For each sequence, the trie depth of each predicted token (tokens 1 .. L_i - 1, the order of
+    :func:`per_sequence`): the number of branch points on its path from the root, a branch point
+    being a prefix that more than one distinct continuation (or a sequence's end) follows. Depth 0
+    is the root's unbranched trunk."""
+    followers: dict[tuple, set] = {}
+    for s in seqs:
+        t = s.tolist()
+        for j in range(1, len(t) + 1):
+            followers.setdefault(tuple(t[:j]), set()).add(t[j] if j < len(t) else None)
+    out = {}
+    for i, s in enumerate(seqs):
+        t = s.tolist()
+        depth, depths = 0, []
+        for j in range(1, len(t)):
+            if len(followers[tuple(t[:j])]) > 1:
+                depth += 1
+            depths.append(depth)
+        out[i] = torch.tensor(depths)
+    return out
+
+
+def error_by_depth(
+    got: dict[int, torch.Tensor], want: dict[int, torch.Tensor], seqs: list[torch.Tensor]
+) -> dict[int, float]:
+    """Largest ``|got - want|`` over the tokens at each :func:`trie_depths` depth."""
+    depths = trie_depths(seqs)
+    out: dict[int, float] = {}
+    for i in want:
+        err = (got[i].float() - want[i].float()).abs()
+        for d in depths[i].unique().tolist():
+            out[d] = max(out.get(d, 0.0), float(err[depths[i] == d].max()))
+    return dict(sorted(out.items()))
