@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.tolerances import LOGP_TOL, LOSS_RTOL
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
 # ``import areal`` itself needs the fixture's stand-ins (ray, ...), so presence is checked by spec,
 # not by pytest.importorskip; on the AReaL stack a missing AReaL is a failure, not a skip.
@@ -47,15 +47,17 @@ def _logp_run(path: str, seqs: list, **engine) -> dict:
     return out
 
 
-def _train_run(path: str, seqs: list, hf: dict) -> dict:
+def _train_run(path: str, seqs: list, hf: dict, **engine) -> dict:
     """PPOTrainer's order on one rollout: compute_advantages, then ppo_update (one train_batch),
-    on-policy (the rollout log-probs are HF's), lr 0; the gradients as the backward left them."""
+    on-policy (the rollout log-probs are HF's), lr 0; the gradients as the backward left them.
+    ``engine``: :func:`~megatron_tree.testing.areal.build_areal_engine`'s options (default: the
+    stock engine in fp32)."""
     from areal.utils import stats_tracker
 
     from megatron_tree.testing import areal as harness
 
     start = time.perf_counter()
-    eng = harness.build_areal_engine(path, fp32_params=True)
+    eng = harness.build_areal_engine(path, **(engine or {"fp32_params": True}))
     before = {n: p.detach().clone() for n, p in eng.model[0].named_parameters()}
     trajectories = harness.areal_trajectories(
         seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
@@ -65,42 +67,125 @@ def _train_run(path: str, seqs: list, hf: dict) -> dict:
         eng.ppo_update(batch)
     stats = stats_tracker.export_all()
     unchanged = all(torch.equal(p, before[n]) for n, p in eng.model[0].named_parameters())
-    return {
+    out = {
         "grads": grads,
         "stats": stats,
         "unchanged": unchanged,
+        "tree_stats": getattr(eng, "tree_stats", None),
         "seconds": time.perf_counter() - start,
     }
+    eng.destroy()
+    return out
 
 
-def _areal_worker(rank: int, path: str, seqs: list) -> dict:
+def _critic_run(path: str, seqs: list, state: dict | None = None, **engine) -> dict:
+    """A critic's compute_values, then its ppo_update (AReaL's value loss) on returns drawn with a
+    fixed seed, lr 0. ``state``: the model state to load first (the stock critic's, whose value
+    head is freshly initialized), returned as ``state``."""
+    from megatron_tree.testing import areal as harness
+
+    eng = harness.build_areal_engine(path, critic=True, **(engine or {"fp32_params": True}))
+    if state is not None:
+        eng.model[0].load_state_dict(state)
+    trajectories = harness.areal_trajectories(seqs, prompt_lens=[4] * len(seqs))
+    values = eng.compute_values(trajectories)
+    g = torch.Generator().manual_seed(7)
+    for trajectory, value in zip(trajectories, values):
+        trajectory["values"] = value.reshape(1, -1).float()
+        trajectory["returns"] = torch.randn(trajectory["values"].shape, generator=g)
+    with harness.captured_grads(eng) as grads:
+        eng.ppo_update(trajectories)
+    out = {
+        "values": {i: v.reshape(-1).float() for i, v in enumerate(values)},
+        "grads": grads,
+        "state": {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in eng.model[0].state_dict().items()
+        },
+    }
+    eng.destroy()
+    return out
+
+
+def _areal_worker(rank: int, path: str, seqs: list, trunk_seqs: list) -> dict:
     from megatron_tree.testing import areal_platform
     from megatron_tree.testing.models import hf_logprobs
 
-    areal_platform.setup_cpu()
+    areal_platform.setup_cpu()  # AReaL imports only with its stand-ins
+    from megatron_tree.integrations.areal import TreeMegatronPPOActor, TreeMegatronPPOCritic
+
     hf = hf_logprobs(path, seqs)
-    return {
+    ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
+    out = {
         "hf": hf,
         "stock": _logp_run(path, seqs, fp32_params=True),
         "tree": _logp_run(path, seqs, tree=True),
         "train": _train_run(path, seqs, hf),
+        "ours": _logp_run(path, seqs, **ours),
+        "ours_train": _train_run(path, seqs, hf, **ours),
     }
+    # Trunk reuse: prompt groups larger than a 64-token tree (block 16), against the stock engine.
+    TreeMegatronPPOActor.tree_block_size = 16
+    trunk_hf = hf_logprobs(path, trunk_seqs)
+    out["trunk_stock"] = _train_run(path, trunk_seqs, trunk_hf)
+    out["trunk_ours"] = _train_run(path, trunk_seqs, trunk_hf, mb_tokens=64, **ours)
+    TreeMegatronPPOActor.tree_block_size = 128
+    stock_critic = _critic_run(path, seqs)
+    out["critic_stock"] = stock_critic
+    out["critic_ours"] = _critic_run(
+        path, seqs, stock_critic["state"], tree=True, engine_cls=TreeMegatronPPOCritic
+    )
+    return out
+
+
+def _parallel_worker(rank: int, path: str, seqs: list) -> dict:
+    """The tree engine at CP=2, then at TP=2, in one 2-rank world: log-probs and a PPO update."""
+    from megatron_tree.testing import areal_platform
+    from megatron_tree.testing.models import hf_logprobs
+
+    areal_platform.setup_cpu()
+    from megatron_tree.integrations.areal import TreeMegatronPPOActor
+
+    hf = hf_logprobs(path, seqs)
+    out = {}
+    for name, layout in (("cp2", {"cp": 2}), ("tp2", {"tp": 2})):
+        ours = dict(tree=True, engine_cls=TreeMegatronPPOActor, **layout)
+        out[name] = {
+            "logp": _logp_run(path, seqs, **ours),
+            "train": _train_run(path, seqs, hf, **ours),
+        }
+    return out
 
 
 @pytest.fixture(scope="module")
-def areal_runs(tmp_path_factory):
-    """One spawned gloo world for the module: AReaL's stock engine (fp32), its tree engine and a
-    PPO update, on branching_sequences."""
-    from megatron_tree.testing.models import branching_sequences, make_hf_checkpoint
+def checkpoint(tmp_path_factory) -> str:
+    from megatron_tree.testing.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("areal") / "qwen3")
     make_hf_checkpoint("qwen3", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def areal_runs(checkpoint):
+    """One spawned gloo world for the module: AReaL's stock engine (fp32), its own tree engine,
+    ours (TreeMegatronPPOActor / TreeMegatronPPOCritic), a PPO update of each, trunk reuse and the
+    critics, on branching_sequences (trunk reuse: trunk_sequences)."""
+    from megatron_tree.testing.models import branching_sequences, trunk_sequences
+
     seqs = branching_sequences()
     start = time.perf_counter()
-    out = run_spawned(_areal_worker, 1, path, seqs, megatron=False)[0]
+    out = run_spawned(_areal_worker, 1, checkpoint, seqs, trunk_sequences(), megatron=False)[0]
     out["seqs"], out["seconds"] = seqs, time.perf_counter() - start
     print(f"AReaL runs: {out['seconds']:.1f} s in all")
     return out
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(checkpoint):
+    from megatron_tree.testing.models import branching_sequences
+
+    return run_spawned(_parallel_worker, 2, checkpoint, branching_sequences(), megatron=False)
 
 
 def test_stock_engine_compute_logp_equals_hf(areal_runs):
@@ -152,3 +237,85 @@ def test_stock_train_batch_runs_and_gradients_are_read(areal_runs):
     assert norm == pytest.approx(stats["ppo_actor/update/grad_norm"], rel=LOSS_RTOL)
     assert "ppo_actor/update/actor_loss/avg" in stats
     assert train["unchanged"]
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron_tree's engines (TreeMegatronPPOActor / TreeMegatronPPOCritic) in AReaL's place
+# ------------------------------------------------------------------------------------------------
+
+
+def _grad_rel(got: dict, want: dict) -> float:
+    from megatron_tree.testing.reference import gradient_errors
+
+    return max(gradient_errors(got, want).values())
+
+
+def test_tree_engine_compute_logp_equals_hf_at_every_depth(areal_runs):
+    """Ours on the batch where AReaL's tree path is off below the root: fp32 parameters as the
+    config asks (AReaL's own builds bf16 here) and HF's log-probs at every trie depth."""
+    from megatron_tree.testing.areal import error_by_depth
+
+    ours = areal_runs["ours"]
+    assert ours["engine"] == "TreeMegatronPPOActor"
+    assert ours["dtypes"] == {torch.float32}
+    errors = error_by_depth(ours["logp"], areal_runs["hf"], areal_runs["seqs"])
+    theirs = error_by_depth(areal_runs["tree"]["logp"], areal_runs["hf"], areal_runs["seqs"])
+    print(f"vs HF by trie depth: megatron_tree {errors}, AReaL's tree path {theirs}")
+    assert len(errors) >= 4 and max(errors.values()) <= LOGP_TOL
+
+
+def test_tree_engine_ppo_update_equals_the_stock_engine(areal_runs):
+    """AReaL's ppo_update through our engine: the same loss statistics and gradients as AReaL's
+    stock (non-tree) engine on the same batch, and tree_token_ratio in AReaL's stats tracker."""
+    ours, stock = areal_runs["ours_train"], areal_runs["train"]
+    key = "ppo_actor/update/actor_loss/avg"
+    assert ours["stats"][key] == pytest.approx(stock["stats"][key], rel=LOSS_RTOL)
+    rel = _grad_rel(ours["grads"][0], stock["grads"][0])
+    ratio = ours["stats"]["ppo_actor/update/tree_token_ratio"]
+    print(f"tree vs stock engine: gradients rel {rel:.2e}, tree_token_ratio {ratio:.3f}")
+    assert rel <= GRAD_RTOL
+    assert ratio == pytest.approx(ours["tree_stats"]["tree_token_ratio"]) and ratio < 0.5
+    assert ours["unchanged"]
+
+
+def test_tree_engine_trunk_reuse_equals_the_stock_engine(areal_runs):
+    """Prompt groups larger than a micro-batch (64 tokens) run as trunk parts and branches: the
+    gradients are still the stock engine's (whose micro-batches hold whole sequences)."""
+    ours, stock = areal_runs["trunk_ours"], areal_runs["trunk_stock"]
+    assert ours["tree_stats"]["trunk_groups"] >= 1
+    rel = _grad_rel(ours["grads"][0], stock["grads"][0])
+    print(f"trunk reuse: {ours['tree_stats']}, gradients rel {rel:.2e}")
+    assert rel <= GRAD_RTOL
+    key = "ppo_actor/update/actor_loss/avg"
+    assert ours["stats"][key] == pytest.approx(stock["stats"][key], rel=LOSS_RTOL)
+
+
+def test_tree_critic_equals_the_stock_critic(areal_runs):
+    """The critic, which AReaL refuses with trees: per-token values and value-loss gradients equal
+    the stock critic's (same weights, value head included)."""
+    ours, stock = areal_runs["critic_ours"], areal_runs["critic_stock"]
+    worst = max(float((ours["values"][i] - v).abs().max()) for i, v in stock["values"].items())
+    rel = _grad_rel(ours["grads"][0], stock["grads"][0])
+    print(f"critic: values max |diff| {worst:.2e}, gradients rel {rel:.2e}")
+    assert worst <= LOGP_TOL and rel <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("layout", ["cp2", "tp2"])
+def test_tree_engine_context_and_tensor_parallel(areal_runs, parallel_runs, layout):
+    """CP=2 (AReaL asserts cp_size == 1 for trees) and TP=2: every rank's log-probs equal HF's and
+    its gradients (after Megatron's reduction) the stock engine's at CP=1, TP=1."""
+    from megatron_tree.testing.areal import error_by_depth
+
+    stock = areal_runs["train"]["grads"][0]
+    key = "ppo_actor/update/actor_loss/avg"
+    for rank in parallel_runs:
+        run = rank[layout]
+        errors = error_by_depth(run["logp"]["logp"], areal_runs["hf"], areal_runs["seqs"])
+        assert max(errors.values()) <= LOGP_TOL, errors
+        assert run["train"]["stats"][key] == pytest.approx(
+            areal_runs["train"]["stats"][key], rel=LOSS_RTOL
+        )
+        if layout == "cp2":  # at TP=2 each rank holds shards
+            rel = _grad_rel(run["train"]["grads"][0], stock)
+            print(f"{layout}: vs HF {max(errors.values()):.2e}, gradients rel {rel:.2e}")
+            assert rel <= GRAD_RTOL

@@ -107,7 +107,9 @@ def make_config(
             ddp=DistributedDataParallelConfig(use_distributed_optimizer=False)
         ),
     )
-    if not critic:
+    if critic:
+        fields["is_critic"] = True  # AReaL's critic YAMLs set it; its config defaults to False
+    else:
         fields["ppo_n_minibatches"] = 1
     fields.update(config)
     return (PPOCriticConfig if critic else PPOActorConfig)(**fields)
@@ -155,6 +157,8 @@ def build_areal_engine(
     from areal.api.cli_args import SchedulingStrategy
     from areal.trainer.rl_trainer import PPOTrainer
 
+    from .areal_platform import packed_sequences_in_local_attention
+
     _ensure_parallel_state(tp, cp)
     _rank_env()
     os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
@@ -178,10 +182,13 @@ def build_areal_engine(
         engine = create(trainer, cfg, alloc)
     if fp32_params:
         _rebuild_bridge_config_after_dtype(engine)
-    engine.initialize(
-        None,
-        FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
-    )
+    # AReaL's THD forward on Megatron's local attention, for every engine but the package's trees
+    ours = tree and getattr(engine, "tree_training", False)
+    with contextlib.nullcontext() if ours else packed_sequences_in_local_attention():
+        engine.initialize(
+            None,
+            FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
+        )
     return engine
 
 
@@ -276,7 +283,9 @@ def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
     the ``main_grad`` buffer) before stepping. So the engine's ``optimizer_step`` is wrapped, on the
     instance, to copy every ``main_grad`` (by the unwrapped model's parameter names) before it
     runs: raw, unclipped, unscaled, one dict per ``optimizer_step``. The step itself still runs (at
-    the builder's lr 0 it leaves the weights unchanged)."""
+    the builder's lr 0 it leaves the weights unchanged). A critic's value head, which AReaL puts in
+    place of the output layer after DDP has laid out its buffers, has no ``main_grad``: its
+    ``.grad`` is read."""
     from .reference import parameter_grads
 
     grads: list[dict[str, torch.Tensor]] = []
@@ -285,9 +294,11 @@ def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
     def optimizer_step():
         merged: dict[str, torch.Tensor] = {}
         for chunk in engine.model:
-            merged.update(
-                parameter_grads(chunk, prefix="module.", main_grad=True, require_all=True)
-            )
+            merged.update(parameter_grads(chunk, prefix="module."))
+            merged.update(parameter_grads(chunk, prefix="module.", main_grad=True))
+            missing = {n.removeprefix("module.") for n, _ in chunk.named_parameters()} - set(merged)
+            if missing:
+                raise ValueError(f"parameters without a gradient: {sorted(missing)}")
         grads.append(merged)
         return step()
 

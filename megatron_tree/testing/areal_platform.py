@@ -20,7 +20,9 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from ..patches._scoped import swapped
 from .verl import (
     _CUDA_FACTORY_MODULES,
     _installed,
@@ -240,57 +242,62 @@ def redirect_cuda_in_optimizer_and_ddp() -> None:
             importlib.import_module(name).torch = _TorchOnCpu()
 
 
-def packed_sequences_in_local_attention() -> None:
-    """AReaL's stock (non-tree) forward packs a micro-batch's sequences THD (``PackedSeqParams``
-    from ``cu_seqlens``), which only TE's attention takes; Megatron's local ``DotProductAttention``
-    (the local spec's, the only one on a CPU) asserts "Packed sequence is not supported". The
-    local spec's core attention (``megatron.core.models.backends.DotProductAttention``) becomes a
-    subclass that turns ``cu_seqlens_q(_padded)`` into the same causal block-diagonal mask
-    ([1, 1, T, T], True = masked) over the [T, 1, H, D] tokens and calls the original. It also
-    switches off the fused masked softmax, a CUDA extension (``scaled_masked_softmax_cuda``) that
-    bf16 inputs would select."""
-    from megatron.core.models import backends
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+class PackedDotProductAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` taking THD-packed sequences: ``cu_seqlens_q``
+    (``_padded``) become the same causal block-diagonal mask ([1, 1, T, T], True = masked) over
+    the [T, 1, H, D] tokens. The fused masked softmax is off: it is a CUDA extension
+    (``scaled_masked_softmax_cuda``) that bf16 inputs would select."""
 
-    class PackedDotProductAttention(DotProductAttention):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.scale_mask_softmax.scaled_masked_softmax_fusion = False
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale_mask_softmax.scaled_masked_softmax_fusion = False
 
-        def forward(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            attn_mask_type=None,
-            attention_bias=None,
-            packed_seq_params=None,
-        ):
-            if packed_seq_params is None:
-                return super().forward(
-                    query, key, value, attention_mask, attn_mask_type, attention_bias
-                )
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            n = query.shape[0]  # [T, H, D]: attention.py squeezes the batch of 1 for THD
-            segment = torch.repeat_interleave(
-                torch.arange(len(cu) - 1, device=query.device), (cu[1:] - cu[:-1]).long()
-            )
-            assert segment.numel() == n, (segment.numel(), n)
-            future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
-            masked = (segment[:, None] != segment[None, :]) | future
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is None:
             return super().forward(
-                query.unsqueeze(1),
-                key.unsqueeze(1),
-                value.unsqueeze(1),
-                masked[None, None],
-                attn_mask_type,
-                attention_bias,
+                query, key, value, attention_mask, attn_mask_type, attention_bias
             )
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        n = query.shape[0]  # [T, H, D]: attention.py squeezes the batch of 1 for THD
+        segment = torch.repeat_interleave(
+            torch.arange(len(cu) - 1, device=query.device), (cu[1:] - cu[:-1]).long()
+        )
+        assert segment.numel() == n, (segment.numel(), n)
+        future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
+        masked = (segment[:, None] != segment[None, :]) | future
+        return super().forward(
+            query.unsqueeze(1),
+            key.unsqueeze(1),
+            value.unsqueeze(1),
+            masked[None, None],
+            attn_mask_type,
+            attention_bias,
+        )
 
-    backends.DotProductAttention = PackedDotProductAttention
+
+@contextlib.contextmanager
+def packed_sequences_in_local_attention() -> Iterator[None]:
+    """While AReaL's stock (non-tree) engine builds its model: its forward packs a micro-batch's
+    sequences THD (``PackedSeqParams`` from ``cu_seqlens``), which only TE's attention takes, and
+    Megatron's local ``DotProductAttention`` (the local spec's, the only one on a CPU) asserts
+    "Packed sequence is not supported"; the local spec's core attention is
+    :class:`PackedDotProductAttention` inside the block. Tree engines build outside it (the tree
+    spec replaces only Megatron's own core attention classes)."""
+    from megatron.core.models import backends
+
+    with swapped(backends, DotProductAttention=PackedDotProductAttention):
+        yield
 
 
 def setup_cpu(skip: str = "") -> None:
@@ -300,7 +307,6 @@ def setup_cpu(skip: str = "") -> None:
         apply_megatron_cpu_patch,
         apply_mbridge_compat,
         use_local_spec_in_mbridge,
-        packed_sequences_in_local_attention,
         redirect_cuda_in_optimizer_and_ddp,
         cpu_grad_clipping,
         import_areal,
