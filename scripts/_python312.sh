@@ -19,3 +19,6 @@ find_python312() {
 MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_hybrid.py tests/test_nemotron_h.py tests/test_mamba_parallel.py tests/test_frontier.py tests/test_docs.py)
 # The tests that run on the verl stack (verl's own engine code drives them).
 VERL_TESTS=(tests/test_verl.py)
+# The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
+# engine code drives them).
+AREAL_TESTS=(tests/test_areal.py)

@@ -3,7 +3,8 @@
 #   default interpreter (Python 3.10/3.11: megatron-core 0.16.1), and, when a Python 3.12 interpreter
 #   is present, Python 3.12 with megatron-core 0.17.0 and with 0.19.2 (mbridge 0.15.1 everywhere), and
 #   the Megatron-Bridge stack (Python 3.12, megatron-core 0.19.2, megatron-bridge 0.6.2, transformers
-#   5: mbridge does not work there, so it runs the Megatron-Bridge tests).
+#   5: mbridge does not work there, so it runs the Megatron-Bridge tests); the AReaL stack (the default
+#   interpreter with AReaL 1.0.4) runs the AReaL tests.
 # Each stack has its own venv (scripts/_env.sh); logs go to a temporary folder. Extra arguments go
 # to pytest. Exit status 0 iff every stack passed. The HF parity results of all stacks become the
 # README's supported-models table (scripts/models_table.py).
@@ -14,7 +15,7 @@ LOGS="$(mktemp -d)"
 # The HF parity tests append their results here; the supported-models table is built from them.
 export MEGATRON_TREE_PARITY_LOG="$LOGS/parity.jsonl"
 py312="$(find_python312)"
-stacks=("default|python3||")
+stacks=("default|python3||" "default + AReaL|python3||areal")
 if [ -n "$py312" ]; then
   stacks+=("py3.12 + megatron-core 0.17.0|$py312|megatron-core==0.17.0|")
   stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2|")
@@ -29,12 +30,17 @@ for stack in "${stacks[@]}"; do
   IFS="|" read -r name python mcore bridge <<<"$stack"
   i=$((i + 1)); log="$LOGS/stack$i.log"; t0=$SECONDS
   echo "[matrix] $name (log: $log)"
-  if [ -z "$mcore" ]; then
+  if [ -z "$mcore" ] && [ -z "$bridge" ]; then
     bash scripts/test.sh -q "$@" >"$log" 2>&1
   elif [ -n "$bridge" ]; then
-    case "$bridge" in verl*) tests=("${VERL_TESTS[@]}") ;; *) tests=("${MEGATRON_BRIDGE_TESTS[@]}") ;; esac
-    MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" MEGATRON_TREE_BRIDGE="$bridge" \
-      bash scripts/test.sh -q "${tests[@]}" "$@" >"$log" 2>&1
+    case "$bridge" in
+      verl*) tests=("${VERL_TESTS[@]}") ;;
+      areal) tests=("${AREAL_TESTS[@]}") ;;
+      *) tests=("${MEGATRON_BRIDGE_TESTS[@]}") ;;
+    esac
+    vars=(MEGATRON_TREE_BRIDGE="$bridge")
+    if [ -n "$mcore" ]; then vars+=(MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore"); fi
+    env "${vars[@]}" bash scripts/test.sh -q "${tests[@]}" "$@" >"$log" 2>&1
   else
     MEGATRON_TREE_PYTHON="$python" MEGATRON_TREE_MCORE="$mcore" bash scripts/test.sh -q "$@" >"$log" 2>&1
   fi
