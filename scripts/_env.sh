@@ -5,7 +5,8 @@
 #                         newest that setup.py allows for that Python: 0.16.x on 3.10/3.11, 0.19.x on 3.12)
 #   MEGATRON_TREE_BRIDGE  "megatron-bridge" adds NVIDIA's Megatron-Bridge (Python 3.12; it needs
 #                         transformers >= 5.8, so mbridge does not work in that venv); "verl" adds
-#                         verl 0.9.1 (Python 3.12, with mbridge and transformers 4.57)
+#                         verl 0.9.1 (Python 3.12, with mbridge and transformers 4.57); "areal" adds
+#                         AReaL 1.0.4 (the default interpreter's stack)
 #   MEGATRON_TREE_VENV    the venv folder (default: .venv for the default stack, otherwise
 #                         .venv-<python>[-<megatron-core version>][-megatron-bridge])
 PYTHON="${MEGATRON_TREE_PYTHON:-python3}"

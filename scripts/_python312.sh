@@ -21,4 +21,4 @@ MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_hybrid.py tests/
 VERL_TESTS=(tests/test_verl.py)
 # The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
 # engine code drives them).
-AREAL_TESTS=(tests/test_areal.py)
+AREAL_TESTS=(tests/test_areal.py tests/test_docs.py)

@@ -38,6 +38,7 @@ STACK_PACKAGES = {
     "megatron.bridge": "megatron-bridge is not installed: runs on the Megatron-Bridge stack "
     "(MEGATRON_TREE_BRIDGE=megatron-bridge, tests listed in MEGATRON_BRIDGE_TESTS)",
     "verl": "verl is not installed: runs on the verl stack (MEGATRON_TREE_BRIDGE=verl)",
+    "areal": "AReaL is not installed: runs on the AReaL stack (MEGATRON_TREE_BRIDGE=areal)",
 }
 
 
@@ -51,7 +52,7 @@ def stack_installed(package: str) -> bool:
     return True
 
 
-FRESH_PROCESS = ("megatron.bridge",)  # snippets importing these run in a new interpreter
+FRESH_PROCESS = ("megatron.bridge", "areal")  # snippets importing these run in a new interpreter
 FRESH_PROCESS_TIMEOUT_S = 600
 # Upstream deprecations the documented path cannot avoid (-W options; later ones take precedence):
 # Megatron-Bridge 0.6.2's provide_distributed_model warns that provider-based configuration is
@@ -215,10 +216,25 @@ assert isinstance(models[0], TreeGPTModel), type(models[0])
 print("MEGATRON_TREE_DOCS_OK")
 """
 
+AREAL_PREAMBLE = """\
+# Fixture preamble (tests/test_docs.py): AReaL imports on a CPU machine only with the test
+# harness's stand-ins for what it imports but this path never uses (ray, wandb, ...).
+from megatron_tree.testing import areal_platform
+areal_platform.setup_cpu()
+"""
+AREAL_CHECK = """\
+from areal.trainer.rl_trainer import PPOTrainer  # looks the engines up in areal.engine
+from megatron_tree.integrations.areal import TreeMegatronPPOActor, TreeMegatronPPOCritic
+assert areal.engine.MegatronPPOActor is TreeMegatronPPOActor
+assert areal.engine.MegatronPPOCritic is TreeMegatronPPOCritic
+print("MEGATRON_TREE_DOCS_OK")
+"""
+
 # snippet id -> (preamble: checkpoints -> namespace, or source run before it in a fresh process;
 # check: namespace -> None, or source run after it).
 PREAMBLES = {
     snippet_id("README.md", 0): (rl_loop_namespace, check_rl_loop),
+    snippet_id("README.md", 1): (AREAL_PREAMBLE, AREAL_CHECK),
     snippet_id("docs/usage.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("docs/usage.md", 1): (MEGATRON_BRIDGE_PREAMBLE, MEGATRON_BRIDGE_CHECK),
     snippet_id("docs/usage.md", 2): (megatron_core_namespace, check_megatron_core),
