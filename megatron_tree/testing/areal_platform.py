@@ -147,7 +147,10 @@ def stand_in_modules() -> Iterator[list[str]]:
         n
         for n in STAND_IN_MODULES
         if n not in sys.modules
-        and (_absent(n) or (n.endswith("fp8.kernels") and _absent("triton")))
+        # the fp8 kernels' module is looked at through triton alone: find_spec on it would import
+        # AReaL before its stand-ins are in place, and a failed package import leaves submodules
+        # in sys.modules that the later import never binds to the package (areal.engine)
+        and (_absent("triton") if n.endswith("fp8.kernels") else _absent(n))
     ]
     for name in roots:
         sys.modules[name] = _stand_in(name)
