@@ -1,8 +1,10 @@
 """AReaL 1.0.4's own Megatron engine (``MegatronPPOActor``), made by AReaL's trainer code
 (``PPOTrainer._create_train_engine`` -> ``initialize``) and driven by its PPO actor
 (``compute_logp``, ``compute_advantages``, ``ppo_update``), tiny random Qwen3 on the CPU: the
-fixture an AReaL adapter is compared against. Runs on the AReaL stack
-(``MEGATRON_TREE_BRIDGE=areal``); skipped elsewhere."""
+fixture an AReaL adapter is compared against, and megatron_tree's engines in its place; then the
+families of the models table through mbridge (Qwen3-MoE with router losses, DeepSeek-V3's
+multi-latent attention). Runs on the AReaL stack (``MEGATRON_TREE_BRIDGE=areal``); skipped
+elsewhere."""
 
 from __future__ import annotations
 
@@ -71,6 +73,12 @@ def _train_run(path: str, seqs: list, hf: dict, **engine) -> dict:
         "grads": grads,
         "stats": stats,
         "unchanged": unchanged,
+        # aux-loss-free balancing: the bias the optimizer step moved by the routed token counts
+        "expert_bias": {
+            n: b.detach().clone()
+            for n, b in eng.model[0].named_buffers()
+            if n.endswith("router.expert_bias")
+        },
         "tree_stats": getattr(eng, "tree_stats", None),
         "seconds": time.perf_counter() - start,
     }
@@ -319,3 +327,126 @@ def test_tree_engine_context_and_tensor_parallel(areal_runs, parallel_runs, layo
             rel = _grad_rel(run["train"]["grads"][0], stock)
             print(f"{layout}: vs HF {max(errors.values()):.2e}, gradients rel {rel:.2e}")
             assert rel <= GRAD_RTOL
+
+
+# ------------------------------------------------------------------------------------------------
+# The models table's families through AReaL's engine (mbridge): MoE with router losses, MLA
+# ------------------------------------------------------------------------------------------------
+
+# Router losses on (mbridge's MoE bridges, and so AReaL, leave them off: load balancing "none"):
+# load balancing and z-loss, both means over a micro-batch's tokens.
+ROUTER_LOSSES = dict(
+    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3
+)
+
+
+def _families_worker(rank: int, paths: dict, seqs: list) -> dict:
+    """Qwen3-MoE and DeepSeek-V3 through AReaL's engine: HF, the stock engine and ours.
+
+    Qwen3-MoE: with the router losses on, AReaL's stock engine as it runs (its micro-batch padded
+    to 512 tokens, the padding routed) and with no padding (the unpacked batch:
+    ``unpadded_micro_batches``), and ours. DeepSeek-V3: mbridge 0.15.1 cannot build it on
+    megatron-core 0.16 (``TypeError: MLATransformerConfig.__init__() got an unexpected keyword
+    argument 'max_position_embeddings'``), so the stock reference is built with the package's
+    ``mbridge_deepseek`` patch (validated against HF here) and the attention backend mbridge's
+    other bridges use ("auto"; its "fused" conflicts with the tree model built before it in this
+    process); aux-loss-free balancing (expert bias) is on as mbridge configures it."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_tree.patches import mbridge_deepseek
+    from megatron_tree.testing import areal_platform
+    from megatron_tree.testing.models import hf_logprobs
+
+    areal_platform.setup_cpu()
+    from megatron_tree.integrations.areal import TreeMegatronPPOActor
+    from megatron_tree.testing.areal import unpadded_micro_batches
+
+    ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
+    path = paths["qwen3_moe"]
+    hf = hf_logprobs(path, seqs)
+    router = dict(bridge_args=ROUTER_LOSSES)
+    moe = {
+        "hf": hf,
+        "stock": _logp_run(path, seqs, fp32_params=True),
+        "ours": _logp_run(path, seqs, **ours),
+        "ours_train": _train_run(path, seqs, hf, **ours, **router),
+        "stock_train_padded": _train_run(path, seqs, hf, fp32_params=True, **router),
+    }
+    with unpadded_micro_batches():
+        moe["stock_train"] = _train_run(path, seqs, hf, fp32_params=True, **router)
+    path = paths["deepseek_v3"]
+    hf = hf_logprobs(path, seqs)
+    mla = {
+        "hf": hf,
+        "ours": _logp_run(path, seqs, **ours),
+        "ours_train": _train_run(path, seqs, hf, **ours),
+    }
+    stock = dict(fp32_params=True, bridge_args=dict(attention_backend=AttnBackend.auto))
+    with mbridge_deepseek.mbridge_deepseek_patch():
+        mla["stock"] = _logp_run(path, seqs, **stock)
+        with unpadded_micro_batches():
+            mla["stock_train"] = _train_run(path, seqs, hf, **stock)
+    return {"qwen3_moe": moe, "deepseek_v3": mla}
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    from megatron_tree.testing.models import branching_sequences, make_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("areal_families")
+    paths = {arch: str(root / arch) for arch in ("qwen3_moe", "deepseek_v3")}
+    for arch, path in paths.items():
+        make_hf_checkpoint(arch, path)
+    seqs = branching_sequences()
+    start = time.perf_counter()
+    out = run_spawned(_families_worker, 1, paths, seqs, megatron=False)[0]
+    print(f"AReaL family runs: {time.perf_counter() - start:.1f} s")
+    out["seqs"] = seqs
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_family_compute_logp_equals_hf(family_runs, family):
+    """Qwen3-MoE (routed experts) and DeepSeek-V3 (multi-latent attention with YaRN, routed and
+    shared experts, group-limited sigmoid routing) through AReaL's compute_logp: ours equals HF
+    at every trie depth, fp32 parameters; the stock reference equals HF too."""
+    from megatron_tree.testing.areal import error_by_depth
+
+    run = family_runs[family]
+    errors = error_by_depth(run["ours"]["logp"], run["hf"], family_runs["seqs"])
+    stock = error_by_depth(run["stock"]["logp"], run["hf"], family_runs["seqs"])
+    print(f"{family} vs HF by trie depth: megatron_tree {errors}, AReaL stock {stock}")
+    assert run["ours"]["dtypes"] == {torch.float32}
+    assert len(errors) >= 4 and max(errors.values()) <= LOGP_TOL
+    assert max(stock.values()) <= LOGP_TOL
+
+
+def test_moe_ppo_update_with_router_losses_equals_the_unpacked_stock_engine(family_runs):
+    """Qwen3-MoE's PPO update with load-balancing and z-loss on: our gradients equal AReaL's stock
+    engine on the unpacked batch (rel <= 1e-4), router weights included: the tree counts each
+    shared token once per sequence, as if unpacked. AReaL's stock engine as it runs pads its
+    micro-batch (384 tokens to 512) and routes the padding, so its own router losses are off the
+    unpacked batch's (documented, so that a change shows up here)."""
+    run = family_runs["qwen3_moe"]
+    ours, stock, padded = run["ours_train"], run["stock_train"], run["stock_train_padded"]
+    rel = _grad_rel(ours["grads"][0], stock["grads"][0])
+    padding = _grad_rel(padded["grads"][0], stock["grads"][0])
+    print(f"Qwen3-MoE, router losses: gradients rel {rel:.2e}, AReaL padded stock {padding:.2e}")
+    assert rel <= GRAD_RTOL
+    assert padding > 10 * GRAD_RTOL  # its router losses count the padding tokens
+    key = "ppo_actor/update/actor_loss/avg"
+    assert ours["stats"][key] == pytest.approx(stock["stats"][key], rel=LOSS_RTOL)
+
+
+def test_mla_ppo_update_equals_the_stock_engine(family_runs):
+    """DeepSeek-V3's PPO update: gradients equal the stock engine's on the unpacked batch, and the
+    aux-loss-free expert bias moves as it does there (each token counted once per sequence)."""
+    run = family_runs["deepseek_v3"]
+    ours, stock = run["ours_train"], run["stock_train"]
+    rel = _grad_rel(ours["grads"][0], stock["grads"][0])
+    print(f"DeepSeek-V3: gradients rel {rel:.2e}")
+    assert rel <= GRAD_RTOL
+    assert stock["expert_bias"] and ours["expert_bias"].keys() == stock["expert_bias"].keys()
+    for name, bias in stock["expert_bias"].items():
+        assert bias.abs().max() > 0, name  # the step moved it
+        assert torch.equal(ours["expert_bias"][name], bias), name

@@ -126,6 +126,7 @@ def build_areal_engine(
     mb_tokens: int = MB_TOKENS,
     engine_cls: type | None = None,
     fp32_params: bool = False,
+    bridge_args: dict | None = None,
     total_train_steps: int = 10,
     **config,
 ):
@@ -150,6 +151,9 @@ def build_areal_engine(
             fp32 reference: the bridge's Megatron config is rebuilt after AReaL sets
             ``bridge.dtype`` (what its ``set_extra_args`` does when gradient checkpointing is on),
             so the parameters are fp32. Test-side only; the engine under test gets no such help.
+        bridge_args: Megatron config fields set on the engine's mbridge bridge once it is built
+            (``bridge.set_extra_args``), for any engine: e.g. the router losses, which mbridge's
+            MoE bridges (and so AReaL) leave off (``moe_router_load_balancing_type="none"``).
     """
     import torch.distributed as dist
     from areal.api import FinetuneSpec
@@ -182,6 +186,8 @@ def build_areal_engine(
         engine = create(trainer, cfg, alloc)
     if fp32_params:
         _rebuild_bridge_config_after_dtype(engine)
+    if bridge_args:
+        _set_bridge_args(engine, bridge_args)
     # AReaL's THD forward on Megatron's local attention, for every engine but the package's trees
     ours = tree and getattr(engine, "tree_training", False)
     with contextlib.nullcontext() if ours else packed_sequences_in_local_attention():
@@ -205,6 +211,39 @@ def _rebuild_bridge_config_after_dtype(engine) -> None:
         return bridge
 
     engine._build_hf_mcore_bridge = build_hf_mcore_bridge
+
+
+def _set_bridge_args(engine, args: dict) -> None:
+    """``bridge.set_extra_args(**args)`` after the engine's ``_build_hf_mcore_bridge`` (on the
+    instance), before AReaL reads ``bridge.config``."""
+    if engine.bridge_cls != "mbridge":
+        raise ValueError(
+            f"bridge_args are set on an mbridge bridge; this engine's bridge_type is "
+            f"{engine.bridge_cls!r}: leave bridge_args unset"
+        )
+    build = engine._build_hf_mcore_bridge
+
+    def build_hf_mcore_bridge():
+        bridge = build()
+        bridge.set_extra_args(**args)
+        return bridge
+
+    engine._build_hf_mcore_bridge = build_hf_mcore_bridge
+
+
+@contextlib.contextmanager
+def unpadded_micro_batches() -> Iterator[None]:
+    """AReaL's stock engine pads each micro-batch to a multiple of 256 tokens
+    (``areal.utils.data.N_TOKENS_PER_PAGE``, GPU memory pages) with extra tokens that pass through
+    the model; an MoE model's routers count them in the router losses (load balancing, z-loss).
+    Inside the block it pads nothing (at TP = CP = 1), so its router losses are those of the
+    unpacked batch: the reference for the tree engine's."""
+    from areal.utils import data
+
+    from ..patches._scoped import swapped
+
+    with swapped(data, N_TOKENS_PER_PAGE=1):
+        yield
 
 
 def parameter_dtypes(engine) -> set[torch.dtype]:

@@ -30,7 +30,6 @@ from .verl import (
     apply_mbridge_compat,
     apply_megatron_cpu_patch,
     cpu_grad_clipping,
-    use_local_spec_in_mbridge,
 )
 
 # Modules AReaL 1.0.4 imports at module level on the way to its Megatron engine, its PPO actor and
@@ -249,11 +248,18 @@ class PackedDotProductAttention(DotProductAttention):
     """Megatron's local ``DotProductAttention`` taking THD-packed sequences: ``cu_seqlens_q``
     (``_padded``) become the same causal block-diagonal mask ([1, 1, T, T], True = masked) over
     the [T, 1, H, D] tokens. The fused masked softmax is off: it is a CUDA extension
-    (``scaled_masked_softmax_cuda``) that bf16 inputs would select."""
+    (``scaled_masked_softmax_cuda``) that bf16 inputs would select.
 
-    def __init__(self, *args, **kwargs):
+    Multi-latent attention passes ``k_channels`` / ``v_channels`` (query-key and value head dims
+    differ), which only transformer-engine's attention takes; with them the packed attention is
+    written out (scores at MLA's ``softmax_scale``, the mask above, fp32 softmax, weighted
+    values)."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.scale_mask_softmax.scaled_masked_softmax_fusion = False
+        self.explicit = v_channels is not None
+        self.explicit_scale = kwargs.get("softmax_scale")
 
     def forward(
         self,
@@ -279,6 +285,8 @@ class PackedDotProductAttention(DotProductAttention):
         assert segment.numel() == n, (segment.numel(), n)
         future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
         masked = (segment[:, None] != segment[None, :]) | future
+        if self.explicit:
+            return _explicit_attention(query, key, value, masked, self.explicit_scale)
         return super().forward(
             query.unsqueeze(1),
             key.unsqueeze(1),
@@ -287,6 +295,18 @@ class PackedDotProductAttention(DotProductAttention):
             attn_mask_type,
             attention_bias,
         )
+
+
+def _explicit_attention(query, key, value, masked, scale) -> torch.Tensor:
+    """Softmax attention of query [T, H, Dk] over key [T, G, Dk] / value [T, G, Dv] (G groups of
+    heads), ``masked`` [T, T] True where a query must not see a key -> [T, 1, H * Dv]."""
+    n, heads, dim = query.shape
+    repeat = heads // key.shape[1]
+    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    scale = dim**-0.5 if scale is None else scale
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+    probs = scores.masked_fill(masked, float("-inf")).softmax(-1).to(value.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, value).reshape(n, 1, -1)
 
 
 @contextlib.contextmanager
@@ -303,6 +323,67 @@ def packed_sequences_in_local_attention() -> Iterator[None]:
         yield
 
 
+def use_local_spec_in_mbridge() -> None:
+    """Without transformer-engine (always, on a CPU) mbridge 0.15.1's LLMBridge asks for the TE
+    block spec (``get_gpt_decoder_block_spec(use_transformer_engine=True)`` -> TypeError:
+    'NoneType' object is not callable). Build the local spec instead: a class-level change, so
+    that AReaL's own tree patch, which wraps ``LLMBridge._get_transformer_layer_spec``, wraps it.
+    The weight names and MoE options that go with it: :func:`local_spec_names_in_stock_mbridge`.
+    Skipped without mbridge."""
+    import inspect
+
+    if not _installed("mbridge"):
+        return
+
+    from mbridge.core import llm_bridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    def local_spec(self, vp_stage=None):
+        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+        return get_gpt_decoder_block_spec(
+            self.config,
+            use_transformer_engine=False,
+            normalization=self.config.normalization,
+            **extra,
+        )
+
+    llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
+
+
+def local_spec_names_in_stock_mbridge() -> None:
+    """mbridge's weight maps name TE's fused norms (``linear_qkv.layer_norm_weight``,
+    ``linear_fc1.layer_norm_weight``, MLA's ``linear_q_up_proj.layer_norm_weight``, ...) and TE's
+    grouped experts (``mlp.experts.linear_fc1.weight{e}``); its MoE configs ask for grouped GEMM,
+    apex's persistent norm and the shared-expert overlap's CUDA stream. The local spec has
+    separate norms and SequentialMLP experts and builds none of those options. The bridges the
+    package's patch makes handle this themselves
+    (``megatron_tree.bridges.mbridge._extend_weight_maps_for_local_spec`` and
+    ``_bind_local_moe``); the ones AReaL's ``_build_hf_mcore_bridge`` makes outside it (its stock
+    engine, its own tree path) get the same two bindings here, after it, so they load HF
+    checkpoints into the local spec (the same computation as TE's). Their configs are otherwise
+    mbridge's own."""
+    from areal.engine import megatron_engine
+
+    from ..bridges.mbridge import (
+        _bind_local_moe,
+        _extend_weight_maps_for_local_spec,
+        is_tree_training_bridge,
+    )
+
+    build = megatron_engine.MegatronEngine._build_hf_mcore_bridge
+
+    def build_hf_mcore_bridge(self):
+        bridge = build(self)
+        if self.bridge_cls == "mbridge" and not is_tree_training_bridge(bridge):
+            _extend_weight_maps_for_local_spec(bridge)
+            if bridge.config.num_moe_experts:
+                _bind_local_moe(bridge)
+        return bridge
+
+    megatron_engine.MegatronEngine._build_hf_mcore_bridge = build_hf_mcore_bridge
+
+
 def setup_cpu(skip: str = "") -> None:
     """The process-wide stand-ins and patches, in order (``skip``: names to leave out, for
     ablation). Call once per process, before building an engine."""
@@ -313,6 +394,7 @@ def setup_cpu(skip: str = "") -> None:
         redirect_cuda_in_optimizer_and_ddp,
         cpu_grad_clipping,
         import_areal,
+        local_spec_names_in_stock_mbridge,
         cpu_local_rank_device,
         tokenizer_optional,
         no_checkpointer,
