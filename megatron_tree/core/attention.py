@@ -26,9 +26,15 @@ Backends:
   (equal head dims <= 256, a multiple of 8) one FlashAttention varlen call over all sequences
   (``cu_seqlens`` built once per micro-batch); elsewhere torch SDPA with ``is_causal=True`` per
   sequence. Refused for any other mask, a depth window or a sink.
+* ``"triton"``: our own flash-style Triton kernels (forward, dQ, dK / dV) reading ``subtree_end``
+  directly, with per-tile skip / full / partial decisions from O(N / B) per-key-tile facts
+  (:mod:`~megatron_tree.core.triton_attention`, imported on first use). CUDA, or CPU tensors in
+  Triton's interpreter (``TRITON_INTERPRET=1``, how the tests run it). fp16 / bf16 / fp32, no
+  dropout. Tiles are ``min(block_size, 64)`` tokens square.
 * ``"auto"``: ``"causal"`` for a chains-only micro-batch (without window or sink), else ``"flex"``
   on CUDA without dropout, otherwise ``"block_sparse"``. So tree training is never slower than the
-  baseline's kernel when nothing is shared.
+  baseline's kernel when nothing is shared. (``"triton"`` is chosen only when asked for, until a
+  GPU run has measured it against ``"flex"``.)
 
 On CUDA, ``flex`` uses FlexAttention's FlashAttention-4 backend (``BACKEND="FLASH"``) where the
 ``flash-attn-4`` package (``flash_attn.cute``) is installed, on Hopper or Blackwell, with 128 x 128
@@ -61,7 +67,7 @@ import torch.nn.functional as F
 
 from .mask import TreeMask, TreeMaskPlan, depth_window, encoding_from_dense
 
-BACKENDS = ("auto", "sdpa", "flex", "block_sparse", "causal")
+BACKENDS = ("auto", "sdpa", "flex", "block_sparse", "causal", "triton")
 FLEX_BACKEND_ENV = "MEGATRON_TREE_FLEX_BACKEND"
 
 logger = logging.getLogger(__name__)
@@ -215,7 +221,8 @@ def tree_attention(
         backend: one of ``BACKENDS``.
         softmax_scale: defaults to 1 / sqrt(hn).
         dropout_p: attention-probability dropout (already 0 when not training).
-        block_size: tile size of the ``flex`` and ``block_sparse`` backends.
+        block_size: tile size of the ``flex`` and ``block_sparse`` backends (``triton``: tiles of
+            ``min(block_size, 64)``).
         compile_flex: run ``flex`` through :func:`compiled_flex_attention`; None compiles on CUDA
             only. ``False`` on CUDA is refused (torch's eager flex materializes the score matrix).
         window_size: Megatron's sliding window ``(left, 0)`` over depth (see the module docstring),
@@ -250,15 +257,29 @@ def tree_attention(
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     chains = None if plan is None else plan.chains
     backend = _choose_backend(backend, chains, query.is_cuda, dropout_p, window, softmax_offset)
-    if backend == "flex" and dropout_p > 0.0:
+    if backend in ("flex", "triton") and dropout_p > 0.0:
         raise ValueError(
-            "the flex backend has no attention dropout; use backend='block_sparse' or 'sdpa'"
+            f"the {backend} backend has no attention dropout (dropout_p={dropout_p}); use "
+            "backend='block_sparse' or 'sdpa', or set attention_dropout=0"
         )
     if plan is None and (
         backend != "sdpa" or window is not None
     ):  # sdpa uses a dense mask as given
         plan = TreeMaskPlan(encoding_from_dense(dense))
 
+    if backend == "triton":
+        from .triton_attention import triton_tree_attention
+
+        return triton_tree_attention(
+            query,
+            key,
+            value,
+            plan,
+            scale=scale,
+            window=window,
+            sink=softmax_offset,
+            block_size=block_size,
+        )
     # [N, b, h, hn] -> [b, h, N, hn]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     attend = dict(

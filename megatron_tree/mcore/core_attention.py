@@ -50,8 +50,10 @@ class TreeCoreAttention(MegatronModule):
         cp_comm_type: unused (context parallelism gathers keys and values over the split's group).
         pg_collection: process groups: its ``tp`` group (default Megatron's parallel_state) sizes
             ``softmax_offset``. The tree mask's context-parallel split carries the CP group.
-        backend: one of ``"auto"``, ``"sdpa"``, ``"flex"``, ``"block_sparse"``.
-        block_size: tile size for ``flex`` and ``block_sparse``.
+        backend: one of :data:`~megatron_tree.core.attention.BACKENDS` (``"auto"``, ``"sdpa"``,
+            ``"flex"``, ``"block_sparse"``, ``"causal"``, ``"triton"``: our Triton kernels, see
+            :mod:`megatron_tree.core.triton_attention`; no attention dropout).
+        block_size: tile size for ``flex`` and ``block_sparse`` (``triton``: min(block_size, 64)).
     """
 
     def __init__(
