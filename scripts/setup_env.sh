@@ -35,7 +35,7 @@ pip_install() {
 }
 
 stamp="$VENV/.megatron_tree_stamp"
-want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ $BRIDGE"
+want="$(cat setup.py scripts/setup_env.sh scripts/_env.sh | sha256sum | cut -d' ' -f1) $TORCH_REQ $MCORE_REQ $BRIDGE ${MEGATRON_TREE_TRITON:-}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatron_tree" 2>/dev/null; then
   echo "[setup] $VENV is up to date"
   exit 0
@@ -86,6 +86,17 @@ install_areal() {
     "hydra-core==1.4.0.dev1" omegaconf colorlog uvloop lark aiohttp aiofiles httpx flask openai \
     orjson psutil pydantic tenacity torchdata tabulate pybase64 tensorboardX
 }
+# Triton for backend="triton" (core/triton_attention.py); the CPU suite runs its kernels in Triton's
+# interpreter (tests/test_triton_attention.py). PyPI's CUDA torch wheels bring the Triton they were
+# built with; the CPU wheel brings none, so the default stack gets the one torch 2.13's CUDA wheel
+# pins (--no-deps: Triton requires nothing, and torch stays as pinned above). The framework stacks
+# are left as they are (AReaL's CPU platform stands in for its Triton FP8 kernels while triton is
+# absent). MEGATRON_TREE_TRITON overrides the requirement, "skip" installs none.
+TRITON_REQ="${MEGATRON_TREE_TRITON:-triton==3.7.1}"
+if [ -z "$BRIDGE" ] && [ "$TRITON_REQ" != "skip" ] && ! "$PY" -c "import triton" 2>/dev/null; then
+  echo "[setup] installing $TRITON_REQ (backend='triton'; its tests use Triton's interpreter)"
+  pip_install --no-deps "$TRITON_REQ"
+fi
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   install_megatron_bridge
 elif [ "$BRIDGE" = "verl" ]; then
