@@ -443,6 +443,28 @@ def test_tile_decisions(interpreter, window):
                 assert torch.equal(all_allowed, kinds == 1)
 
 
+def test_errors_name_the_argument(interpreter, monkeypatch):
+    tree = tree_of("one_token")
+    n = tree.padded_length
+    q, k, v, _ = (t.float() for t in _inputs(n, n))
+    mask = tree_attention_mask(tree)
+    with pytest.raises(
+        ValueError, match=r"triton backend has no attention dropout \(dropout_p=0.1\)"
+    ):
+        tree_attention(q, k, v, mask, backend="triton", dropout_p=0.1)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32 inputs, got torch.float64"):
+        tree_attention(q.double(), k.double(), v.double(), mask, backend="triton")
+    with pytest.raises(ValueError, match="block_size=8: .* power of two >= 16"):
+        tree_attention(q, k, v, mask, backend="triton", block_size=8)
+    with pytest.raises(ValueError, match="one dtype, got torch.float32, torch.float16"):
+        tree_attention(q, k.half(), v, mask, backend="triton")
+    monkeypatch.setattr(interpreter, "interpreted", lambda: False)
+    with pytest.raises(
+        ValueError, match="runs on CUDA tensors, or on CPU tensors in Triton's interp"
+    ):
+        tree_attention(q, k, v, mask, backend="triton")
+
+
 # ------------------------------------------------------------------------------ model step
 
 
