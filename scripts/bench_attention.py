@@ -39,7 +39,11 @@ against the tree kernel (``--backend``) on the same inputs; the bar is that auto
 
 ``--small``: the same code path on the CPU in seconds: lengths 256 and 512, fp32, 4 query heads in
 2 groups of dimension 32, ``backend="block_sparse"`` (torch has no FlexAttention backward on the
-CPU) with 64-token tiles, and SDPA's math backend as the baseline.
+CPU; ``--backend triton`` is kept, for Triton's interpreter: set ``TRITON_INTERPRET=1``) with
+64-token tiles, and SDPA's math backend as the baseline.
+
+``--backend triton``: our Triton kernels (``megatron_tree.core.triton_attention``); "mask ms" is
+then the build of their per-key-tile facts, and the rows are labelled with the backend.
 """
 
 from __future__ import annotations
@@ -82,7 +86,10 @@ def parse_args(argv=None):
         args.chains = min(args.chains, 4)
         args.lengths = args.lengths or [256, 512]
         args.heads, args.groups, args.head_dim = 4, 2, 32
-        args.block_size, args.backend, args.warmup, args.reps = 64, "block_sparse", 1, 3
+        # flex has no CPU backward; triton runs on the CPU in Triton's interpreter
+        # (TRITON_INTERPRET=1 set in the environment).
+        args.backend = "block_sparse" if args.backend == "flex" else args.backend
+        args.block_size, args.warmup, args.reps = 64, 1, 3
         args.device, args.dtype, args.sdpa = torch.device("cpu"), torch.float32, SDPBackend.MATH
     else:
         if not torch.cuda.is_available():
@@ -259,6 +266,10 @@ def bench_length(length: int, args) -> dict:
             mask.plan.block_mask(args.block_size, n, n)
         elif args.backend == "block_sparse":
             mask.plan.block_sparse(0, args.block_size)
+        elif args.backend == "triton":  # its per-key-tile facts (the kernels' only mask input)
+            from megatron_tree.core.triton_attention import TILE, tile_facts
+
+            tile_facts(mask.plan.subtree_end, None, min(args.block_size, TILE))
         _sync(args.device)
         builds.append(1e3 * (time.perf_counter() - t0))
     mask_ms = statistics.median(builds)  # `mask` keeps the last build for the timed loop
@@ -310,7 +321,10 @@ def main(argv=None) -> int:
                 f.write(row + "\n")
 
     for length in args.lengths:
-        check = f"tree attention fwd+bwd {_label(length)}" + (" (CPU smoke)" if args.small else "")
+        kernel = "" if args.backend == "flex" else f" ({args.backend})"
+        check = f"tree attention{kernel} fwd+bwd {_label(length)}" + (
+            " (CPU smoke)" if args.small else ""
+        )
         try:
             r = bench_length(length, args)
         except Exception as exc:  # one length's failure (OOM, compile) must not hide the others
