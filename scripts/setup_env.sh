@@ -4,7 +4,8 @@
 # when nothing it depends on has changed. The stack follows the interpreter (see scripts/_env.sh):
 #   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
 # Both with mbridge 0.15.1 and transformers < 5. MEGATRON_TREE_BRIDGE adds a framework:
-# megatron-bridge, verl, verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one).
+# megatron-bridge (with AReaL 1.0.4, for its engine on Megatron-Bridge models), verl,
+# verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one).
 #
 # torch is installed first and pinned, so pip never resolves an unpinned `torch` again later. Where
 # pip finds a CPU wheel (as on our CPU machines for Python 3.11) that is what it installs; PyPI's
@@ -77,7 +78,9 @@ install_areal() {
   # AReaL 1.0.4 without its declared dependencies (vLLM/SGLang clients, ray, wandb, datasets, ...
   # and transformers 5, torch < 2.11), then what its Megatron engine, PPO actor and PPOTrainer
   # import at module level, found by importing them: all small. Its engine runs with the default
-  # stack as installed (megatron-core 0.16.1, mbridge 0.15.1, transformers 4.57, torch 2.13). What
+  # stack as installed (megatron-core 0.16.1, mbridge 0.15.1, transformers 4.57, torch 2.13) and
+  # with the Megatron-Bridge one (megatron-core 0.19.2, transformers 5.12.1, outside AReaL's
+  # declared 5.0-5.3; tests/test_areal_megatron_bridge.py runs its engine there). What
   # they import but never use on that path and is large or GPU-only (ray, numba, datasets, wandb,
   # swanlab, trackio, megatron.bridge, the FP8 Triton kernels) is stood in for by
   # megatron_tree/testing/areal_platform.py, never installed.
@@ -99,6 +102,9 @@ if [ -z "$BRIDGE" ] && [ "$TRITON_REQ" != "skip" ] && ! "$PY" -c "import triton"
 fi
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   install_megatron_bridge
+  # AReaL's Megatron engine on Megatron-Bridge models (bridge_type="megatron-bridge"), the path its
+  # own tree training refuses and megatron_tree's AReaL engines build.
+  install_areal
 elif [ "$BRIDGE" = "verl" ]; then
   # verl 0.9.1 declares transformers >= 5.5.3, which mbridge 0.15.1 (verl's vanilla_mbridge path)
   # cannot read; its Megatron engine runs with transformers 4.57.

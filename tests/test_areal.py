@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from megatron_tree.testing.areal import logp_run, train_run
 from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -31,59 +32,6 @@ pytestmark = [
         reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
     ),
 ]
-
-
-def _logp_run(path: str, seqs: list, **engine) -> dict:
-    from megatron_tree.testing import areal as harness
-
-    start = time.perf_counter()
-    eng = harness.build_areal_engine(path, **engine)
-    logp = eng.compute_logp([harness.areal_batch(seqs)])[0]
-    out = {
-        "engine": type(eng).__name__,
-        "dtypes": harness.parameter_dtypes(eng),
-        "logp": harness.per_sequence(logp, seqs),
-        "seconds": time.perf_counter() - start,
-    }
-    eng.destroy()
-    return out
-
-
-def _train_run(path: str, seqs: list, hf: dict, **engine) -> dict:
-    """PPOTrainer's order on one rollout: compute_advantages, then ppo_update (one train_batch),
-    on-policy (the rollout log-probs are HF's), lr 0; the gradients as the backward left them.
-    ``engine``: :func:`~megatron_tree.testing.areal.build_areal_engine`'s options (default: the
-    stock engine in fp32)."""
-    from areal.utils import stats_tracker
-
-    from megatron_tree.testing import areal as harness
-
-    start = time.perf_counter()
-    eng = harness.build_areal_engine(path, **(engine or {"fp32_params": True}))
-    before = {n: p.detach().clone() for n, p in eng.model[0].named_parameters()}
-    trajectories = harness.areal_trajectories(
-        seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
-    )
-    batch = eng.compute_advantages(trajectories)
-    with harness.captured_grads(eng) as grads:
-        eng.ppo_update(batch)
-    stats = stats_tracker.export_all()
-    unchanged = all(torch.equal(p, before[n]) for n, p in eng.model[0].named_parameters())
-    out = {
-        "grads": grads,
-        "stats": stats,
-        "unchanged": unchanged,
-        # aux-loss-free balancing: the bias the optimizer step moved by the routed token counts
-        "expert_bias": {
-            n: b.detach().clone()
-            for n, b in eng.model[0].named_buffers()
-            if n.endswith("router.expert_bias")
-        },
-        "tree_stats": getattr(eng, "tree_stats", None),
-        "seconds": time.perf_counter() - start,
-    }
-    eng.destroy()
-    return out
 
 
 def _critic_run(path: str, seqs: list, state: dict | None = None, **engine) -> dict:
@@ -126,17 +74,17 @@ def _areal_worker(rank: int, path: str, seqs: list, trunk_seqs: list) -> dict:
     ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
     out = {
         "hf": hf,
-        "stock": _logp_run(path, seqs, fp32_params=True),
-        "tree": _logp_run(path, seqs, tree=True),
-        "train": _train_run(path, seqs, hf),
-        "ours": _logp_run(path, seqs, **ours),
-        "ours_train": _train_run(path, seqs, hf, **ours),
+        "stock": logp_run(path, seqs, fp32_params=True),
+        "tree": logp_run(path, seqs, tree=True),
+        "train": train_run(path, seqs, hf),
+        "ours": logp_run(path, seqs, **ours),
+        "ours_train": train_run(path, seqs, hf, **ours),
     }
     # Trunk reuse: prompt groups larger than a 64-token tree (block 16), against the stock engine.
     TreeMegatronPPOActor.tree_block_size = 16
     trunk_hf = hf_logprobs(path, trunk_seqs)
-    out["trunk_stock"] = _train_run(path, trunk_seqs, trunk_hf)
-    out["trunk_ours"] = _train_run(path, trunk_seqs, trunk_hf, mb_tokens=64, **ours)
+    out["trunk_stock"] = train_run(path, trunk_seqs, trunk_hf)
+    out["trunk_ours"] = train_run(path, trunk_seqs, trunk_hf, mb_tokens=64, **ours)
     TreeMegatronPPOActor.tree_block_size = 128
     stock_critic = _critic_run(path, seqs)
     out["critic_stock"] = stock_critic
@@ -159,8 +107,8 @@ def _parallel_worker(rank: int, path: str, seqs: list) -> dict:
     for name, layout in (("cp2", {"cp": 2}), ("tp2", {"tp": 2})):
         ours = dict(tree=True, engine_cls=TreeMegatronPPOActor, **layout)
         out[name] = {
-            "logp": _logp_run(path, seqs, **ours),
-            "train": _train_run(path, seqs, hf, **ours),
+            "logp": logp_run(path, seqs, **ours),
+            "train": train_run(path, seqs, hf, **ours),
         }
     return out
 
@@ -367,25 +315,25 @@ def _families_worker(rank: int, paths: dict, seqs: list) -> dict:
     router = dict(bridge_args=ROUTER_LOSSES)
     moe = {
         "hf": hf,
-        "stock": _logp_run(path, seqs, fp32_params=True),
-        "ours": _logp_run(path, seqs, **ours),
-        "ours_train": _train_run(path, seqs, hf, **ours, **router),
-        "stock_train_padded": _train_run(path, seqs, hf, fp32_params=True, **router),
+        "stock": logp_run(path, seqs, fp32_params=True),
+        "ours": logp_run(path, seqs, **ours),
+        "ours_train": train_run(path, seqs, hf, **ours, **router),
+        "stock_train_padded": train_run(path, seqs, hf, fp32_params=True, **router),
     }
     with unpadded_micro_batches():
-        moe["stock_train"] = _train_run(path, seqs, hf, fp32_params=True, **router)
+        moe["stock_train"] = train_run(path, seqs, hf, fp32_params=True, **router)
     path = paths["deepseek_v3"]
     hf = hf_logprobs(path, seqs)
     mla = {
         "hf": hf,
-        "ours": _logp_run(path, seqs, **ours),
-        "ours_train": _train_run(path, seqs, hf, **ours),
+        "ours": logp_run(path, seqs, **ours),
+        "ours_train": train_run(path, seqs, hf, **ours),
     }
     stock = dict(fp32_params=True, bridge_args=dict(attention_backend=AttnBackend.auto))
     with mbridge_deepseek.mbridge_deepseek_patch():
-        mla["stock"] = _logp_run(path, seqs, **stock)
+        mla["stock"] = logp_run(path, seqs, **stock)
         with unpadded_micro_batches():
-            mla["stock_train"] = _train_run(path, seqs, hf, **stock)
+            mla["stock_train"] = train_run(path, seqs, hf, **stock)
     return {"qwen3_moe": moe, "deepseek_v3": mla}
 
 
@@ -439,13 +387,18 @@ def test_moe_ppo_update_with_router_losses_equals_the_unpacked_stock_engine(fami
 
 
 def test_mla_ppo_update_equals_the_stock_engine(family_runs):
-    """DeepSeek-V3's PPO update: gradients equal the stock engine's on the unpacked batch, and the
-    aux-loss-free expert bias moves as it does there (each token counted once per sequence)."""
+    """DeepSeek-V3's PPO update: gradients equal the stock engine's on the unpacked batch, and
+    aux-loss-free balancing counts each expert's tokens as there (each token once per sequence
+    through it) and so moves the expert bias as there."""
     run = family_runs["deepseek_v3"]
     ours, stock = run["ours_train"], run["stock_train"]
     rel = _grad_rel(ours["grads"][0], stock["grads"][0])
     print(f"DeepSeek-V3: gradients rel {rel:.2e}")
     assert rel <= GRAD_RTOL
+    (want,), (got,) = stock["expert_tokens"], ours["expert_tokens"]
+    assert want and got.keys() == want.keys()
+    for name, count in want.items():
+        assert count.sum() > 0 and torch.equal(got[name], count), (name, got[name], count)
     assert stock["expert_bias"] and ours["expert_bias"].keys() == stock["expert_bias"].keys()
     for name, bias in stock["expert_bias"].items():
         assert bias.abs().max() > 0, name  # the step moved it

@@ -153,12 +153,15 @@ class _TreeEngine:
 
     Attributes (class level; override per instance): ``tree_backend`` (TreeCoreAttention
     backend), ``tree_block_size`` (packing alignment), ``tree_share_trunks`` (trunk reuse for
-    prompt groups larger than a micro-batch), ``tree_stats`` (the last batch's packing).
+    prompt groups larger than a micro-batch), ``tree_share_prefixes`` (False: every sequence its
+    own chain, the unshared baseline on the same model and kernels), ``tree_stats`` (the last
+    batch's packing).
     """
 
     tree_backend = "auto"
     tree_block_size = 128
     tree_share_trunks = True
+    tree_share_prefixes = True
     tree_stats: dict | None = None
 
     def __init__(self, config):
@@ -236,6 +239,7 @@ class _TreeEngine:
             max_tokens_per_mb=self._capacity(align),
             block_size=self.tree_block_size,
             pad_to_max=True if self.config.pad_to_maximum else None,
+            share_prefixes=self.tree_share_prefixes,
             share_trunks=self.tree_share_trunks,
         ).resolve(constant_shapes=constant_shapes(config), align=align)
         packed = build_packed_tree_batch(

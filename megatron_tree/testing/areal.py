@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -70,6 +71,7 @@ def make_config(
     tree: bool = False,
     dtype: str = "float32",
     mb_tokens: int = MB_TOKENS,
+    bridge_type: str = "mbridge",
     **config,
 ):
     """AReaL's ``PPOActorConfig`` (``critic``: ``PPOCriticConfig``) for the HF checkpoint at
@@ -77,8 +79,8 @@ def make_config(
     ``mb_spec.max_tokens_per_mb=mb_tokens``, ``pad_to_maximum=tree`` (AReaL's tree path refuses
     False: "No padding is not supported for tree training"), ``gradient_checkpointing=False``,
     ``dtype``, an Adam optimizer at lr 0 without warmup (clipping at 1.0), dropout off, Megatron's
-    non-distributed optimizer; ``config`` replaces any field (an ``optimizer`` dict updates the
-    optimizer's fields)."""
+    non-distributed optimizer, ``megatron.bridge_type=bridge_type``; ``config`` replaces any field
+    (an ``optimizer`` dict updates the optimizer's fields)."""
     from areal.api.cli_args import (
         DistributedDataParallelConfig,
         MegatronEngineConfig,
@@ -104,7 +106,8 @@ def make_config(
         # Megatron's DistributedOptimizer accepts only torch.cuda tensor types ("Wrapped parameters
         # must be one of torch.cuda.FloatTensor, ..."): the plain one on a CPU.
         megatron=MegatronEngineConfig(
-            ddp=DistributedDataParallelConfig(use_distributed_optimizer=False)
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=False),
+            bridge_type=bridge_type,
         ),
     )
     if critic:
@@ -127,6 +130,7 @@ def build_areal_engine(
     engine_cls: type | None = None,
     fp32_params: bool = False,
     bridge_args: dict | None = None,
+    bridge_type: str = "mbridge",
     total_train_steps: int = 10,
     **config,
 ):
@@ -151,6 +155,9 @@ def build_areal_engine(
             fp32 reference: the bridge's Megatron config is rebuilt after AReaL sets
             ``bridge.dtype`` (what its ``set_extra_args`` does when gradient checkpointing is on),
             so the parameters are fp32. Test-side only; the engine under test gets no such help.
+        bridge_type: AReaL's ``megatron.bridge_type``: "mbridge" or "megatron-bridge" (AReaL builds
+            the model from Megatron-Bridge's provider; its stock engine there gets the provider's
+            local layer spec, TE's being unbuildable on a CPU).
         bridge_args: Megatron config fields set on the engine's mbridge bridge once it is built
             (``bridge.set_extra_args``), for any engine: e.g. the router losses, which mbridge's
             MoE bridges (and so AReaL) leave off (``moe_router_load_balancing_type="none"``).
@@ -161,12 +168,20 @@ def build_areal_engine(
     from areal.api.cli_args import SchedulingStrategy
     from areal.trainer.rl_trainer import PPOTrainer
 
-    from .areal_platform import packed_sequences_in_local_attention
+    from .areal_platform import packed_sequences_in_local_attention, stock_megatron_bridge_on_cpu
 
     _ensure_parallel_state(tp, cp)
     _rank_env()
     os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
-    cfg = make_config(path, critic=critic, tree=tree, dtype=dtype, mb_tokens=mb_tokens, **config)
+    cfg = make_config(
+        path,
+        critic=critic,
+        tree=tree,
+        dtype=dtype,
+        mb_tokens=mb_tokens,
+        bridge_type=bridge_type,
+        **config,
+    )
     world = dist.get_world_size()
     alloc = ModelAllocation(
         backend="megatron",
@@ -184,13 +199,17 @@ def build_areal_engine(
         raise ValueError("fp32_params is for AReaL's own stock (non-tree) reference engine only")
     with _engine_class(critic, engine_cls):
         engine = create(trainer, cfg, alloc)
-    if fp32_params:
+    if fp32_params and bridge_type == "mbridge":  # Megatron-Bridge builds in the asked dtype
         _rebuild_bridge_config_after_dtype(engine)
     if bridge_args:
         _set_bridge_args(engine, bridge_args)
     # AReaL's THD forward on Megatron's local attention, for every engine but the package's trees
     ours = tree and getattr(engine, "tree_training", False)
-    with contextlib.nullcontext() if ours else packed_sequences_in_local_attention():
+    with contextlib.ExitStack() as stack:
+        if not ours:
+            stack.enter_context(packed_sequences_in_local_attention())
+            if bridge_type == "megatron-bridge":
+                stack.enter_context(stock_megatron_bridge_on_cpu())
         engine.initialize(
             None,
             FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
@@ -348,6 +367,36 @@ def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
         del engine.optimizer_step  # the class's method again
 
 
+@contextlib.contextmanager
+def captured_expert_tokens(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The routers' expert-bias token counts (``router.local_tokens_per_expert``, by buffer name)
+    of each ``train_batch`` in the block, as the forward passes left them: copied when the step
+    calls its config's ``finalize_model_grads_func``, which updates the expert bias from them and
+    zeroes them. Nothing for routers without expert bias."""
+    from megatron.core.utils import get_model_config
+
+    counts: list[dict[str, torch.Tensor]] = []
+    config = get_model_config(engine.model[0])
+    finalize = config.finalize_model_grads_func
+
+    def finalize_model_grads(*args, **kwargs):
+        counts.append(
+            {
+                name: buffer.detach().clone()
+                for chunk in engine.model
+                for name, buffer in chunk.named_buffers()
+                if name.endswith("router.local_tokens_per_expert")
+            }
+        )
+        return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_model_grads
+    try:
+        yield counts
+    finally:
+        config.finalize_model_grads_func = finalize
+
+
 def trie_depths(seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """For each sequence, the trie depth of each predicted token (tokens 1 .. L_i - 1, the order of
     :func:`per_sequence`): the number of branch points on its path from the root, a branch point
@@ -381,3 +430,59 @@ def error_by_depth(
         for d in depths[i].unique().tolist():
             out[d] = max(out.get(d, 0.0), float(err[depths[i] == d].max()))
     return dict(sorted(out.items()))
+
+
+def logp_run(path: str, seqs: list, **engine) -> dict:
+    """AReaL's ``compute_logp`` on :func:`areal_batch` of ``seqs`` with an engine of
+    :func:`build_areal_engine` (``engine``: its options): the engine class's name, its parameter
+    dtypes, the log-probs :func:`per_sequence` and the seconds it took."""
+    start = time.perf_counter()
+    eng = build_areal_engine(path, **engine)
+    logp = eng.compute_logp([areal_batch(seqs)])[0]
+    out = {
+        "engine": type(eng).__name__,
+        "dtypes": parameter_dtypes(eng),
+        "logp": per_sequence(logp, seqs),
+        "seconds": time.perf_counter() - start,
+    }
+    eng.destroy()
+    return out
+
+
+def train_run(path: str, seqs: list, hf: dict, **engine) -> dict:
+    """PPOTrainer's order on one rollout: compute_advantages, then ppo_update (one train_batch),
+    on-policy (the rollout log-probs are HF's), lr 0; the gradients as the backward left them.
+    ``engine``: :func:`build_areal_engine`'s options (default: the stock engine in fp32). The
+    prompts are the first 4 tokens. Returns the gradients (:func:`captured_grads`), AReaL's
+    exported stats, whether the step left the weights unchanged, the routers' expert-bias token
+    counts (:func:`captured_expert_tokens`) and expert bias after the step, the tree engine's
+    ``tree_stats`` and the seconds it took."""
+    from areal.utils import stats_tracker
+
+    start = time.perf_counter()
+    eng = build_areal_engine(path, **(engine or {"fp32_params": True}))
+    before = {n: p.detach().clone() for n, p in eng.model[0].named_parameters()}
+    trajectories = areal_trajectories(
+        seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
+    )
+    batch = eng.compute_advantages(trajectories)
+    with captured_grads(eng) as grads, captured_expert_tokens(eng) as expert_tokens:
+        eng.ppo_update(batch)
+    stats = stats_tracker.export_all()
+    unchanged = all(torch.equal(p, before[n]) for n, p in eng.model[0].named_parameters())
+    out = {
+        "grads": grads,
+        "stats": stats,
+        "unchanged": unchanged,
+        # aux-loss-free balancing: the routed token counts and the bias the step moved by them
+        "expert_tokens": expert_tokens,
+        "expert_bias": {
+            n: b.detach().clone()
+            for n, b in eng.model[0].named_buffers()
+            if n.endswith("router.expert_bias")
+        },
+        "tree_stats": getattr(eng, "tree_stats", None),
+        "seconds": time.perf_counter() - start,
+    }
+    eng.destroy()
+    return out

@@ -30,6 +30,7 @@ from .verl import (
     apply_mbridge_compat,
     apply_megatron_cpu_patch,
     cpu_grad_clipping,
+    import_megatron_bridge_without_te,
 )
 
 # Modules AReaL 1.0.4 imports at module level on the way to its Megatron engine, its PPO actor and
@@ -384,6 +385,31 @@ def local_spec_names_in_stock_mbridge() -> None:
     megatron_engine.MegatronEngine._build_hf_mcore_bridge = build_hf_mcore_bridge
 
 
+@contextlib.contextmanager
+def stock_megatron_bridge_on_cpu() -> Iterator[None]:
+    """While AReaL's stock engine builds a Megatron-Bridge model
+    (``bridge_type="megatron-bridge"``): a GPT provider's transformer-engine layer spec, which
+    fails in ``provide()`` without transformer-engine (``TESpecProvider()`` -> TypeError:
+    'NoneType' object is not callable), is Megatron-Bridge's local one (as the verl fixture's
+    ``local_spec_in_megatron_bridge``). Other providers (a ``HybridModelProvider``: Nemotron-H)
+    are left as they are. The package's tree engines build without it."""
+    from megatron.bridge.models import gpt_provider
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
+    from ..bridges.megatron_bridge import te_layer_specs
+
+    original = AutoBridge.to_megatron_provider
+
+    def to_megatron_provider(self, *args, **kwargs):
+        provider = original(self, *args, **kwargs)
+        if getattr(provider, "transformer_layer_spec", None) in te_layer_specs():
+            provider.transformer_layer_spec = gpt_provider.local_layer_spec
+        return provider
+
+    with swapped(AutoBridge, to_megatron_provider=to_megatron_provider):
+        yield
+
+
 def setup_cpu(skip: str = "") -> None:
     """The process-wide stand-ins and patches, in order (``skip``: names to leave out, for
     ablation). Call once per process, before building an engine."""
@@ -393,6 +419,7 @@ def setup_cpu(skip: str = "") -> None:
         use_local_spec_in_mbridge,
         redirect_cuda_in_optimizer_and_ddp,
         cpu_grad_clipping,
+        import_megatron_bridge_without_te,
         import_areal,
         local_spec_names_in_stock_mbridge,
         cpu_local_rank_device,
