@@ -942,6 +942,12 @@ def _check_inputs(query, key, value, block_size: int) -> int:
             "(set TRITON_INTERPRET=1 before megatron_tree.core.triton_attention is imported); use "
             "backend='block_sparse' on the CPU"
         )
+    if max(t.numel() for t in (query, key, value)) >= 2**31:
+        raise ValueError(
+            "backend='triton' indexes its tensors with 32-bit offsets, so each of query, key and "
+            f"value must hold fewer than 2**31 elements (got {query.numel()}, {key.numel()}, "
+            f"{value.numel()}); split the micro-batch (a smaller max_tokens_per_mb)"
+        )
     block = min(block_size, TILE)
     if block < 16 or block & (block - 1):
         raise ValueError(
