@@ -4,7 +4,8 @@
 #   MEGATRON_TREE_MCORE   a megatron-core requirement to pin, e.g. megatron-core==0.17.0 (default: the
 #                         newest that setup.py allows for that Python: 0.16.x on 3.10/3.11, 0.19.x on 3.12)
 #   MEGATRON_TREE_BRIDGE  "megatron-bridge" adds NVIDIA's Megatron-Bridge (Python 3.12; it needs
-#                         transformers >= 5.8, so mbridge does not work in that venv); "verl" adds
+#                         transformers >= 5.8, so mbridge does not work in that venv) and AReaL 1.0.4
+#                         (--no-deps: its engine on Megatron-Bridge models); "verl" adds
 #                         verl 0.9.1 (Python 3.12, with mbridge and transformers 4.57); "areal" adds
 #                         AReaL 1.0.4 (the default interpreter's stack)
 #   MEGATRON_TREE_VENV    the venv folder (default: .venv for the default stack, otherwise
