@@ -505,3 +505,201 @@ def test_trainer_balancing_keeps_prompt_groups_on_one_rank(caplog):
     _verls_balance(trainer, expected, {})
     assert torch.equal(uneven.batch["input_ids"], expected.batch["input_ids"])
     assert "cannot fill 2 equal data-parallel chunks" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline (and virtual pipeline) and context parallelism inside verl's engine
+# ---------------------------------------------------------------------------------------------
+
+# name: (world size, the engines' layout, the reference's layout, HF layers, transformer config
+# overrides of every engine). Reference None: verl's stock engine at the same layout (it runs PP on
+# the CPU); a layout: the tree engine there at CP=1 (verl's stock CP needs transformer-engine:
+# "Context parallelism is only supported by TEDotProductAttention!"), the rest of the world data
+# parallel on the same batch. Under VPP, micro-batch groups of 4 (verl's 4 micro-batches; the tree
+# schedule's calls hold 2).
+LAYOUTS = {
+    "pp2": (2, {"pp": 2}, None, 2, {}),
+    "pp2-vpp2": (2, {"pp": 2, "vpp": 2}, None, 4, {"microbatch_group_size_per_vp_stage": 4}),
+    "cp2": (2, {"cp": 2}, {}, 2, {}),
+    "cp2-tp2": (4, {"cp": 2, "tp": 2}, {"tp": 2}, 2, {}),
+}
+# Tree capacities on the batch of _layout_worker (2 prompts of 20-27 tokens x 4 samples): 64 holds a
+# prompt group (whole trees of 64 and 48 rows); 32 holds none, so each prompt runs as a trunk part
+# computed once (trunk reuse), its samples in branch micro-batches (rows 16, 32, 32, 32). Trees of
+# different lengths: the pipeline runs them unpadded where its stages exchange shapes.
+WHOLE_TREES, TRUNK_PARTS = 64, 32
+
+
+def _layout_worker(
+    rank: int,
+    path: str,
+    parallel: dict,
+    reference: dict | None,
+    overrides: dict,
+    vanilla_mbridge: bool,
+) -> dict:
+    """verl's ``infer_batch`` and ``train_batch`` (its ppo_loss) on one GRPO batch (2 prompts x 4
+    samples) through the reference engine and the tree engine at ``parallel``, with whole trees and
+    with trunk reuse; at CP=2 also in verl's per-token mode (``calculate_per_token_loss``). The
+    optimizer's learning rate is 0, so one engine runs several packings on the same weights, and
+    gradients are compared unclipped."""
+    from functools import partial
+
+    from megatron_tree.testing import verl as harness
+    from megatron_tree.testing.models import hf_logprobs
+
+    harness.setup_cpu()
+    from verl.workers.config.actor import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    padded, seqs = harness.rollout_batch(
+        _vocab(path), prompts=2, samples=4, prompt_tokens=(20, 28), seed=2
+    )
+    hf = hf_logprobs(path, seqs)
+    # Old log-probs: HF's, the same on every rank and for every engine, in verl's response layout.
+    rolled = [torch.cat([hf[i], hf[i].new_zeros(1)]) for i in range(len(seqs))]
+    old = no_padding_2_padding(
+        torch.nested.as_nested_tensor(rolled, layout=torch.jagged), harness.engine_batch(padded)
+    ).float()
+    advantages = (
+        torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * padded["response_mask"]
+    )
+    config = McoreActorConfig(
+        strategy="megatron",
+        rollout_n=4,
+        ppo_mini_batch_size=len(seqs),
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+    )
+
+    def build(vendor, layout, per_token: bool = False):
+        # Gradients not clipped (a uniform scale error would hide in both clipped to one norm).
+        return harness.build_engine(
+            path,
+            vendor=vendor,
+            lr=0.0,
+            clip_grad=1e9,
+            parallel=layout,
+            vanilla_mbridge=vanilla_mbridge,
+            use_remove_padding=per_token,  # verl's per-token protocol refuses its BSHD path
+            override_transformer_config=dict(overrides, calculate_per_token_loss=per_token),
+        )[0]
+
+    def run(engine, max_tokens: int | None = None) -> dict:
+        if max_tokens is not None:
+            engine.tree_max_tokens = max_tokens
+        with engine.eval_mode():
+            output = engine.infer_batch(harness.engine_batch(padded, calculate_entropy=True))
+        train = harness.engine_batch(
+            dict(padded, old_log_probs=old, advantages=advantages),
+            global_batch_size=len(seqs),
+            calculate_entropy=False,
+        )
+        with engine.train_mode():
+            result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
+            grads = harness.engine_grads(engine)
+        model_output = output.get("model_output")  # verl's engines: the last stage's ranks only
+        return {
+            "log_probs": None
+            if model_output is None
+            else [t.clone() for t in model_output["log_probs"].unbind()],
+            "entropy": None
+            if model_output is None
+            else [t.clone() for t in model_output["entropy"].unbind()],
+            "loss": float(sum(result["loss"])) if "loss" in result else None,
+            "grads": grads,
+            "stats": dict(engine.tree_stats) if getattr(engine, "tree_stats", None) else None,
+        }
+
+    out = {"hf": hf}
+    if reference is None:
+        out["reference"] = run(build(None, parallel))
+    else:
+        engine = build("megatron_tree", reference)
+        out["reference"] = run(engine, WHOLE_TREES)
+        harness.reset_model_parallel()
+    tree = build("megatron_tree", parallel)
+    from megatron.core import parallel_state as mpu
+
+    out["engine"] = type(tree).__name__
+    out["bridge"] = type(tree.bridge).__module__
+    out["layout"] = {
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "vpp": len(tree.module),
+        "cp": mpu.get_context_parallel_world_size(),
+    }
+    out["overrides"] = {k: getattr(tree.tf_config, k) for k in overrides}
+    out["trees"] = run(tree, WHOLE_TREES)
+    out["trunks"] = run(tree, TRUNK_PARTS)
+    if parallel == {"cp": 2}:  # verl's per-token protocol (its CP setting), on CP alone
+        harness.reset_model_parallel()
+        tree = build("megatron_tree", parallel, per_token=True)
+        out["per_token_config"] = bool(tree.tf_config.calculate_per_token_loss)
+        out["per-token"] = run(tree, TRUNK_PARTS)
+    return out
+
+
+def _check_layout_run(run: dict, reference: dict, hf: dict) -> dict:
+    """One tree run against the reference (and HF) on one rank; returns the measured errors."""
+    errors = {}
+    assert (run["log_probs"] is None) == (reference["log_probs"] is None)
+    if reference["log_probs"] is not None:
+        # The last entry predicts nothing (verl's loss mask excludes it).
+        errors["logp"] = max(
+            float((got[:-1] - want[:-1]).abs().max())
+            for got, want in zip(run["log_probs"], reference["log_probs"])
+        )
+        errors["logp_hf"] = max(
+            float((run["log_probs"][i][:-1] - want).abs().max()) for i, want in hf.items()
+        )
+        errors["entropy"] = max(
+            float((got - want).abs().max())
+            for got, want in zip(run["entropy"], reference["entropy"])
+        )
+        assert max(errors["logp"], errors["logp_hf"], errors["entropy"]) <= LOGP_TOL, errors
+        errors["loss"] = abs(run["loss"] - reference["loss"]) / abs(reference["loss"])
+        assert errors["loss"] <= LOSS_RTOL, errors
+    _check_gradients(run["grads"], reference["grads"])
+    errors["grad"] = max(gradient_errors(run["grads"], reference["grads"]).values())
+    return errors
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tree_engine_parallel_layouts(tmp_path, layout):
+    """The tree engine under pipeline (PP=2, PP=2 x VPP=2) and context parallelism (CP=2,
+    CP=2 x TP=2), with whole trees and with trunk reuse, against verl's stock engine at the same
+    layout (PP) or the tree engine at CP=1 (CP), and HF: log-probs, entropy, loss and every rank's
+    gradients. verl's model path: Megatron-Bridge where it is installed, mbridge otherwise."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    world, parallel, reference, layers, overrides = LAYOUTS[layout]
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path, num_hidden_layers=layers)
+    vanilla_mbridge = not _has("megatron.bridge")
+    ranks = run_spawned(
+        _layout_worker, world, path, parallel, reference, overrides, vanilla_mbridge, megatron=False
+    )
+    runs = ["trees", "trunks"] + (["per-token"] if parallel == {"cp": 2} else [])
+    worst = {}
+    for out in ranks:
+        assert out["engine"] == "TreeMegatronEngineWithLMHead"
+        assert out["layout"] == {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, **parallel}, out["layout"]
+        assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
+        assert out["overrides"] == overrides
+        if "per-token" in runs:
+            assert out["per_token_config"] is True
+        for name in runs:
+            run, stats = out[name], out[name]["stats"]
+            assert stats["trunk_groups"] == (0 if name == "trees" else 2), stats
+            # Trees padded to the capacity only under the virtual pipeline (constant shapes).
+            capacity = WHOLE_TREES if name == "trees" else TRUNK_PARTS
+            padded = stats["tokens_computed"] == stats["micro_batches"] * capacity
+            assert padded == ("vpp" in parallel), stats
+            for key, value in _check_layout_run(run, out["reference"], out["hf"]).items():
+                worst[(name, key)] = max(worst.get((name, key), 0.0), value)
+    # verl's engines return outputs on the last pipeline stage only (ranks world / 2 .. at PP=2).
+    with_outputs = [r for r, out in enumerate(ranks) if out["trees"]["log_probs"] is not None]
+    assert with_outputs == list(range(world // 2 if "pp" in parallel else 0, world))
+    print(f"{layout} ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):", worst)

@@ -28,9 +28,30 @@ as many micro-batches (all-padding ones appended, which add no output or loss). 
 controller, :func:`patch_trainer_balancing` (one call in the launcher) keeps each prompt group on
 one data-parallel rank where verl would balance sequence lengths and split groups. Both of verl's
 model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a transformers-5 stack).
-Refused with the reason: pipeline and context parallelism, routing replay (verl's router replay
-patches the router with per-micro-batch routes in verl's token order, which a tree does not keep),
-``calculate_per_token_loss``, top-k distillation with trunk reuse.
+
+Parallelism is verl's layout (its engine config: TP, DP, PP, VPP, CP), run by the same schedule
+as the package's step.
+
+* Pipeline (PP) and virtual pipeline (VPP): the schedule runs over verl's pipeline groups and
+  model chunks; the head and verl's loss run on the last stage, whose ranks return verl's outputs
+  in verl's order, the other stages none (as verl's own engine). Trees are padded to the capacity
+  where the stages need one length (:func:`_needs_constant_shapes`): under VPP, and wherever the
+  config does not exchange shapes; a one-chunk pipeline of verl's configs (both model paths set
+  ``variable_seq_lengths``) runs each tree at its own length.
+* Context parallelism (CP): each tree's rows are split over the CP ranks by attention work
+  (:func:`~megatron_tree.mcore.step.split_for_context_parallel`; keys and values all-gathered in
+  attention), trunk parts included; each rank computes its rows' per-token outputs, summed over the
+  CP group, so every rank hands verl's loss every sample's outputs in verl's layout. A tree holds
+  up to ``max_token_len_per_gpu`` x CP tokens, as verl's own micro-batches under CP. verl's
+  ``(loss, output)`` protocol needs nothing more (Megatron multiplies the loss by the CP size for
+  the gradient average over DP x CP); with ``calculate_per_token_loss`` (verl's per-token protocol,
+  which verl's own CP path asks for) each CP rank reports its exact share of a micro-batch's tokens
+  (verl's ``tokens // cp`` on every rank would drop up to cp - 1 per micro-batch from the count the
+  gradients are divided by).
+
+Refused with the reason: routing replay (verl's router replay patches the router with
+per-micro-batch routes in verl's token order, which a tree does not keep), verl's dynamic context
+parallelism (its scheduler replaces the micro-batches), top-k distillation with trunk reuse or CP.
 """
 
 from __future__ import annotations
@@ -46,6 +67,7 @@ from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state as mpu
+from megatron.core.utils import get_model_config
 from verl.utils import tensordict_utils as tu
 from verl.utils.seqlen_balancing import log_seqlen_unbalance
 from verl.workers.engine import EngineRegistry
@@ -59,6 +81,7 @@ from ..core.packing import build_packed_tree_batch
 from ..core.partition import partition_for_data_parallel
 from ..core.trie import unique_tokens
 from ..mcore.schedule import Phases, StepContext, run_phases
+from ..mcore.step import constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
 
 logger = logging.getLogger(__name__)
@@ -66,7 +89,14 @@ VENDOR = "megatron_tree"
 
 
 def tree_micro_batches(
-    data, *, max_tokens: int, block_size: int, share_trunks: bool = True, dp_group=None
+    data,
+    *,
+    max_tokens: int,
+    block_size: int,
+    share_trunks: bool = True,
+    dp_group=None,
+    parallel_size: int = 1,
+    pad_to_max: bool = False,
 ) -> tuple[list, list[list[int]], object]:
     """verl's micro-batch preparation with trees.
 
@@ -75,12 +105,15 @@ def tree_micro_batches(
     micro-batch that takes a loss, which verl's ``restore_dynamic_batch`` puts back in order; the
     :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics. With ``share_trunks`` a
     prompt group larger than ``max_tokens`` runs as trunk parts (computed once) and branches.
+    ``parallel_size``: a factor of every packed length (the CP size, times the TP size under
+    sequence parallelism); ``pad_to_max``: every tree ``max_tokens`` long (constant shapes).
     """
     packed = build_packed_tree_batch(
         {"input_ids": data["input_ids"]},
         max_tokens_per_mb=max_tokens,
         block_size=block_size,
-        pad_to_max=False,
+        parallel_size=parallel_size,
+        pad_to_max=pad_to_max,
         share_trunks=share_trunks,
         dp_group=dp_group,
     )
@@ -182,13 +215,20 @@ class _VerlHead:
         token_rows = group if rows.records and tree is rows.tree else own
         if token_rows is None:  # no sample's tokens (a trunk part no sample ends in)
             return {"_": output.flatten()[:0].float().sum()[None]}
-        return self.head(output, token_rows)
+        outputs = self.head(output, token_rows)
+        if rows.cp_positions is None:
+            return outputs
+        # A CP rank computed its rows' tokens (0 elsewhere): the sum over the CP group completes
+        # them (backward the identity, so each rank's gradient reaches only its own rows).
+        return {k: rows.complete([v])[0] for k, v in outputs.items()}
 
 
 class _VerlLoss:
     """:class:`~megatron_tree.mcore.schedule.Loss`: verl's ``postprocess_micro_batch_func`` on the
-    per-sample outputs of the samples ending in a micro-batch (verl's ``(loss, output)``, which
-    Megatron divides by the schedule call's micro-batch count and verl multiplies back).
+    per-sample outputs of the samples ending in a micro-batch: verl's ``(loss, output)``, which
+    Megatron divides by the schedule call's micro-batch count (and multiplies by the CP size: each
+    CP rank's gradient is its rows' share of the whole loss's) and verl multiplies back; or, with
+    ``calculate_per_token_loss``, verl's ``(loss sum, tokens, output)``.
 
     Args:
         micro_batches: verl's micro-batches (on the device), one per packed micro-batch.
@@ -196,22 +236,30 @@ class _VerlLoss:
         postprocess: verl's ``postprocess_micro_batch_func`` with the step's loss function.
         model_output: per-sample outputs {name: nested [b, j]} -> what verl's forward step hands
             its postprocess (the engine's ``_tree_model_output``).
+        token_share: in per-token mode under CP, a micro-batch's verl data -> the tokens this CP
+            rank reports (None: verl's own count).
     """
 
-    def __init__(self, micro_batches, lengths, postprocess, model_output):
+    def __init__(self, micro_batches, lengths, postprocess, model_output, token_share=None):
         self.micro_batches, self.lengths = micro_batches, lengths
         self.postprocess, self.model_output = postprocess, model_output
+        self.token_share = token_share
         self.outputs: dict[int, dict] = {}  # verl's output of each micro-batch that took a loss
 
     def __call__(self, index: int, mb, outputs: dict, *, num_micro_batches: int):
         if mb.tree.num_sequences == 0:
-            return sum(v.sum() for v in outputs.values()) * 0.0, {}
+            # No sample ends here (a trunk part): no loss, and 0 loss tokens in the per-token
+            # form, so that the schedule can report the tokens of the calls it held back.
+            zero = sum(v.sum() for v in outputs.values()) * 0.0
+            return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
         data = self.micro_batches[index]
         tu.assign_non_tensor(data, num_micro_batch=num_micro_batches)
         per_sample = {k: _nested(list(v.split(self.lengths[index]))) for k, v in outputs.items()}
-        loss, output = self.postprocess(self.model_output(per_sample), data=data)
-        self.outputs[index] = output
-        return loss, output
+        result = self.postprocess(self.model_output(per_sample), data=data)
+        self.outputs[index] = result[-1]
+        if len(result) == 3 and self.token_share is not None:
+            result = (result[0], self.token_share(data), result[2])
+        return result
 
 
 def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -243,16 +291,22 @@ class _TreeEngine:
         with _tree_bridges(self.tree_backend):
             return super()._build_megatron_module()
 
-    def _capacity(self, data) -> int:
-        tokens = self.tree_max_tokens or tu.get_non_tensor_data(
-            data, key="max_token_len_per_gpu", default=None
-        )
+    def _capacity(self, data, align: int) -> int:
+        """A tree's token capacity: ``tree_max_tokens``, or verl's ``max_token_len_per_gpu`` times
+        the CP size (verl's own micro-batches hold that many tokens under CP, each rank a share),
+        rounded up to the block size and ``align``."""
+        tokens = self.tree_max_tokens
+        if tokens is None:
+            tokens = tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
+            if tokens is not None:
+                tokens = int(tokens) * mpu.get_context_parallel_world_size()
         if tokens is None:
             raise ValueError(
                 "tree micro-batches need a token capacity: set max_token_len_per_gpu on the batch "
                 "or tree_max_tokens on the engine"
             )
-        return math.ceil(int(tokens) / self.tree_block_size) * self.tree_block_size
+        unit = math.lcm(self.tree_block_size, align)
+        return math.ceil(int(tokens) / unit) * unit
 
     def _check_supported(self, data) -> None:
         if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False) or getattr(
@@ -263,26 +317,32 @@ class _TreeEngine:
                 "recorded routes would not be replayed on the tree; unset VERL_ENGINE_VENDOR or "
                 "turn router replay off"
             )
-        for name, size in (
-            ("pipeline", mpu.get_pipeline_model_parallel_world_size()),
-            ("context", mpu.get_context_parallel_world_size()),
-        ):
-            if size > 1:
-                raise ValueError(
-                    f"{name}-parallel size {size}: the verl tree engine runs without {name} "
-                    "parallelism so far; use megatron_tree.tree_forward_backward directly"
-                )
-        if getattr(self.tf_config, "calculate_per_token_loss", False):
+        if getattr(self.engine_config, "dynamic_context_parallel", False):
             raise ValueError(
-                "calculate_per_token_loss=True: the verl tree engine runs verl's micro-batch-mean "
-                "loss protocol; turn it off (verl enables it only with context parallelism)"
+                "dynamic_context_parallel=True: verl's dynamic CP scheduler re-lays samples per "
+                "DPxCP rank, which tree micro-batches replace; set dynamic_context_parallel=False "
+                "and context_parallel_size (the tree engine splits every tree across the CP ranks "
+                "by attention work)"
             )
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self._check_supported(data)
+        config = self.tf_config
+        # Packed lengths divide by the CP size (times the TP size under sequence parallelism);
+        # constant shapes where the step needs them (pipeline stages, the allgather dispatcher).
+        align = config.context_parallel_size * (
+            config.tensor_model_parallel_size if config.sequence_parallel else 1
+        )
+        constant = _needs_constant_shapes(config, len(self.module))
         # the batch's packing, from verl's micro-batch preparation to its schedule call
         trees: dict = {}
-        prepare = partial(self._prepare_trees, capacity=self._capacity(data), trees=trees)
+        prepare = partial(
+            self._prepare_trees,
+            capacity=self._capacity(data, align),
+            align=align,
+            constant=constant,
+            trees=trees,
+        )
         schedule = partial(
             self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only
         )
@@ -303,17 +363,22 @@ class _TreeEngine:
         num_batches_divided_by=None,
         *,
         capacity: int,
+        align: int,
+        constant: bool,
         trees: dict,
         **unused,
     ):
         # With dp_group every data-parallel rank gets as many micro-batches (all-padding ones
-        # appended), as Megatron's schedule and verl's same_micro_num_in_dp need.
+        # appended), as Megatron's schedule and verl's same_micro_num_in_dp need; the ranks of a
+        # pipeline and of a CP group pack the same data the same way.
         micro_batches, indices, packed = tree_micro_batches(
             data,
             max_tokens=capacity,
             block_size=self.tree_block_size,
             share_trunks=self.tree_share_trunks,
             dp_group=dp_group,
+            parallel_size=align,
+            pad_to_max=constant,
         )
         self.tree_stats = {
             "sequences": packed.batch_size,
@@ -330,6 +395,11 @@ class _TreeEngine:
                 for k, v in self.tree_stats.items()
             ),
         )
+        # Each CP rank computes its share of every micro-batch's rows (split on the host).
+        cp_group = (
+            mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None
+        )
+        packed = split_for_context_parallel(packed, cp_group)
         temperature = data["temperature"]
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.full((len(data),), float(temperature))
@@ -343,7 +413,21 @@ class _TreeEngine:
                 for mb in packed
             ],
         )
+        if num_batches_divided_by:
+            # verl asserts that its micro-batch count divides by the interleaved schedule's group
+            # size; the tree schedule rounds each of its calls itself (all-padding fill-ins), so
+            # these extra entries (copies of the last) are never run.
+            extra = -len(micro_batches) % num_batches_divided_by
+            micro_batches += [micro_batches[-1]] * extra
         return micro_batches, indices
+
+    def _token_share(self, data) -> torch.Tensor:
+        """Per-token mode under CP: this CP rank's share of a micro-batch's routed tokens, the
+        remainder dealt to the first ranks (verl's ``tokens // cp`` on every rank would count up
+        to cp - 1 tokens fewer per micro-batch), so that the shares add up to the tokens."""
+        routed = self._routed_num_tokens(data)
+        size = mpu.get_context_parallel_world_size()
+        return (routed // size + (routed % size > mpu.get_context_parallel_rank())).to(torch.int)
 
     def _tree_schedule(
         self,
@@ -359,9 +443,12 @@ class _TreeEngine:
     ) -> list[dict]:
         """In place of Megatron's ``forward_backward_func`` (verl's forward step is not used): the
         tree step's loops over the batch's micro-batches, returning verl's outputs of those that
-        take a loss, in micro-batch order (as verl's indices list them)."""
+        take a loss, in micro-batch order (as verl's indices list them); on other pipeline stages
+        than the last, none (verl's engine then returns no output there, as its own does)."""
         device = next(model[0].parameters()).device
-        micro_batches = [batch.to(device) for batch in data_iterator]
+        # Under virtual pipeline parallelism verl hands one iterator per model chunk.
+        batches = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        micro_batches = [batch.to(device) for batch in batches]
         packed = trees["packed"].to(device)
         token_rows = [
             tuple(None if t is None else t.to(device) for t in pair) for pair in trees["token_rows"]
@@ -376,10 +463,13 @@ class _TreeEngine:
             )
         }
         phases = Phases.of(list(packed))
-        if phases.trunks and flags["distillation_use_topk"]:
+        if flags["distillation_use_topk"] and (
+            phases.trunks or mpu.get_context_parallel_world_size() > 1
+        ):
             raise ValueError(
                 "top-k distillation reads the teacher's per-token data in the micro-batch's order, "
-                "which trunk parts do not keep: set tree_share_trunks=False on the engine"
+                "which trunk parts and context-parallel row shares do not keep: set "
+                "tree_share_trunks=False on the engine and context_parallel_size=1"
             )
         head = _VerlHead(
             partial(
@@ -387,6 +477,7 @@ class _TreeEngine:
             ),
             {id(mb.rows): pair for mb, pair in zip(packed, token_rows)},
         )
+        per_token = bool(self.tf_config.calculate_per_token_loss)
         loss = _VerlLoss(
             micro_batches,
             [None if own is None else own.lengths for own, _ in token_rows],
@@ -396,12 +487,51 @@ class _TreeEngine:
                 loss_function=loss_function,
             ),
             self._tree_model_output,
+            self._token_share if per_token and mpu.get_context_parallel_world_size() > 1 else None,
         )
         ctx = StepContext(
-            model, self.tf_config, moe=bool(self.tf_config.num_moe_experts), per_token=False
+            model,
+            self.tf_config,
+            moe=bool(self.tf_config.num_moe_experts),
+            # Per-token mode: router losses weighted by their tokens, as the loss's (Megatron
+            # divides both by the global token count); otherwise Megatron's mean per micro-batch.
+            loss_scale=1.0 if per_token else None,
+            per_token=False,  # the config's mode: verl's protocol
         )
-        run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
+        with _vpp_groups_of_pp(model):
+            run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
         return [loss.outputs[i] for i in sorted(loss.outputs)]
+
+
+def _needs_constant_shapes(config, num_chunks: int) -> bool:
+    """Whether every tree is padded to the capacity: where the package's step needs one length
+    (:func:`~megatron_tree.mcore.step.constant_shapes`: pipeline stages, the allgather expert
+    dispatcher), except the one-chunk pipeline of a config with ``variable_seq_lengths`` (both of
+    verl's model paths set it): its stages send each activation's shape first, one direction per
+    exchange. The interleaved schedule's shape exchange posts both directions in one batch, which
+    gloo mismatches (tried: PP=2 x VPP=2 with trees of 64 and 48 rows fails on gloo), so virtual
+    pipelines keep one length."""
+    if constant_shapes(config) is None:
+        return False
+    allgather = expert_parallel(config) and config.moe_token_dispatcher_type == "allgather"
+    return allgather or num_chunks > 1 or not config.variable_seq_lengths
+
+
+@contextlib.contextmanager
+def _vpp_groups_of_pp(model):
+    """Under virtual pipeline parallelism: the interleaved schedule's micro-batch groups of the
+    pipeline size, for which :func:`~megatron_tree.mcore.schedule.run_phases` rounds each call's
+    micro-batch count (a larger ``microbatch_group_size_per_vp_stage`` only reorders the
+    schedule, and Megatron refuses counts below it)."""
+    if len(model) == 1:
+        yield
+        return
+    config = get_model_config(model[0])
+    with swapped(
+        config,
+        microbatch_group_size_per_vp_stage=mpu.get_pipeline_model_parallel_world_size(),
+    ):
+        yield
 
 
 @EngineRegistry.register(

@@ -328,13 +328,23 @@ def build_engine(
     model_type: str = "language_model",
     micro_batch_size: int = 2,
     lr: float = 1e-3,
+    clip_grad: float = 1.0,
     tree_max_tokens: int = 128,
     vanilla_mbridge: bool = True,
+    parallel: dict | None = None,
+    use_remove_padding: bool = False,
+    override_transformer_config: dict | None = None,
 ):
     """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
     checkpoint at ``path`` (fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own);
     initialized. ``vanilla_mbridge``: verl's mbridge path (True) or its default Megatron-Bridge path
-    (False; verl's stock engine then builds inside :func:`local_spec_in_megatron_bridge`)."""
+    (False; verl's stock engine then builds inside :func:`local_spec_in_megatron_bridge`).
+    ``parallel``: the layout, ``{"tp", "pp", "vpp", "cp"}`` sizes (default 1 each, the rest of the
+    world data parallel); verl initializes Megatron's parallel state with it unless it is already
+    (:func:`reset_model_parallel` between layouts). ``use_remove_padding`` (verl's THD path; only
+    the tree engine runs it on a CPU) and ``override_transformer_config`` go to verl's engine
+    config; ``lr`` and ``clip_grad`` to its optimizer (a ``clip_grad`` above the gradient norm
+    leaves the gradients as the loss made them, so that a normalization error shows)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
@@ -345,14 +355,20 @@ def build_engine(
         os.environ.pop("VERL_ENGINE_VENDOR", None)
     model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
+    sizes = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, **(parallel or {})}
     engine_config = McoreEngineConfig(
         strategy="megatron",
         vanilla_mbridge=vanilla_mbridge,
-        use_remove_padding=False,
+        use_remove_padding=use_remove_padding,
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=micro_batch_size,
         use_distributed_optimizer=False,
         sequence_parallel=False,
+        tensor_model_parallel_size=sizes["tp"],
+        pipeline_model_parallel_size=sizes["pp"],
+        virtual_pipeline_model_parallel_size=sizes["vpp"],
+        context_parallel_size=sizes["cp"],
+        override_transformer_config=dict(override_transformer_config or {}),
     )
     force_fp32(engine_config)
     engine = EngineRegistry.new(
@@ -361,7 +377,7 @@ def build_engine(
         model_config=model_config,
         engine_config=engine_config,
         checkpoint_config=CheckpointConfig(),
-        optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=1.0, total_training_steps=10),
+        optimizer_config=McoreOptimizerConfig(lr=lr, clip_grad=clip_grad, total_training_steps=10),
     )
     seed_megatron_rng_tracker(engine_config.seed)
     if vendor:
@@ -376,6 +392,27 @@ def build_engine(
     if not vendor:
         bshd_padding_mask_for_local_attention(engine)
     return engine, model_config
+
+
+def reset_model_parallel() -> None:
+    """Megatron's parallel state destroyed, so that the next engine built initializes it with its
+    own layout (verl keeps an initialized one)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def engine_grads(engine) -> dict[str, torch.Tensor]:
+    """This rank's DDP gradient buffers (``main_grad``) of every model chunk, by name (chunk
+    ``c`` > 0 of a virtual pipeline prefixed ``chunk{c}.``); read inside ``engine.train_mode()``."""
+    from .reference import parameter_grads
+
+    grads = {}
+    for c, chunk in enumerate(engine.module):
+        for name, grad in parameter_grads(chunk, main_grad=True, require_all=True).items():
+            grads[f"chunk{c}.{name}" if c else name] = grad
+    return grads
 
 
 def rollout_batch(
