@@ -2,8 +2,11 @@
 Triton's interpreter, against a token-by-token recurrence on each sequence alone; print the kernel
 calls per layer of a GRPO trie and a multi-turn agent trie.
 
-Not part of the test suite: it needs mamba-ssm, which the project's environments do not install.
-A scratch venv outside the repository (torch and Triton >= 3 from the project's Python 3.12 venv):
+CI runs the same check as a test on the stack with mamba-ssm (``MEGATRON_TREE_BRIDGE=kernels bash
+scripts/test.sh tests/test_recurrent_kernels.py``, against the pure-torch tree SSD). This script
+prints more (timings, the kernel calls of large tries); it runs in that stack's venv
+(``.venv-python3-kernels``) or in a scratch venv outside the repository (torch and Triton >= 3 from
+the project's Python 3.12 venv):
 
     python3.12 -m venv /tmp/mamba-venv
     echo /work/main/.venv-python3.12/lib/python3.12/site-packages \\

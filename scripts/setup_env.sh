@@ -5,7 +5,8 @@
 #   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
 # Both with mbridge 0.15.1 and transformers < 5. MEGATRON_TREE_BRIDGE adds a framework:
 # megatron-bridge (with AReaL 1.0.4, for its engine on Megatron-Bridge models), verl,
-# verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one).
+# verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one); kernels adds
+# mamba-ssm and fla-core (their Triton kernels, run in the interpreter by the CPU tests).
 #
 # torch is installed first and pinned, so pip never resolves an unpinned `torch` again later. Where
 # pip finds a CPU wheel (as on our CPU machines for Python 3.11) that is what it installs; PyPI's
@@ -96,7 +97,7 @@ install_areal() {
 # are left as they are (AReaL's CPU platform stands in for its Triton FP8 kernels while triton is
 # absent). MEGATRON_TREE_TRITON overrides the requirement, "skip" installs none.
 TRITON_REQ="${MEGATRON_TREE_TRITON:-triton==3.7.1}"
-if [ -z "$BRIDGE" ] && [ "$TRITON_REQ" != "skip" ] && ! "$PY" -c "import triton" 2>/dev/null; then
+if { [ -z "$BRIDGE" ] || [ "$BRIDGE" = "kernels" ]; } && [ "$TRITON_REQ" != "skip" ] && ! "$PY" -c "import triton" 2>/dev/null; then
   echo "[setup] installing $TRITON_REQ (backend='triton'; its tests use Triton's interpreter)"
   pip_install --no-deps "$TRITON_REQ"
 fi
@@ -119,8 +120,19 @@ elif [ "$BRIDGE" = "verl-megatron-bridge" ]; then
   install_verl megatron-energon
 elif [ "$BRIDGE" = "areal" ]; then
   install_areal
+elif [ "$BRIDGE" = "kernels" ]; then
+  # The recurrent layers' GPU kernels, for their interpreter tests on the CPU
+  # (tests/test_recurrent_kernels.py): mamba-ssm 2.3.2.post1 built from source without its CUDA
+  # extensions (MAMBA_FORCE_BUILD: else its setup downloads a prebuilt CUDA wheel; its Triton SSD
+  # kernels are plain Python) and fla-core 0.6.0 (fla's Triton kernels, pure Python), both
+  # --no-deps with the small packages they import; torch and triton stay as installed above.
+  echo "[setup] installing mamba-ssm 2.3.2.post1 (source, no CUDA build) and fla-core 0.6.0"
+  pip_install einops ninja packaging setuptools wheel
+  MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE pip_install --no-deps --no-build-isolation \
+    "mamba-ssm==2.3.2.post1"
+  pip_install --no-deps "fla-core==0.6.0"
 elif [ -n "$BRIDGE" ]; then
-  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl, verl-megatron-bridge or areal" >&2
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl, verl-megatron-bridge, areal or kernels" >&2
   exit 2
 fi
 echo "$want" > "$stamp"

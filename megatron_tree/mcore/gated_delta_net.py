@@ -13,14 +13,16 @@ them to the micro-batch's context, all-gathered over the CP group (each CP rank 
 recurrence over the whole context and keeps its rows; the recurrence is a few percent of the layer's
 FLOPs), recorded by a trunk part and prepended for the parts after it (trunk reuse: a branch
 recomputes the recurrence along its trunk from the stored inputs, exact, with gradients reaching
-the trunk through the store). Backends: the pure-torch chunked rule on every device; it is also
-what runs on a GPU today (fla's varlen kernel with per-segment initial states is the planned GPU
-path, one call per segment level).
+the trunk through the store). Backends: the pure-torch chunked rule on every device; on CUDA with
+``fla`` installed, fla's varlen ``chunk_gated_delta_rule`` with per-segment initial states, one
+call per level of the plan (:func:`~megatron_tree.mcore.gdn_kernels.tree_gated_delta_rule_fla`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,34 @@ try:  # megatron-core >= 0.19
 except ImportError:  # pragma: no cover - older megatron-core
     GatedDeltaNet = None
     _gdn_common = None
+
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _fla_kernels() -> bool:
+    """fla's Triton gated delta rule imports here (checked once; logged once where not)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except ImportError as exc:
+        logger.warning(
+            "tree GatedDeltaNet layers on CUDA without fla's kernels (%s): running the pure-torch "
+            "chunked rule (exact, slower); `pip install fla-core` for the Triton kernels",
+            exc,
+        )
+        return False
+    return True
+
+
+def _delta_rule_backend(x: torch.Tensor):
+    """The gated delta rule for ``x``'s device: fla's kernel on CUDA where it is installed, else
+    the pure-torch chunked rule."""
+    if x.is_cuda and _fla_kernels():
+        from .gdn_kernels import tree_gated_delta_rule_fla
+
+        return tree_gated_delta_rule_fla
+    return tree_gated_delta_rule
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +176,7 @@ if GatedDeltaNet is not None:
             g = -self.A_log.exp() * F.softplus(_at_least_fp32(alpha) + self.dt_bias)
             heads = value.shape[2]
             fold = lambda t: t.reshape(k_ctx, b * heads, *t.shape[3:])  # noqa: E731  (batch into heads)
-            out = tree_gated_delta_rule(
+            out = _delta_rule_backend(value)(
                 fold(query * self.key_head_dim**-0.5),
                 fold(key),
                 fold(value),
