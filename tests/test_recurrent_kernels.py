@@ -372,34 +372,47 @@ def test_mamba_ssm_kernels_in_the_interpreter(interpreter, monkeypatch, record_p
     assert max(errors.values()) < TOL, errors
 
 
+def _known_fla_failure(exc: BaseException) -> str:
+    """The interpreter's error text, asserted to be the known one, raised in fla's state kernel."""
+    text = f"{type(exc).__name__}: {exc}"
+    assert FLA_INTERPRETER_ERROR in text, text
+    frames, err = [], exc
+    while err is not None:
+        tb = err.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        err = err.__cause__
+    assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64" in frames, frames
+    return text
+
+
 @pytest.mark.slow
 def test_fla_kernel_in_the_interpreter(interpreter, record_property):
     """fla's chunk_gated_delta_rule on the tree (varlen, per-segment initial states), in the
     interpreter. Today it fails inside its state kernel on the loop index (see the module
-    docstring): pinned as that exact failure; if it ever runs, it must match the torch path."""
+    docstring), on level 0 (no initial states) and on level 1's call as the glue makes it (one
+    initial state per segment: past fla's argument checks, the same failure): pinned as that
+    exact failure; if it ever runs, it must match the torch path."""
     tree = small_tree()
     plan = RecurrentPlan(tree.subtree_end)
     inputs = [t.detach().float().requires_grad_() for t in gdn_inputs(plan.num_positions, dk=16)]
-    try:
-        got = gdn_kernels.tree_gated_delta_rule_fla(
-            *inputs, plan, kernel=interpreter.fla.chunk_gated_delta_rule
+    kernel = interpreter.fla.chunk_gated_delta_rule
+    positions, cu, init, _ = gdn_kernels.level_layout(plan, 1)
+    q, k, v, g, beta = (t.detach()[positions][None] for t in inputs)
+    h0 = torch.randn(
+        len(init), *k.shape[2:], v.shape[-1], generator=torch.Generator().manual_seed(2)
+    )
+    try:  # level 1's call as the glue makes it: it must pass fla's argument checks
+        kernel(
+            q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True, cu_seqlens=cu
         )
-    except Exception as exc:  # the interpreter's error, checked to the letter below
-        text = f"{type(exc).__name__}: {exc}"
-        assert FLA_INTERPRETER_ERROR in text, text
-        tb = exc.__traceback__
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        cause = exc.__cause__
-        while cause is not None and cause.__traceback__ is not None:
-            tb = cause.__traceback__
-            while tb is not None:
-                frames.append(tb.tb_frame.f_code.co_name)
-                tb = tb.tb_next
-            cause = cause.__cause__
-        assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64" in frames, frames
+    except Exception as exc:
+        _known_fla_failure(exc)
+    try:
+        got = gdn_kernels.tree_gated_delta_rule_fla(*inputs, plan, kernel=kernel)
+    except Exception as exc:  # the interpreter's error, checked to the letter
+        text = _known_fla_failure(exc)
         record_property("fla_interpreter_error", text)
         pytest.xfail(
             f"fla's chunk_gated_delta_rule_fwd_kernel_h_blockdim64 in Triton's interpreter: {text}"
