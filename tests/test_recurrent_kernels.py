@@ -55,7 +55,7 @@ KERNELS_SETUP = (
     "--no-build-isolation mamba-ssm==2.3.2.post1 einops && pip install --no-deps fla-core==0.6.0)"
 )
 TOL = 1e-4  # fp32 kernels vs the fp64 torch path: max |err| / max |reference| (seen: <= 3e-7)
-STATE_TOL = 1e-6  # fp64 inputs, fp32 states between levels (as fla's): seen 8e-9
+STATE_TOL = 1e-6  # fp64 inputs, fp32 states between levels (as fla's): seen 8e-9 fwd, 2.8e-8 grads
 FLA_INTERPRETER_ERROR = "'int' object has no attribute 'to'"
 
 
