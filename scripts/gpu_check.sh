@@ -11,7 +11,9 @@
 #   [1] the CPU suite of the attention/bridge code with CUDA hidden (it must pass there too; on the
 #       GPU it runs on the CPU cores while [2] runs, before the timed steps);
 #   [2] tests/test_gpu.py (pytest -m gpu): the CUDA tests, each row with its value and bar;
-#   [3] attention throughput: scripts/bench_attention.py (tree flex attention vs. causal flash);
+#   [3] attention throughput: scripts/bench_attention.py (tree flex attention vs. causal flash),
+#       then (on the GPU only) the same with backend="triton", our kernel, reported without a bar
+#       until a first GPU run has measured it (read it against [3]'s flex rows);
 #   [4] log-prob gather bandwidth: scripts/bench_logprobs.py;
 #   [5] the end-to-end GRPO step, examples/tree_vs_baseline.py, tree vs. unshared baseline on
 #       qwen3_small (hidden 1024, 8 layers), bf16, flex, 16K-token trees (bar: >= 85% of the
@@ -70,10 +72,10 @@ trap 'rm -rf "$WORK"' EXIT
 T0=$SECONDS
 
 # Timeouts in seconds. On the GPU: install + imports + max(cpu, gpu) + attention + logprobs + e2e
-# = 40 + 25 + 170 + 75 + 40 + 120 = 470 s, under 8 minutes. The dry run runs [1] and [2] one
+# = 40 + 25 + 170 + 75 + 60 (triton) + 40 + 120 = 530 s, under 9 minutes. The dry run runs [1] and [2] one
 # after the other and its [3]-[5] are small.
 if [ "$MODE" = gpu ]; then
-  T_INSTALL=40 T_IMPORTS=25 T_CPU=170 T_GPU=170 T_ATTN=75 T_LOGP=40 T_E2E=120
+  T_INSTALL=40 T_IMPORTS=25 T_CPU=170 T_GPU=170 T_ATTN=75 T_TRITON=60 T_LOGP=40 T_E2E=120
 else
   T_INSTALL=120 T_IMPORTS=90 T_CPU=240 T_GPU=120 T_ATTN=90 T_LOGP=90 T_E2E=150
 fi
@@ -271,6 +273,13 @@ ATTN_ARGS=($(bench_args scripts/bench_attention.py))
 echo "== [3] attention throughput (scripts/bench_attention.py ${ATTN_ARGS[*]})"
 rows_step "attention benchmark" "$OUT/rows_attention.txt" "$T_ATTN" "$OUT/attention.txt" \
   "$PY" scripts/bench_attention.py "${ATTN_ARGS[@]}" --rows "$OUT/rows_attention.txt"
+if [ "$MODE" = gpu ]; then
+  # --bar 0: the triton kernel is reported, not judged, until a GPU run has measured it (docs/gpu.md)
+  echo "== [3b] attention throughput, backend triton (scripts/bench_attention.py --backend triton)"
+  rows_step "attention benchmark (triton)" "$OUT/rows_attention_triton.txt" "$T_TRITON" \
+    "$OUT/attention_triton.txt" "$PY" scripts/bench_attention.py "${ATTN_ARGS[@]}" \
+    --backend triton --bar 0 --rows "$OUT/rows_attention_triton.txt"
+fi
 
 LOGP_ARGS=($(bench_args scripts/bench_logprobs.py))
 echo "== [4] log-prob gather bandwidth (scripts/bench_logprobs.py ${LOGP_ARGS[*]})"
