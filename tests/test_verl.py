@@ -549,6 +549,7 @@ def _layout_worker(
     from megatron_tree.testing.models import hf_logprobs
 
     harness.setup_cpu()
+    from megatron.core import parallel_state as mpu
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
@@ -587,14 +588,21 @@ def _layout_worker(
         )[0]
 
     def run(engine, max_tokens: int | None = None) -> dict:
+        budget = {}
         if max_tokens is not None:
-            engine.tree_max_tokens = max_tokens
+            # The tree engine's capacity from verl's token budget, which holds per GPU: a tree of
+            # max_tokens rows spans the CP ranks.
+            engine.tree_max_tokens = None
+            budget["max_token_len_per_gpu"] = max_tokens // mpu.get_context_parallel_world_size()
         with engine.eval_mode():
-            output = engine.infer_batch(harness.engine_batch(padded, calculate_entropy=True))
+            output = engine.infer_batch(
+                harness.engine_batch(padded, calculate_entropy=True, **budget)
+            )
         train = harness.engine_batch(
             dict(padded, old_log_probs=old, advantages=advantages),
             global_batch_size=len(seqs),
             calculate_entropy=False,
+            **budget,
         )
         with engine.train_mode():
             result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
@@ -620,8 +628,6 @@ def _layout_worker(
         out["reference"] = run(engine, WHOLE_TREES)
         harness.reset_model_parallel()
     tree = build("megatron_tree", parallel)
-    from megatron.core import parallel_state as mpu
-
     out["engine"] = type(tree).__name__
     out["bridge"] = type(tree.bridge).__module__
     out["layout"] = {
@@ -703,3 +709,20 @@ def test_tree_engine_parallel_layouts(tmp_path, layout):
     with_outputs = [r for r, out in enumerate(ranks) if out["trees"]["log_probs"] is not None]
     assert with_outputs == list(range(world // 2 if "pp" in parallel else 0, world))
     print(f"{layout} ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):", worst)
+
+
+def test_dynamic_context_parallel_is_refused():
+    """verl's dynamic CP schedules its own micro-batches per DPxCP rank, in place of the trees:
+    refused with the fix (the tree engine splits trees over verl's static CP ranks)."""
+    from types import SimpleNamespace
+
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_tree.integrations.verl import TreeMegatronEngineWithLMHead
+
+    engine = SimpleNamespace(
+        engine_config=SimpleNamespace(dynamic_context_parallel=True), enable_routing_replay=False
+    )
+    data = tu.get_tensordict({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="dynamic_context_parallel=True.*set dynamic_context_par"):
+        TreeMegatronEngineWithLMHead._check_supported(engine, data)

@@ -271,8 +271,8 @@ class _TreeEngine:
 
     Attributes (class level; override per instance): ``tree_backend`` (TreeCoreAttention backend),
     ``tree_block_size`` (packing alignment), ``tree_max_tokens`` (a micro-batch's capacity; None:
-    the batch's ``max_token_len_per_gpu``, rounded up to the block size), ``tree_share_trunks``
-    (trunk reuse for prompt groups larger than a micro-batch).
+    the batch's ``max_token_len_per_gpu`` times the CP size, rounded up to the block size),
+    ``tree_share_trunks`` (trunk reuse for prompt groups larger than a micro-batch).
     """
 
     tree_backend = "auto"

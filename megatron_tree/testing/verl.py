@@ -472,18 +472,18 @@ def rollout_layout(
 
 def engine_batch(padded: dict, micro_batch_size: int = 2, **meta):
     """``padded`` as the engine takes it: verl's own ``left_right_2_no_padding`` (jagged input ids
-    and positions, ``loss_mask`` = the response mask) with the batch's non-tensor settings."""
+    and positions, ``loss_mask`` = the response mask) with the batch's non-tensor settings
+    (``meta`` adds to or replaces the defaults, e.g. ``max_token_len_per_gpu``)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     td = left_right_2_no_padding(tu.get_tensordict({k: v.clone() for k, v in padded.items()}))
-    tu.assign_non_tensor(
-        td,
+    settings = dict(
         temperature=1.0,
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=micro_batch_size,
         max_token_len_per_gpu=4096,
         use_fused_kernels=False,
-        **meta,
     )
+    tu.assign_non_tensor(td, **{**settings, **meta})
     return td
