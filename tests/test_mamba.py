@@ -65,14 +65,20 @@ def _mixer(world_size_tp: int = 1):
     return mixer
 
 
+def _conv(mixer) -> tuple:
+    """Megatron's convolution parameters (weight, bias): ``conv1d_weight`` / ``conv1d_bias`` on
+    megatron-core 0.19, an ``nn.Conv1d`` named ``conv1d`` before."""
+    if hasattr(mixer, "conv1d_weight"):
+        return mixer.conv1d_weight, mixer.conv1d_bias
+    return mixer.conv1d.weight, mixer.conv1d.bias
+
+
 def _reference(mixer, h: torch.Tensor) -> torch.Tensor:
     """One sequence h [L, HIDDEN] -> [L, HIDDEN], Mamba-2 written out."""
     n = h.shape[0]
     inner, groups = HEADS * HEAD_DIM, GROUPS * STATE
     z, xbc, dt = (h @ mixer.in_proj.weight.t()).split([inner, inner + 2 * groups, HEADS], -1)
-    conv = F.conv1d(
-        xbc.t()[None], mixer.conv1d_weight, mixer.conv1d_bias, padding=3, groups=xbc.shape[1]
-    )
+    conv = F.conv1d(xbc.t()[None], *_conv(mixer), padding=3, groups=xbc.shape[1])
     x, b, c = F.silu(conv[0, :, :n].t()).split([inner, groups, groups], -1)
     per_head = lambda t: t.reshape(n, GROUPS, 1, STATE).expand(-1, -1, HEADS // GROUPS, -1)  # noqa: E731
     y, _ = ssd_reference(
@@ -131,9 +137,12 @@ def test_same_state_dict_as_megatrons_mixer(world):
     names = {n: tuple(t.shape) for n, t in mixer.state_dict().items() if t is not None}
     inner = HEADS * HEAD_DIM
     conv = inner + 2 * GROUPS * STATE
+    # megatron-core 0.19 names the convolution's parameters conv1d_weight / conv1d_bias, earlier
+    # releases hold an nn.Conv1d named conv1d
+    sep = "_" if hasattr(mixer, "conv1d_weight") else "."
     assert names == {
-        "conv1d_weight": (conv, 1, 4),
-        "conv1d_bias": (conv,),
+        f"conv1d{sep}weight": (conv, 1, 4),
+        f"conv1d{sep}bias": (conv,),
         "dt_bias": (HEADS,),
         "A_log": (HEADS,),
         "D": (HEADS,),

@@ -131,6 +131,14 @@ if MambaMixer is not None:
             with _without_mamba_ssm_requirement():
                 super().__init__(*args, **kwargs)
 
+        def conv_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The depthwise convolution's weight [channels, 1, d_conv] and bias [channels]:
+            megatron-core 0.19 holds them as ``conv1d_weight`` / ``conv1d_bias``, earlier releases
+            as an ``nn.Conv1d`` named ``conv1d``."""
+            if hasattr(self, "conv1d_weight"):
+                return self.conv1d_weight, self.conv1d_bias
+            return self.conv1d.weight, self.conv1d.bias
+
         def forward(
             self,
             hidden_states,
@@ -162,8 +170,8 @@ if MambaMixer is not None:
             )
             xbc, dt = plan.keys_values(xbc, dt, self.layer_number)  # the context's [K, b, ...]
             recurrent = plan.recurrent()
-            weight = self.conv1d_weight.squeeze(1)
-            xbc = F.silu(tree_causal_conv(xbc, weight, self.conv1d_bias, recurrent))
+            weight, bias = self.conv_parameters()
+            xbc = F.silu(tree_causal_conv(xbc, weight.squeeze(1), bias, recurrent))
             x, b_in, c_in = torch.split(xbc, [inner, groups, groups], dim=-1)
             y = self._scan(x, dt, b_in, c_in, recurrent)  # [K, b, inner]
             if plan.query_positions is not None:
