@@ -726,3 +726,36 @@ def test_dynamic_context_parallel_is_refused():
     data = tu.get_tensordict({"input_ids": torch.ones(2, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="dynamic_context_parallel=True.*set dynamic_context_par"):
         TreeMegatronEngineWithLMHead._check_supported(engine, data)
+
+
+@pytest.mark.parametrize("vendor", ["megatron_tree", None])
+def test_trainer_balancing_without_a_launcher_edit(vendor):
+    """A fresh process as verl's ``TaskRunner``: ``import verl`` (its plugins), then verl's trainer
+    module. With ``VERL_ENGINE_VENDOR=megatron_tree`` its ``_balance_batch`` keeps every prompt
+    group (uid) on one data-parallel rank with nobody calling ``patch_trainer_balancing`` (one log
+    line says so); without the vendor it is verl's own, which splits groups."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VERL_ENGINE_VENDOR"}
+    if vendor:
+        env["VERL_ENGINE_VENDOR"] = vendor
+    code = (
+        "import json\nfrom megatron_tree.testing.verl import balance_with_verls_trainer\n"
+        "print('RESULT', json.dumps(balance_with_verls_trainer()))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    spread = {dp: sum(len(groups) for groups in result[str(dp)]) for dp in (2, 4)}
+    line = "keeps prompt groups on one data-parallel rank (VERL_ENGINE_VENDOR=megatron_tree"
+    if vendor:
+        assert result["megatron_tree"] and spread == {2: 8, 4: 8}, result  # each group on one rank
+        assert run.stderr.count(line) == 1, run.stderr[-3000:]
+    else:
+        assert not result["megatron_tree"] and min(spread.values()) > 8, result  # verl splits
+        assert line not in run.stderr

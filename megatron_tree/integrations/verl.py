@@ -25,9 +25,12 @@ things changed:
 The critic's engine (:class:`TreeMegatronEngineWithValueHead`) is verl's value engine with the same
 changes; each sample's values are the value head at its own tokens' rows. Data-parallel ranks run
 as many micro-batches (all-padding ones appended, which add no output or loss). On verl's single
-controller, :func:`patch_trainer_balancing` (one call in the launcher) keeps each prompt group on
-one data-parallel rank where verl would balance sequence lengths and split groups. Both of verl's
-model paths are tested (vanilla mbridge; Megatron-Bridge, its default, on a transformers-5 stack).
+controller, :func:`patch_trainer_balancing` keeps each prompt group on one data-parallel rank where
+verl would balance sequence lengths and split groups; with the vendor variable set, importing this
+module arranges that by itself (:func:`balance_on_trainer_import`), so the launcher is unchanged
+(verl's legacy trainer, ``trainer.use_v1=false``; its v1 trainer balances transfer-queue metadata
+and is not changed). Both of verl's model paths are tested (vanilla mbridge; Megatron-Bridge, its
+default, on a transformers-5 stack).
 
 Parallelism is verl's layout (its engine config: TP, DP, PP, VPP, CP), run by the same schedule
 as the package's step.
@@ -59,9 +62,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import importlib.abc
 import importlib.util
 import logging
 import math
+import os
+import sys
 from functools import partial
 from typing import NamedTuple
 
@@ -655,16 +661,83 @@ def tree_balance_batch(original):
     return balance
 
 
-def patch_trainer_balancing() -> None:
-    """Replace ``RayPPOTrainer._balance_batch`` by :func:`tree_balance_batch` (once). Call it in the
-    process that runs verl's trainer, before training (one line in the launcher). The verl plugin
-    does not: it runs inside ``import verl``, and importing verl's trainer from there would be
-    circular (and pulls in its rollout stack on every worker)."""
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+
+
+def patch_trainer_balancing(*, how: str = "patch_trainer_balancing() called") -> None:
+    """Replace ``RayPPOTrainer._balance_batch`` by :func:`tree_balance_batch` (once) and log one
+    line saying so (``how``: what applied it).
+
+    With ``VERL_ENGINE_VENDOR=megatron_tree`` this is not needed: importing this module (the verl
+    plugin does, inside ``import verl``) sets :func:`balance_on_trainer_import`, which applies it as
+    soon as verl's trainer module has been imported. Call it yourself only where the vendor variable
+    is not set in the process that runs verl's trainer (the driver's ``TaskRunner``) while the
+    workers get it some other way, or where verl's plugins are off (``VERL_USE_EXTERNAL_PLUGINS``).
+    Importing verl's trainer from the plugin would be circular (the plugin runs inside ``import
+    verl``) and would pull its rollout stack into every worker, hence the import hook."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     if not getattr(RayPPOTrainer._balance_batch, "megatron_tree", False):
         RayPPOTrainer._balance_batch = tree_balance_batch(RayPPOTrainer._balance_batch)
         logger.info(
-            "megatron_tree: RayPPOTrainer._balance_batch keeps prompt groups on one data-parallel "
-            "rank"
+            "megatron_tree: verl's RayPPOTrainer._balance_batch keeps prompt groups on one "
+            "data-parallel rank (%s)",
+            how,
         )
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: after the module ``name`` has been executed (by whichever finder and
+    loader would import it anyway), call ``then(module)``; an error there is logged, never raised
+    into the import."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)  # once; and so the lookup below does not come back here
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module):
+            exec_module(module)
+            try:
+                then(module)
+            except Exception:
+                logger.exception("megatron_tree: the hook after importing %s failed", fullname)
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def balance_on_trainer_import(environ=os.environ) -> str:
+    """With ``VERL_ENGINE_VENDOR=megatron_tree`` in ``environ``: :func:`patch_trainer_balancing` as
+    soon as verl's trainer module (``verl.trainer.ppo.ray_trainer``) is imported (at once if it
+    already is), so no launcher edit is needed. The hook is Python's import system: verl 0.9.1 has
+    none that reaches the tokens. Its trainer's group-keeping branch (``use_prefix_grouper`` in the
+    actor config, a config edit) hands its balancing function lengths and uids only (the tree's
+    shared tokens are not visible there), and the partition function it imports by name
+    (``get_seqlen_balanced_partitions``) gets workloads only, without uids. Returns what is
+    active: ``"hook"``, ``"patched"`` or ``"verl"`` (vendor unset: verl's own balancing)."""
+    if environ.get("VERL_ENGINE_VENDOR") != VENDOR:
+        return "verl"
+    how = f"VERL_ENGINE_VENDOR={VENDOR}, set on importing {TRAINER_MODULE}"
+    if TRAINER_MODULE in sys.modules:
+        patch_trainer_balancing(how=how)
+        return "patched"
+    if not any(
+        isinstance(finder, _AfterImport) and finder.name == TRAINER_MODULE
+        for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(
+            0, _AfterImport(TRAINER_MODULE, lambda module: patch_trainer_balancing(how=how))
+        )
+    return "hook"
+
+
+balance_on_trainer_import()

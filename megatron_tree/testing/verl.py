@@ -487,3 +487,81 @@ def engine_batch(padded: dict, micro_batch_size: int = 2, **meta):
     )
     tu.assign_non_tensor(td, **{**settings, **meta})
     return td
+
+
+def stub_modules(*roots: str) -> None:
+    """Empty stand-ins for the top-level modules ``roots`` (and their submodules): any attribute is
+    a new empty class. Appended last to ``sys.meta_path``, so an installed module is used as is.
+    verl's trainer module imports its data loader (torchdata) and rollout router (cachetools) at
+    import time; the balancing test below needs neither."""
+    import importlib.machinery
+    import sys
+    import types
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname.split(".")[0] in roots:
+                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            return Stub(spec.name)
+
+        def exec_module(self, module):
+            module.__path__ = []
+
+    sys.meta_path.append(Finder())
+
+
+def balance_with_verls_trainer(dp_sizes=(2, 4), seed: int = 0) -> dict:
+    """Run in a fresh process: import verl and then verl's trainer module
+    (``verl.trainer.ppo.ray_trainer``, its two missing imports stubbed, see :func:`stub_modules`)
+    as verl's ``TaskRunner`` does, and balance a GRPO-style batch (8 prompts x 4 samples in
+    shuffled order, as verl's batches come) with ``RayPPOTrainer._balance_batch`` as it is after
+    the import, for each data-parallel size. Returns, per size, the prompt groups (uids) of each
+    rank's equal chunk, and whether the method is megatron_tree's."""
+    import logging
+    import types
+
+    import numpy as np
+
+    logging.basicConfig(level=logging.INFO)
+    stub_modules("torchdata", "cachetools")
+    import verl  # noqa: F401  (runs verl's plugins, megatron_tree's among them)
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    pairs, uids = [], []
+    g = torch.Generator().manual_seed(seed)
+    for p in range(8):
+        prompt = torch.randint(
+            1, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g
+        )
+        for _ in range(4):
+            length = int(torch.randint(2, 24, (1,), generator=g))
+            pairs.append((prompt, torch.randint(1, 1000, (length,), generator=g)))
+            uids.append(f"prompt-{p}")
+    padded, _ = rollout_layout(pairs)
+    order = torch.randperm(len(pairs), generator=g)
+    result = {"megatron_tree": bool(getattr(RayPPOTrainer._balance_batch, "megatron_tree", False))}
+    for dp_size in dp_sizes:
+        batch = DataProto.from_dict(
+            {k: padded[k][order].clone() for k in ("input_ids", "attention_mask")},
+            non_tensors={"uid": np.array(uids, dtype=object)[order.numpy()]},
+        )
+        trainer = types.SimpleNamespace(
+            actor_rollout_wg=None, _get_dp_size=lambda wg, role, dp_size=dp_size: dp_size
+        )
+        RayPPOTrainer._balance_batch(trainer, batch, {})
+        chunk = len(batch) // dp_size
+        result[dp_size] = [
+            sorted(set(batch.non_tensor_batch["uid"][r * chunk : (r + 1) * chunk]))
+            for r in range(dp_size)
+        ]
+    return result
