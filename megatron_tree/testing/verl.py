@@ -8,7 +8,10 @@ found by removing it and reading the failure. None of them is needed by the adap
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
+import sys
+import types
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -489,34 +492,39 @@ def engine_batch(padded: dict, micro_batch_size: int = 2, **meta):
     return td
 
 
+class _StubModule(types.ModuleType):
+    """An empty stand-in module: any attribute is a new empty class."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+class _StubFinder:
+    """Finds every module under the top-level names ``roots`` as a :class:`_StubModule`."""
+
+    def __init__(self, roots: tuple[str, ...]):
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
 def stub_modules(*roots: str) -> None:
     """Empty stand-ins for the top-level modules ``roots`` (and their submodules): any attribute is
     a new empty class. Appended last to ``sys.meta_path``, so an installed module is used as is.
     verl's trainer module imports its data loader (torchdata) and rollout router (cachetools) at
     import time; the balancing test below needs neither."""
-    import importlib.machinery
-    import sys
-    import types
-
-    class Stub(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {})
-
-    class Finder:
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname.split(".")[0] in roots:
-                return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            return Stub(spec.name)
-
-        def exec_module(self, module):
-            module.__path__ = []
-
-    sys.meta_path.append(Finder())
+    sys.meta_path.append(_StubFinder(roots))
 
 
 def balance_with_verls_trainer(dp_sizes=(2, 4), seed: int = 0) -> dict:
