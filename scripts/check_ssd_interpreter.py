@@ -9,7 +9,7 @@ prints more (timings, the kernel calls of large tries); it runs in that stack's 
 the project's Python 3.12 venv):
 
     python3.12 -m venv /tmp/mamba-venv
-    echo /work/main/.venv-python3.12/lib/python3.12/site-packages \\
+    echo "$PWD/.venv-python3.12/lib/python3.12/site-packages" \\
         > /tmp/mamba-venv/lib/python3.12/site-packages/base_venv.pth
     MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE /tmp/mamba-venv/bin/pip install \\
         --no-deps --no-build-isolation mamba-ssm==2.3.2.post1
