@@ -31,6 +31,7 @@ from .verl import (
     apply_megatron_cpu_patch,
     cpu_grad_clipping,
     import_megatron_bridge_without_te,
+    mbridge_local_layer_spec,
 )
 
 # Modules AReaL 1.0.4 imports at module level on the way to its Megatron engine, its PPO actor and
@@ -331,25 +332,12 @@ def use_local_spec_in_mbridge() -> None:
     that AReaL's own tree patch, which wraps ``LLMBridge._get_transformer_layer_spec``, wraps it.
     The weight names and MoE options that go with it: :func:`local_spec_names_in_stock_mbridge`.
     Skipped without mbridge."""
-    import inspect
-
     if not _installed("mbridge"):
         return
 
     from mbridge.core import llm_bridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    def local_spec(self, vp_stage=None):
-        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
-        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
-        return get_gpt_decoder_block_spec(
-            self.config,
-            use_transformer_engine=False,
-            normalization=self.config.normalization,
-            **extra,
-        )
-
-    llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
+    llm_bridge.LLMBridge._get_transformer_layer_spec = mbridge_local_layer_spec
 
 
 def local_spec_names_in_stock_mbridge() -> None:

@@ -96,30 +96,35 @@ _LOCAL_TO_TE_NAMES = {
 }
 
 
+def mbridge_local_layer_spec(self, vp_stage=None):
+    """``LLMBridge._get_transformer_layer_spec`` on Megatron-Core's local (non-TE) modules: the GPT
+    decoder block spec with ``use_transformer_engine=False``, ``vp_stage`` passed where this
+    megatron-core takes it."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
+    extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
+    return get_gpt_decoder_block_spec(
+        self.config,
+        use_transformer_engine=False,
+        normalization=self.config.normalization,
+        **extra,
+    )
+
+
 def use_local_spec_in_mbridge() -> None:
     """Without transformer-engine (always, on a CPU) mbridge 0.15.1's LLMBridge asks for the TE
     block spec (``get_gpt_decoder_block_spec(use_transformer_engine=True)`` -> TypeError:
     'NoneType' object is not callable). Build the local spec instead, and translate the local
     spec's separate norm names to the fused TE names before mbridge maps them to HF (load and
     export). Dense GPT bridges only (Qwen2/Qwen3/Llama). Skipped without mbridge."""
-    import inspect
-
     if not _installed("mbridge"):
         return
 
     from mbridge.core import bridge as bridge_module
     from mbridge.core import llm_bridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    def local_spec(self, vp_stage=None):
-        self.has_vp_stage = "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters
-        extra = {"vp_stage": vp_stage} if self.has_vp_stage else {}
-        return get_gpt_decoder_block_spec(
-            self.config,
-            use_transformer_engine=False,
-            normalization=self.config.normalization,
-            **extra,
-        )
 
     original = bridge_module.Bridge._weight_name_mapping_mcore_to_hf
 
@@ -129,7 +134,7 @@ def use_local_spec_in_mbridge() -> None:
                 name = name[: -len(local)] + te
         return original(self, name)
 
-    llm_bridge.LLMBridge._get_transformer_layer_spec = local_spec
+    llm_bridge.LLMBridge._get_transformer_layer_spec = mbridge_local_layer_spec
     bridge_module.Bridge._weight_name_mapping_mcore_to_hf = mcore_to_hf
 
 
