@@ -280,8 +280,8 @@ def packed_logprobs(
 
     Args:
         model: prepared by :func:`prepare_model`.
-        batch: on the model's device (``batch.to(device)``); from :func:`~megatron_tree.core.packing.build_packed_tree_batch` (whole trees:
-            pack with ``share_trunks=False``; trunk reuse runs on the Megatron path only).
+        batch: from :func:`~megatron_tree.core.packing.build_packed_tree_batch`, on the model's
+            device (``batch.to(device)``); whole trees (pack with ``share_trunks=False``).
         temperature: logits are divided by it (log-probs and entropy).
         entropy: also read the entropy at every token.
         values: read a value model's output ([1, n, 1] ``logits``) as values instead of log-probs.
