@@ -7,7 +7,8 @@
 #                         transformers >= 5.8, so mbridge does not work in that venv) and AReaL 1.0.4
 #                         (--no-deps: its engine on Megatron-Bridge models); "verl" adds
 #                         verl 0.9.1 (Python 3.12, with mbridge and transformers 4.57); "areal" adds
-#                         AReaL 1.0.4 (the default interpreter's stack)
+#                         AReaL 1.0.4 (the default interpreter's stack); "trl" adds TRL 1.16.0 (the
+#                         default interpreter's stack, Python >= 3.11)
 #   MEGATRON_TREE_VENV    the venv folder (default: .venv for the default stack, otherwise
 #                         .venv-<python>[-<megatron-core version>][-megatron-bridge])
 PYTHON="${MEGATRON_TREE_PYTHON:-python3}"

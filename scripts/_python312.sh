@@ -23,3 +23,6 @@ VERL_TESTS=(tests/test_verl.py)
 # The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
 # engine code drives them).
 AREAL_TESTS=(tests/test_areal.py tests/test_docs.py)
+# The tests that run on the TRL stack (default interpreter, MEGATRON_TREE_BRIDGE=trl: TRL's own
+# GRPOTrainer code drives them).
+TRL_TESTS=(tests/test_trl.py)

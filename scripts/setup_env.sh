@@ -5,8 +5,9 @@
 #   Python 3.10/3.11: megatron-core 0.16.1;  Python 3.12: megatron-core 0.17-0.19 (newest by default).
 # Both with mbridge 0.15.1 and transformers < 5. MEGATRON_TREE_BRIDGE adds a framework:
 # megatron-bridge (with AReaL 1.0.4, for its engine on Megatron-Bridge models), verl,
-# verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one); kernels adds
-# mamba-ssm and fla-core (their Triton kernels, run in the interpreter by the CPU tests).
+# verl-megatron-bridge or areal (AReaL 1.0.4, on the Python 3.10/3.11 one); trl adds TRL 1.16.0
+# (on the Python 3.11 one); kernels adds mamba-ssm and fla-core (their Triton kernels, run in the
+# interpreter by the CPU tests).
 #
 # torch is installed first and pinned, so pip never resolves an unpinned `torch` again later. Where
 # pip finds a CPU wheel (as on our CPU machines for Python 3.11) that is what it installs; PyPI's
@@ -90,6 +91,14 @@ install_areal() {
     "hydra-core==1.4.0.dev1" omegaconf colorlog uvloop lark aiohttp aiofiles httpx flask openai \
     orjson psutil pydantic tenacity torchdata tabulate pybase64 tensorboardX
 }
+install_trl() {
+  # TRL 1.16.0 without its declared dependencies, then what its GRPOTrainer imports (it declares
+  # transformers >= 4.56.2: the default stack's 4.57 is kept, as are torch, megatron-core and
+  # huggingface-hub < 1, which transformers 4.57 needs).
+  echo "[setup] installing trl 1.16.0 (--no-deps) and what its GRPOTrainer imports"
+  install_without_deps "trl==1.16.0" "torch|megatron-core|transformers|huggingface[-_]hub" \
+    "accelerate>=1.10.1" "datasets>=4.7.0" pandas "pyarrow>=21.0.0" psutil pyyaml jinja2
+}
 # Triton for backend="triton" (core/triton_attention.py); the CPU suite runs its kernels in Triton's
 # interpreter (tests/test_triton_attention.py). PyPI's CUDA torch wheels bring the Triton they were
 # built with; the CPU wheel brings none, so the default stack gets the one torch 2.13's CUDA wheel
@@ -120,6 +129,8 @@ elif [ "$BRIDGE" = "verl-megatron-bridge" ]; then
   install_verl megatron-energon
 elif [ "$BRIDGE" = "areal" ]; then
   install_areal
+elif [ "$BRIDGE" = "trl" ]; then
+  install_trl
 elif [ "$BRIDGE" = "kernels" ]; then
   # The recurrent layers' GPU kernels, for their interpreter tests on the CPU
   # (tests/test_recurrent_kernels.py): mamba-ssm 2.3.2.post1 built from source without its CUDA
@@ -132,7 +143,7 @@ elif [ "$BRIDGE" = "kernels" ]; then
     "mamba-ssm==2.3.2.post1"
   pip_install --no-deps "fla-core==0.6.0"
 elif [ -n "$BRIDGE" ]; then
-  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl, verl-megatron-bridge, areal or kernels" >&2
+  echo "[setup] MEGATRON_TREE_BRIDGE=$BRIDGE is not known; use megatron-bridge, verl, verl-megatron-bridge, areal, trl or kernels" >&2
   exit 2
 fi
 echo "$want" > "$stamp"

@@ -4,7 +4,7 @@
 #   is present, Python 3.12 with megatron-core 0.17.0 and with 0.19.2 (mbridge 0.15.1 everywhere), and
 #   the Megatron-Bridge stack (Python 3.12, megatron-core 0.19.2, megatron-bridge 0.6.2, transformers
 #   5: mbridge does not work there, so it runs the Megatron-Bridge tests); the AReaL stack (the default
-#   interpreter with AReaL 1.0.4) runs the AReaL tests.
+#   interpreter with AReaL 1.0.4) runs the AReaL tests, the TRL stack (with TRL 1.16.0) the TRL tests.
 # Each stack has its own venv (scripts/_env.sh); logs go to a temporary folder. Extra arguments go
 # to pytest. Exit status 0 iff every stack passed. The HF parity results of all stacks become the
 # README's supported-models table (scripts/models_table.py).
@@ -15,7 +15,7 @@ LOGS="$(mktemp -d)"
 # The HF parity tests append their results here; the supported-models table is built from them.
 export MEGATRON_TREE_PARITY_LOG="$LOGS/parity.jsonl"
 py312="$(find_python312)"
-stacks=("default|python3||" "default + AReaL|python3||areal")
+stacks=("default|python3||" "default + AReaL|python3||areal" "default + TRL|python3||trl")
 if [ -n "$py312" ]; then
   stacks+=("py3.12 + megatron-core 0.17.0|$py312|megatron-core==0.17.0|")
   stacks+=("py3.12 + megatron-core 0.19.2|$py312|megatron-core==0.19.2|")
@@ -36,6 +36,7 @@ for stack in "${stacks[@]}"; do
     case "$bridge" in
       verl*) tests=("${VERL_TESTS[@]}") ;;
       areal) tests=("${AREAL_TESTS[@]}") ;;
+      trl) tests=("${TRL_TESTS[@]}") ;;
       *) tests=("${MEGATRON_BRIDGE_TESTS[@]}") ;;
     esac
     vars=(MEGATRON_TREE_BRIDGE="$bridge")
