@@ -626,12 +626,19 @@ PARITY_LOG_ENV = "MEGATRON_TREE_PARITY_LOG"
 
 
 def record_parity(
-    model_type: str, bridge: str, max_logprob_err: float, *, layout: str = "TP=1"
+    model_type: str,
+    bridge: str,
+    max_logprob_err: float,
+    *,
+    layout: str = "TP=1",
+    engine: str = "megatron",
+    max_grad_rel: float | None = None,
 ) -> None:
-    """Append one parity result (a JSON line: model type, bridge, stack, layout, max |log-prob -
-    HF|) to the file ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns
-    the
-    lines of a suite run into the README's supported-models table."""
+    """Append one parity result (a JSON line: model type, engine, bridge, stack, layout, max
+    |log-prob - HF|, and the largest relative gradient error when measured) to the file
+    ``$MEGATRON_TREE_PARITY_LOG`` names, if set; ``scripts/models_table.py`` turns the lines of a
+    suite run into the README's supported-models table. ``engine`` is "megatron" (a bridged
+    Megatron model) or "hf" (HF's model code, ``megatron_tree.integrations.transformers``)."""
     import json
     import os
     import platform
@@ -658,11 +665,14 @@ def record_parity(
     }
     row = {
         "model_type": model_type,
+        "engine": engine,
         "bridge": bridge,
         "layout": layout,
         "max_logprob_err": float(max_logprob_err),
         "stack": stack,
     }
+    if max_grad_rel is not None:
+        row["max_grad_rel"] = float(max_grad_rel)
     with open(target, "a") as f:
         f.write(json.dumps(row) + "\n")
 
