@@ -93,7 +93,27 @@ def checkpoint(tmp_path_factory) -> str:
     return path
 
 
-def _trainer(path: str, tmp_path, *, tree: bool):
+def _rollout(prompts: list[str], trainer) -> dict:
+    """TRL's ``rollout_func`` hook in place of generation: prompt "p<i>" gets the i-th prompt of
+    :func:`_sequences` and its completions in turn (deterministic, whatever the sampler's order)."""
+    seq_prompts, seq_completions = _sequences()
+    trainer.rollout_attention.append(trainer.model.config._attn_implementation)
+    served = {}
+    prompt_ids, completion_ids = [], []
+    for text in prompts:
+        group = int(text[1:])
+        k = served.get(group, 0)
+        served[group] = k + 1
+        prompt_ids.append(seq_prompts[group * NUM_GENERATIONS].tolist())
+        completion_ids.append(seq_completions[group * NUM_GENERATIONS + k].tolist())
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def _reward(completions, completion_ids, **kwargs) -> list[float]:
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _trainer(path: str, tmp_path, *, tree: bool, **config):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -113,17 +133,23 @@ def _trainer(path: str, tmp_path, *, tree: bool):
         bf16=False,
         report_to=[],
         logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        **config,
     )
-    dataset = Dataset.from_dict({"prompt": ["t3 t4", "t5"]})
+    dataset = Dataset.from_dict({"prompt": ["p0", "p1"]})
     cls, extra = (TreeGRPOTrainer, {"tree_options": _options()}) if tree else (GRPOTrainer, {})
-    return cls(
+    trainer = cls(
         model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        reward_funcs=_reward,
         args=args,
         train_dataset=dataset,
         processing_class=_tokenizer(),
+        rollout_func=_rollout,
         **extra,
     )
+    trainer.rollout_attention = []  # the attention selected while each rollout ran
+    return trainer
 
 
 def _options():
@@ -160,8 +186,8 @@ def test_grpo_logprobs_loss_and_gradients(checkpoint, tmp_path):
     assert lp_tree.shape == lp_stock.shape == inputs["completion_ids"].shape
     assert float((lp_tree - lp_stock).abs().max()) <= LOGP_TOL
     assert float((ent_tree - ent_stock).abs().max()) <= LOGP_TOL
-    # The tree attention is selected only around the log-prob forward (generation keeps sdpa).
-    assert tree.model.config._attn_implementation == stock.model.config._attn_implementation
+    assert tree.model.config._attn_implementation == "megatron_tree"
+    assert tree.generation_attention == stock.model.config._attn_implementation == "sdpa"
 
     # Independent of TRL: HF eager on each sequence alone, at temperature 1 (the trainer's 0.7
     # scales the logits; here the tree path's own function at temperature 1 is compared).
@@ -189,6 +215,35 @@ def test_grpo_logprobs_loss_and_gradients(checkpoint, tmp_path):
     assert abs(float(loss_tree - loss_stock)) <= LOSS_RTOL * abs(float(loss_stock))
     errors = gradient_errors(grads_tree, grads_stock)
     assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_grpo_train_step(checkpoint, tmp_path):
+    """One step of TRL's own ``train()`` (rollouts from ``rollout_func``, rewards, advantages, the
+    old log-probs of ``num_iterations=2`` under no_grad, the loss, the backward with TRL's default
+    gradient checkpointing, SGD at lr 1 so the update is the clipped gradient): the same update and
+    logged loss as TRL's stock trainer."""
+    config = dict(
+        max_steps=1, num_iterations=2, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant"
+    )
+    updates, losses = {}, {}
+    for tree in (False, True):
+        trainer = _trainer(checkpoint, tmp_path, tree=tree, **config)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        updates[tree] = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+        losses[tree] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert trainer.rollout_attention == ["sdpa"]
+    assert len(losses[True]) == len(losses[False]) == 1 and losses[False][0] != 0
+    # transformers logs the loss rounded to 4 decimals (the exact loss: the test above)
+    assert abs(losses[True][0] - losses[False][0]) <= 1e-4
+    assert all(float(u.norm()) > 0 for u in updates[False].values())
+    errors = gradient_errors(updates[True], updates[False])
+    assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    # TRL's own generation (model.generate) runs on the tree trainer's model, with sdpa.
+    trainer.rollout_func = None
+    completion_ids = trainer._generate(["t3 t4 t5"] * NUM_GENERATIONS)[1]
+    assert len(completion_ids) == NUM_GENERATIONS and all(len(c) > 0 for c in completion_ids)
+    assert trainer.model.config._attn_implementation == "megatron_tree"
 
 
 def test_grpo_refusals(checkpoint, tmp_path):

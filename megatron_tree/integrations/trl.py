@@ -6,9 +6,10 @@ shared token.
 and reference log-probs after generation): the batch's rows (left-padded prompt + right-padded
 completion) are packed into prefix tries (a prompt's ``num_generations`` completions share the
 prompt and every common prefix), the model runs them through the tree attention
-(:mod:`.transformers`) and the results come back in TRL's layout, so TRL's losses, metrics,
-generation and data handling run unchanged. Generation keeps the model's own attention: the tree
-attention is selected only around the log-prob forward.
+(:mod:`.transformers`) and the results come back in TRL's layout, so TRL's losses, metrics and data
+handling run unchanged. The tree attention stays selected on the policy (and reference) model, also
+while gradient checkpointing recomputes a layer in the backward; generation (``_generate``)
+switches back to the model's own attention for its duration.
 
 Legend: B rows, T prompt + completion columns, C completion columns (``logits_to_keep``), L the
 longest real (unpadded) row.
@@ -28,16 +29,30 @@ from .transformers import (
     TreeAttentionOptions,
     packed_logprobs,
     prepare_model,
-    register_tree_attention,
 )
 
 __all__ = ["TreeGRPOTrainer", "completion_logprobs", "tree_attention_selected"]
 
 
 @contextmanager
+def attention_selected(models: list[torch.nn.Module], key: str):
+    """Select attention implementation ``key`` on (unwrapped) HF models for the block, then restore
+    each model's previous one."""
+    previous = [m.config._attn_implementation for m in models]
+    for model in models:
+        model.set_attn_implementation(key)
+    try:
+        yield
+    finally:
+        for model, impl in zip(models, previous):
+            model.set_attn_implementation(impl)
+
+
+@contextmanager
 def tree_attention_selected(model: torch.nn.Module, *, key: str = ATTENTION_KEY):
-    """Select the tree attention on an (unwrapped) HF model for the block, then restore the
-    model's own implementation (``prepare_model`` on entry; the recurrent-mixer swap stays)."""
+    """``prepare_model`` on an (unwrapped) HF model for the block, then its own attention again.
+    Only for forwards whose backward also ends inside the block (gradient checkpointing recomputes
+    layers with the implementation selected at backward time)."""
     previous = model.config._attn_implementation
     prepare_model(model, key=key)
     try:
@@ -145,8 +160,11 @@ class TreeGRPOTrainer(GRPOTrainer):
             runs it. The logits of a micro-batch are materialized ([n, V]).
         tree_options: the tree attention's backend and tile size.
 
-    Refused (``ValueError`` at the first log-prob call): multimodal inputs, MoE auxiliary losses
-    (``output_router_logits``), and attention masks whose rows are not one contiguous run.
+    The policy (and reference) model run the tree attention from construction on
+    (:func:`~megatron_tree.integrations.transformers.prepare_model`); ``_generate`` selects the
+    model's own implementation while it runs. Refused (``ValueError`` at the first log-prob call):
+    multimodal inputs, MoE auxiliary losses (``output_router_logits``), and attention masks whose
+    rows are not one contiguous run.
     """
 
     def __init__(
@@ -167,12 +185,27 @@ class TreeGRPOTrainer(GRPOTrainer):
                 f"multiple of tree_options.block_size={self.tree_options.block_size}"
             )
         self.tree_max_tokens_per_mb = tree_max_tokens_per_mb
-        register_tree_attention()
         super().__init__(*args, **kwargs)
+        models = [self._hf_model(self.model)]
+        if self.ref_model is not None:
+            models.append(self._hf_model(self.ref_model))
+        # The implementation generation runs with (sdpa, flash-attention, ...).
+        self.generation_attention = models[0].config._attn_implementation
+        for model in models:
+            prepare_model(model)
 
     def _hf_model(self, model: torch.nn.Module) -> torch.nn.Module:
         inner = self.accelerator.unwrap_model(model)
         return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+    def _generate(self, prompts: list):
+        """TRL's generation, with the model's own attention selected for its duration."""
+        model = self._hf_model(self.model)
+        model.set_attn_implementation(self.generation_attention)
+        try:
+            return super()._generate(prompts)
+        finally:
+            model.set_attn_implementation(ATTENTION_KEY)
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -199,7 +232,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 "TreeGRPOTrainer does not compute the MoE load-balancing loss: set the model "
                 "config's output_router_logits=False (or use trl.GRPOTrainer)"
             )
-        with self.accelerator.autocast(), tree_attention_selected(self._hf_model(model)):
+        with self.accelerator.autocast():
             logps, entropies = completion_logprobs(
                 model,
                 input_ids,
