@@ -41,6 +41,13 @@ LOSS_RTOL = 1e-5
 # SP/CP/PP splits alike); a lost trunk or expert gradient, a doubled TP reduction or a wrong
 # normalization moves a gradient by >= 1e-2 relative (a key just outside a window: >= 1e-3).
 GRAD_RTOL = 1e-4
+# Parameters after one AdamW step (per parameter, relative), two runs from equal parameters whose
+# gradients agree to rounding: AdamW's first step moves each element by lr * g / (|g| + eps), so
+# they part only where rounding reaches a gradient at eps's scale; measured 9e-8 .. 1.3e-6 over
+# three batches (FSDP2 vs plain HF, lr 1e-3, tests/test_fsdp2.py). A step on another rank's shard
+# or on stale gradients moves them by ~lr / |element| ~ 1e-2. (Adam's first step ignores a
+# gradient's scale: the GRAD_RTOL check catches that.)
+OPTIMIZER_STEP_RTOL = 1e-5
 
 # ------------------------------------------------------------------------ fp32 on CPU, kernels
 # Fused fp32 log-softmax / entropy vs the float64 reference: fp32 rounds x - max (|x - max| < 8 for
