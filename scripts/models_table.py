@@ -2,12 +2,15 @@
 
 The HuggingFace parity tests append one JSON line per result to ``$MEGATRON_TREE_PARITY_LOG``
 (:func:`megatron_tree.testing.models.record_parity`); ``scripts/test_matrix.sh`` sets it for every
-stack. This script groups the lines by model type and bridge, and prints a Markdown table (the
-stacks and layouts tested, the worst log-prob error over them), followed by the families tree
-training refuses and why. With ``--readme README.md`` it replaces the table between the README's
-markers.
+stack. This script groups the lines by model type, engine ("megatron": a bridged Megatron model;
+"hf": HF's own modeling code through ``megatron_tree.integrations.transformers``) and bridge, and
+prints a Markdown table (the stacks and layouts tested, the worst log-prob error over them),
+followed by the families tree training refuses and why, and the HF engine's log-prob and gradient
+errors per family and transformers version. With ``--readme README.md`` it replaces the table
+between the README's markers; ``--update`` keeps the README's rows that the logs do not cover (a
+run of some stacks or tests only).
 
-Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...] [--readme README.md]
+Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...] [--readme README.md [--update]]
 """
 
 from __future__ import annotations
@@ -58,40 +61,99 @@ REFUSED = [
 ]
 
 
-def render(rows: list[dict]) -> str:
-    """Markdown: one line per (model type, bridge), its stacks and layouts, the worst error."""
+HEADER = [
+    "| model type | family | engine | bridge | megatron-core (python, transformers) | layouts "
+    "| max abs log-prob error vs HF (fp32) |",
+    "|---|---|---|---|---|---|---|",
+]
+ENGINES = ("megatron", "hf")
+
+
+def _order(key: tuple[str, str, str]) -> tuple:
+    """Sort key of a (model type, engine, bridge) row: the families' order, then engine, bridge."""
+    order = {name: i for i, name in enumerate(FAMILY)}
+    model_type, engine, bridge = key
+    rank = ENGINES.index(engine) if engine in ENGINES else len(ENGINES)
+    return order.get(model_type, 99), model_type, rank, bridge
+
+
+def render_rows(rows: list[dict]) -> dict[tuple[str, str, str], str]:
+    """{(model type, engine, bridge): its Markdown line}: one per group of results, with its stacks
+    and layouts and the worst error over them. Rows without an engine are Megatron's."""
     groups: dict[tuple, dict] = defaultdict(lambda: {"stacks": set(), "layouts": set(), "err": 0.0})
     for row in rows:
-        stack = row["stack"]
-        group = groups[(row["model_type"], f"{row['bridge']} {stack.get('bridge') or ''}".strip())]
-        group["stacks"].add((stack["megatron-core"], stack["python"], stack["transformers"]))
+        stack, engine = row["stack"], row.get("engine", "megatron")
+        bridge = "—" if engine == "hf" else f"{row['bridge']} {stack.get('bridge') or ''}".strip()
+        group = groups[(row["model_type"], engine, bridge)]
+        mcore = "—" if engine == "hf" else stack["megatron-core"]  # HF's code runs without it
+        group["stacks"].add((mcore, stack["python"], stack["transformers"]))
         group["layouts"].add(row["layout"])
         group["err"] = max(group["err"], row["max_logprob_err"])
-    order = {name: i for i, name in enumerate(FAMILY)}
-    lines = [
-        "| model type | family | bridge | megatron-core (python, transformers) | layouts | max abs "
-        "log-prob error vs HF (fp32) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for (model_type, bridge), group in sorted(
-        groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0])
-    ):
+    lines = {}
+    for (model_type, engine, bridge), group in groups.items():
         stacks = ", ".join(
             f"{m} ({'.'.join(p.split('.')[:2])}, {t})" for m, p, t in sorted(group["stacks"])
         )
-        lines.append(
-            f"| `{model_type}` | {FAMILY.get(model_type, '')} | {bridge} | {stacks} | "
+        lines[(model_type, engine, bridge)] = (
+            f"| `{model_type}` | {FAMILY.get(model_type, '')} | {engine} | {bridge} | {stacks} | "
             f"{', '.join(sorted(group['layouts']))} | {group['err']:.1e} |"
         )
-    lines += [
+    return lines
+
+
+def table_rows(text: str) -> dict[tuple[str, str, str], str]:
+    """The model rows of the table between the markers of ``text``, keyed like
+    :func:`render_rows`; a row of the table before the engine column (six cells) is Megatron's and
+    gets that column."""
+    if START not in text or END not in text:
+        return {}
+    lines = {}
+    for line in text.split(START, 1)[1].split(END, 1)[0].splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(HEADER[1].strip("|").split("|")) - 1:
+            cells.insert(2, "megatron")
+            line = "| " + " | ".join(cells) + " |"
+        lines[(cells[0].strip("`"), cells[2], cells[3])] = line
+    return lines
+
+
+def render(rows: list[dict], keep: dict[tuple[str, str, str], str] | None = None) -> str:
+    """Markdown: one line per (model type, engine, bridge), its stacks and layouts, the worst
+    error; then the refused families. ``keep`` ({key: line}, :func:`table_rows` of the current
+    table) adds the rows that ``rows`` do not cover."""
+    lines = {**(keep or {}), **render_rows(rows)}
+    out = list(HEADER) + [lines[key] for key in sorted(lines, key=_order)]
+    out += [
         "",
         "Refused (a clear `ValueError` naming the module or setting and the fix):",
         "",
         "| family / setting | why |",
         "|---|---|",
     ]
-    lines += [f"| {name} | {why} |" for name, why in REFUSED]
-    return "\n".join(lines)
+    out += [f"| {name} | {why} |" for name, why in REFUSED]
+    return "\n".join(out)
+
+
+def render_hf_parity(rows: list[dict]) -> str:
+    """Markdown: the HF engine's worst log-prob error and gradient error (relative, per parameter)
+    per family and transformers version, for the README's "Parity and speed"."""
+    worst: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for row in rows:
+        if row.get("engine") == "hf" and "max_grad_rel" in row:
+            entry = worst[(row["model_type"], row["stack"]["transformers"])]
+            entry[0] = max(entry[0], row["max_logprob_err"])
+            entry[1] = max(entry[1], row["max_grad_rel"])
+    lines = [
+        "| family | transformers | max abs log-prob error | max gradient error (relative) |",
+        "|---|---|---|---|",
+    ]
+    for (model_type, version), (err, grad) in sorted(
+        worst.items(), key=lambda kv: (_order((kv[0][0], "hf", "")), kv[0][1])
+    ):
+        lines.append(f"| `{model_type}` | {version} | {err:.1e} | {grad:.1e} |")
+    return "\n".join(lines) if worst else ""
 
 
 def main() -> None:
@@ -99,6 +161,11 @@ def main() -> None:
     parser.add_argument("logs", nargs="+", type=Path)
     parser.add_argument(
         "--readme", type=Path, help="replace the table between the markers of this file"
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the README's rows (model type, engine, bridge) that the logs do not cover",
     )
     args = parser.parse_args()
     rows = [
@@ -112,16 +179,23 @@ def main() -> None:
             f"no parity results in {[str(p) for p in args.logs]}: run the parity tests with "
             "MEGATRON_TREE_PARITY_LOG set (scripts/test_matrix.sh does)"
         )
-    table = render(rows)
+    if args.update and args.readme is None:
+        raise SystemExit("--update keeps rows of a README table: pass --readme README.md too")
+    hf_parity = render_hf_parity(rows)
     if args.readme is None:
-        print(table)
+        print(render(rows))
+        if hf_parity:
+            print(f"\nHF engine, log-prob and gradient errors:\n\n{hf_parity}")
         return
     text = args.readme.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{args.readme} has no {START} ... {END} markers")
+    table = render(rows, table_rows(text) if args.update else None)
     pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
     args.readme.write_text(pattern.sub(lambda _: f"{START}\n{table}\n{END}", text))
     print(f"[models_table] {len(rows)} results -> {args.readme}")
+    if hf_parity:
+        print(f"HF engine, log-prob and gradient errors:\n\n{hf_parity}")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,34 @@ def test_readme_table_is_replaced_between_its_markers(tmp_path, monkeypatch):
     module.main()
     text = readme.read_text()
     assert "old table" not in text and "| `gpt_oss` |" in text and text.endswith("outro\n")
+
+
+def test_hf_engine_rows_and_an_update_keeps_the_rows_the_logs_do_not_cover(tmp_path, monkeypatch):
+    module = _script()
+    log, readme = tmp_path / "parity.jsonl", tmp_path / "README.md"
+    monkeypatch.setenv(PARITY_LOG_ENV, str(log))
+    record_parity("qwen3", "transformers", 2e-6, engine="hf", max_grad_rel=1.5e-6)
+    record_parity("qwen3", "mbridge", 1e-6)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["engine"] for r in rows] == ["hf", "megatron"] and "max_grad_rel" not in rows[1]
+    lines = [line for line in module.render(rows).splitlines() if line.startswith("| `")]
+    assert [line.split(" | ")[2] for line in lines] == ["megatron", "hf"]  # Megatron's row first
+    assert "| 1.5e-06 |" in module.render_hf_parity(rows)  # the gradient error, HF rows only
+    # A README table from before the engine column: its rows are Megatron's; --update keeps the
+    # ones the log does not cover (llama) and replaces the ones it does (qwen3 mbridge).
+    old = [
+        "| `llama` | Llama 3 (dense) | mbridge 0.15.1 | 0.16.1 (3.11, 4.57.6) | TP=1 | 3.3e-06 |",
+        "| `qwen3` | Qwen3 | mbridge 0.15.1 | 0.16.1 (3.11, 4.57.6) | TP=1 | 9.9e-06 |",
+    ]
+    readme.write_text(f"{module.START}\n" + "\n".join(old) + f"\n{module.END}\n")
+    monkeypatch.setattr(
+        "sys.argv", ["models_table.py", str(log), "--readme", str(readme), "--update"]
+    )
+    module.main()
+    lines = [line for line in readme.read_text().splitlines() if line.startswith("| `")]
+    assert [line.split(" | ")[0] + " " + line.split(" | ")[2] for line in lines] == [
+        "| `qwen3` megatron",
+        "| `qwen3` hf",
+        "| `llama` megatron",
+    ]
+    assert "9.9e-06" not in readme.read_text() and "| 3.3e-06 |" in lines[2]
