@@ -19,6 +19,7 @@ the baseline, gets a line saying why. It writes a PNG of the first tree's attent
     python examples/tree_vs_baseline.py --model qwen3_moe_tiny  # mixture of experts (top-2 of 8)
     python examples/tree_vs_baseline.py --model qwen35_tiny     # gated delta-net hybrid (M-Bridge)
     python examples/tree_vs_baseline.py --model nemotron_h_tiny # Mamba-2 hybrid (M-Bridge)
+    python examples/tree_vs_baseline.py --engine hf             # HF's model code (FSDP2 path)
 
 ``--model qwen35_tiny`` builds a tiny Qwen3.5 (``examples/configs/qwen35_tiny``: three gated
 delta-net layers then one attention layer) through Megatron-Bridge (the Python 3.12 Megatron-Bridge
@@ -30,6 +31,15 @@ token ratio than a dense model's.
 ``HybridModel`` through Megatron-Bridge; its ideal counts the Mamba-2 layers per token. Its HF
 reference runs each sequence in one scan chunk (``megatron_tree.testing.reference.one_mamba_chunk``:
 transformers' multi-chunk torch path is inexact).
+
+``--engine hf`` runs the same job on HuggingFace's own Qwen3 (``AutoModelForCausalLM`` of the
+bundled config, made tree-ready by ``megatron_tree.integrations.transformers.prepare_model``; the
+FSDP2, TRL and verl/AReaL FSDP path): per-sequence log-probs through ``packed_logprobs``, the same
+GRPO clipped loss on them in the batch's [B, L] layout, forward+backward timed for the tree and
+for the unshared packing (``share_prefixes=False``: the same attention function, each sequence its
+own chain). No Megatron, one process; its default batch is a quarter of the Megatron job's (4
+prompts x 8 samples, prompt 256, responses 32-64: the same prompt / response proportion), so the
+CPU run takes about a minute.
 
 ``--model qwen3_moe_tiny`` builds the bundled tiny Qwen3-MoE (``examples/configs/qwen3_moe_tiny``:
 the dense model's attention, 8 experts of width 256 per layer, top-2, renormalized) through
@@ -58,6 +68,11 @@ PHASES = 7
 MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron_h_tiny")
 # Gated delta-net and Mamba-2 hybrids: Megatron-Bridge only (transformers >= 5.8)
 HYBRID_MODELS = ("qwen35_tiny", "nemotron_h_tiny")
+ENGINES = ("megatron", "hf")
+HF_MODELS = ("qwen3_tiny",)  # --engine hf: dense models (the FLOP shape is read off the HF config)
+# Default batch sizes per engine (--small overrides both): HF's engine is sized for ~1 min on a CPU.
+MEGATRON_SIZES = {"prompts": 8, "prompt_len": 1024, "response_len": (128, 256)}
+HF_SIZES = {"prompts": 4, "prompt_len": 256, "response_len": (32, 64)}
 
 
 def parse_args(argv=None):
@@ -71,10 +86,18 @@ def parse_args(argv=None):
     p.add_argument(
         "--config", default=None, help="HF config dir (default: the bundled --model config)"
     )
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument(
+        "--engine",
+        default="megatron",
+        choices=ENGINES,
+        help="megatron: the model built through a bridge (default); hf: HF's own model code",
+    )
+    p.add_argument("--prompts", type=int, default=None, help="default 8 (hf: 4)")
     p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--response-len", type=int, nargs=2, default=(128, 256))
+    p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (hf: 256)")
+    p.add_argument(
+        "--response-len", type=int, nargs=2, default=None, help="default 128 256 (hf: 32 64)"
+    )
     p.add_argument("--max-tokens", type=int, default=8192, help="unique tokens per micro-batch")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex", "block_sparse"])
@@ -95,6 +118,15 @@ def parse_args(argv=None):
         "--small", action="store_true", help="2 prompts x 4 samples, prompt 128, responses 16-32"
     )
     args = p.parse_args(argv)
+    sizes = HF_SIZES if args.engine == "hf" else MEGATRON_SIZES
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.engine == "hf" and (args.model not in HF_MODELS or args.tp != 1):
+        p.error(
+            f"--engine hf runs --model {' or '.join(HF_MODELS)} in one process (--tp 1): got "
+            f"--model {args.model} --tp {args.tp}"
+        )
     if args.bridge is None:
         args.bridge = "megatron-bridge" if args.model in HYBRID_MODELS else "mbridge"
     if args.model in HYBRID_MODELS and args.bridge != "megatron-bridge":
@@ -497,9 +529,160 @@ def report(row: dict, memory_kind: str, picture) -> None:
     _line("mask picture", str(picture))
 
 
+def hf_shape(config):
+    """The FLOP model's shape of a dense HF decoder config (Qwen3 / Llama fields)."""
+    from megatron_tree import GPTShape
+
+    heads = config.num_attention_heads
+    return GPTShape(
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        query_groups=config.num_key_value_heads,
+        ffn_hidden=config.intermediate_size,
+        vocab=config.vocab_size,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def grpo_clipped_loss(logprobs, old, advantages, mask, clip: float = 0.2):
+    """Token-mean PPO clipped surrogate over [B, L] tensors (entry t: the prediction of t + 1)."""
+    ratio = torch.exp(logprobs - old)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    return -(surrogate * mask).sum() / mask.sum()
+
+
+def main_hf(args) -> dict:
+    """The main job on HF's model code (``--engine hf``): one process, no Megatron."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tree import build_packed_tree_batch, train_flops
+    from megatron_tree.demo.visualize import save_tree_mask_png
+    from megatron_tree.integrations.transformers import (
+        TreeAttentionOptions,
+        packed_logprobs,
+        prepare_model,
+    )
+
+    progress = Progress(0)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    with tempfile.TemporaryDirectory() as ckpt:
+        write_checkpoint(args.config, ckpt)
+        progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(args.device)
+        model = prepare_model(model).train()
+        shape = hf_shape(model.config)
+        progress(
+            f"built {type(model).__name__} (HF, attn_implementation=megatron_tree): hidden "
+            f"{shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, backend {args.backend}, "
+            f"{args.device}"
+        )
+        options = TreeAttentionOptions(backend=args.backend, block_size=args.block_size)
+
+        batch = grpo_inputs(args, shape.vocab)
+        packing = dict(
+            max_tokens_per_mb=args.max_tokens,
+            block_size=args.block_size,
+            vocab_size=shape.vocab,
+            pad_to_max=False,
+            share_trunks=False,  # the HF engine runs whole trees
+        )
+        packed = build_packed_tree_batch(batch, **packing).to(args.device)
+        unshared = build_packed_tree_batch(batch, share_prefixes=False, **packing).to(args.device)
+        mask = batch["loss_mask"].to(args.device, torch.float32)
+        advantages = batch["advantages"].to(args.device, torch.float32)
+        with torch.no_grad():
+            old = packed_logprobs(model, packed, options=options).logprobs.float()
+            base_old = packed_logprobs(model, unshared, options=options).logprobs.float()
+        progress(
+            f"batch: {packed.batch_size} sequences, {packed.num_real_tokens} tokens -> "
+            f"{packed.num_tree_tokens} tree tokens in {len(packed)} trees, packed once; old "
+            "log-probs from a forward-only tree pass"
+        )
+        rows = list(range(min(args.parity_sequences, packed.batch_size)))
+        tree_err, reference = parity(ckpt, batch, old, rows)
+        base_err, _ = parity(ckpt, batch, base_old, rows, reference)
+        progress(
+            f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = "
+            f"{tree_err:.2e} (unshared baseline {base_err:.2e})"
+        )
+
+    def step(batch_packed):
+        model.zero_grad(set_to_none=True)
+        logprobs = packed_logprobs(model, batch_packed, options=options).logprobs.float()
+        loss = grpo_clipped_loss(logprobs, old, advantages, mask)
+        loss.backward()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return loss.detach()
+
+    batches = {"tree": packed, "base": unshared}
+    results, peaks = {}, {}
+    for name, packed_batch in batches.items():  # warm-up, measuring activation memory
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            results[name] = step(packed_batch)
+            peaks[name] = torch.cuda.max_memory_allocated()
+        else:
+            peaks[name] = peak_activation_bytes(
+                lambda b=packed_batch, n=name: results.__setitem__(n, step(b)), model
+            )[0]
+    loss_tree, loss_base = float(results["tree"]), float(results["base"])
+    progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
+    times = timed(batches, args.reps, step)
+    t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
+    progress(f"timed {args.reps} interleaved steps of each (forward + backward)")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    picture = save_tree_mask_png(packed[0]["tree"].to("cpu"), Path(args.out) / "tree_mask.png")
+    progress(f"mask picture of the first tree: {picture}")
+
+    flops = {"tree": train_flops(packed.trees, shape), "base": train_flops(unshared.trees, shape)}
+    row = {
+        "engine": "hf",
+        "parity_max_abs_logprob_err": tree_err,
+        "baseline_parity_max_abs_logprob_err": base_err,
+        "parity_sequences": len(rows),
+        "tree_loss": loss_tree,
+        "baseline_loss": loss_base,
+        "tree_vs_baseline_loss_abs_err": abs(loss_tree - loss_base),
+        "tree_vs_baseline_loss_rel_err": abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30),
+        "tree_token_ratio": packed.tree_token_ratio,
+        "tree_tokens": packed.num_tree_tokens,
+        "real_tokens": packed.num_real_tokens,
+        "trees": len(packed),
+        "baseline_micro_batches": len(unshared),
+        "max_tokens_per_mb": args.max_tokens,
+        "tree_rows": max(mb["input_ids"].shape[-1] for mb in packed),
+        "baseline_rows": max(mb["input_ids"].shape[-1] for mb in unshared),
+        "tree_rows_total": sum(mb["input_ids"].shape[-1] for mb in packed),
+        "baseline_rows_total": sum(mb["input_ids"].shape[-1] for mb in unshared),
+        "baseline_s": t_base,
+        "tree_s": t_tree,
+        "baseline_s_runs": times["base"],
+        "tree_s_runs": times["tree"],
+        "speedup": t_base / t_tree,
+        "speedup_per_rep": [b / t for b, t in zip(times["base"], times["tree"])],
+        "ideal_speedup": flops["base"] / flops["tree"],
+        "fraction_of_ideal": (t_base / t_tree) / (flops["base"] / flops["tree"]),
+        "tree_gflops": flops["tree"] / t_tree / 1e9,
+        "baseline_gflops": flops["base"] / t_base / 1e9,
+        "tree_memory_bytes": peaks["tree"],
+        "baseline_memory_bytes": peaks["base"],
+        "tree_attention_memory_bytes": None,  # HF's attention has no core_attention module
+        "baseline_attention_memory_bytes": None,
+        "tree_attention_kernel": args.backend
+        if args.backend != "auto"
+        else ("flex" if args.device == "cuda" else "block_sparse"),
+    }
+    report(row, "peak CUDA memory" if args.device == "cuda" else "peak activation memory", picture)
+    return row
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.engine == "hf":
+        return main_hf(args)
     rank = init_parallel(args)
     progress = Progress(rank)
 

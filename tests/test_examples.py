@@ -131,3 +131,33 @@ def test_main_job_moe_small(tmp_path):
     assert len(tree) == len(base) == 8
     assert sum(tree) % (4 * 2) == 0 and sum(base) % (4 * 2) == 0  # 4 layers x top-2 per token
     assert sum(tree) < sum(base)
+
+
+def test_main_job_hf_engine_small(tmp_path):
+    """``--engine hf`` at the reduced size: HF's own Qwen3 (prepare_model, packed_logprobs) matches
+    HF on each sequence alone, tree and unshared losses agree, and the table reports the speed-up
+    next to the FLOP ideal."""
+    out = _run(
+        "tree_vs_baseline.py",
+        "--engine",
+        "hf",
+        "--small",
+        "--parity-sequences",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
+    assert "attn_implementation=megatron_tree" in out
+    for phase in range(1, 8):
+        assert f"[{phase}/7]" in out
+    # fp32 on CPU: HF's model code on packed rows vs the same code on one sequence.
+    tree = float(
+        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1)
+    )
+    base = float(re.search(r"parity of the unshared baseline vs HF\s+(\S+)", out).group(1))
+    assert tree <= LOGP_TOL and base <= LOGP_TOL
+    gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1))
+    assert gap <= LOSS_RTOL
+    assert float(re.search(r"ideal speed-up \(FLOP model\)\s+(\S+)x", out).group(1)) > 1.5
+    assert re.search(r"speed-up\s+\S+x \(baseline step / tree step", out)
+    assert (tmp_path / "tree_mask.png").read_bytes().startswith(b"\x89PNG")
