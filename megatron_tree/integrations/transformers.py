@@ -53,8 +53,17 @@ TESTED_MODEL_TYPES = (
 )
 
 # Module class names whose state runs along the sequence (no attention-interface hook): they must
-# be swapped for a tree module (:mod:`.transformers_recurrent`) or the model is refused.
-_RECURRENT_MARKERS = ("Mamba", "GatedDeltaNet", "LinearAttention", "Rwkv", "ShortConv", "Lightning")
+# be swapped for a tree module (:mod:`.transformers_recurrent`) or the model is refused. "Mixer":
+# Bamba's and Falcon-H1's Mamba-2 mixers (BambaMixer, FalconH1Mixer) have no "Mamba" in the name.
+_RECURRENT_MARKERS = (
+    "Mamba",
+    "Mixer",
+    "GatedDeltaNet",
+    "LinearAttention",
+    "Rwkv",
+    "ShortConv",
+    "Lightning",
+)
 
 
 @dataclass(frozen=True)
