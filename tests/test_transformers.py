@@ -4,7 +4,8 @@ Every reference is HuggingFace's own model (eager attention) run on each sequenc
 entropies, values and every parameter's gradient of a fixed random per-token loss. The tree runs a
 copy of the same model, prepared with ``prepare_model``, on ``branching_sequences()`` packed into
 two micro-batches (shared prompt, multi-turn chain, prefixes, a duplicate). Families: every
-attention-only family of ``FAMILIES`` that this stack's transformers has (4.57 and 5.12).
+attention-only family of ``FAMILIES`` that this stack's transformers has (4.57 and 5.12) and whose
+modeling code uses transformers' attention interface there (Qwen2-MoE in 4.57 does not: refused).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.util
 
 import pytest
 import torch
+from packaging.version import Version
 
 from megatron_tree import build_packed_tree_batch
 from megatron_tree.testing.marks import CPU_SUITE
@@ -37,19 +39,34 @@ from megatron_tree.integrations.transformers import (  # noqa: E402
 
 pytestmark = CPU_SUITE
 
-FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+FAMILIES = (
+    "qwen2",
+    "qwen3",
+    "llama",
+    "qwen3_moe",
+    "qwen2_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+)
 # Two micro-batches of at most 96 tokens (tiles of 16): the tries are cut and merged back.
 PACKING = dict(max_tokens_per_mb=96, block_size=16, share_trunks=False)
+transformers_version = Version(transformers.__version__).release
+# Families whose HF modeling code uses the attention interface only from a transformers version on
+# (Qwen2-MoE's attention classes pick their own kernels in 4.57).
+INTERFACE_SINCE = {"qwen2_moe": (5,)}
 
 
-def _has_family(arch: str) -> bool:
-    return importlib.util.find_spec(f"transformers.models.{arch}") is not None
+def _skip(arch: str) -> str | None:
+    if importlib.util.find_spec(f"transformers.models.{arch}") is None:
+        return f"no {arch} in transformers {transformers.__version__}"
+    if transformers_version < INTERFACE_SINCE.get(arch, ()):
+        return f"{arch} in transformers {transformers.__version__} has no attention interface"
+    return None
 
 
 FAMILY_PARAMS = [
-    pytest.param(
-        arch, marks=pytest.mark.skipif(not _has_family(arch), reason=f"no {arch} in transformers")
-    )
+    pytest.param(arch, marks=pytest.mark.skipif(_skip(arch) is not None, reason=str(_skip(arch))))
     for arch in FAMILIES
 ]
 
@@ -262,6 +279,21 @@ def test_torch_compile_of_the_model_gives_the_same_logprobs_and_grads(checkpoint
     assert _max_err([lp[:-1].detach() for lp in lps], want) <= LOGP_TOL
     grad_rel = _max_grad_rel(_grads(model), _grads(reference))
     assert grad_rel <= GRAD_RTOL, grad_rel
+
+
+@pytest.mark.skipif(
+    transformers_version >= INTERFACE_SINCE["qwen2_moe"], reason="Qwen2-MoE has the interface here"
+)
+def test_a_model_without_the_attention_interface_is_refused(checkpoint):
+    """Qwen2-MoE in transformers 4.57 picks its own attention kernels: a ValueError, never a run
+    with its own attention over a packed tree (which would attend across branches). Today the
+    error comes from the first forward (``set_attn_implementation`` only logs a warning there)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint("qwen2_moe"), dtype=torch.float32
+    )
+    batch = build_packed_tree_batch({"input_ids": branching_sequences()}, **PACKING)
+    with pytest.raises(ValueError, match="attention interface|prepare_model"):
+        packed_logprobs(prepare_model(model), batch)
 
 
 def test_refusals_name_the_fix(checkpoint):
