@@ -89,7 +89,7 @@ install_areal() {
   echo "[setup] installing areal 1.0.4 (--no-deps) and what its Megatron engine imports"
   install_without_deps "areal==1.0.4" "torch|megatron-core|transformers" \
     "hydra-core==1.4.0.dev1" omegaconf colorlog uvloop lark aiohttp aiofiles httpx flask openai \
-    orjson psutil pydantic tenacity torchdata tabulate pybase64 tensorboardX
+    orjson psutil pydantic tenacity torchdata tabulate pybase64 tensorboardX "$@"
 }
 install_trl() {
   # TRL 1.16.0 without its declared dependencies, then what its GRPOTrainer imports (it declares
@@ -128,7 +128,9 @@ elif [ "$BRIDGE" = "verl-megatron-bridge" ]; then
   install_megatron_bridge
   install_verl megatron-energon
 elif [ "$BRIDGE" = "areal" ]; then
-  install_areal
+  # and peft (AReaL declares <= 0.18.1), which AReaL's FSDP engine imports at module level
+  # (tests/test_areal_fsdp.py runs it)
+  install_areal "peft==0.18.1"
 elif [ "$BRIDGE" = "trl" ]; then
   install_trl
 elif [ "$BRIDGE" = "kernels" ]; then

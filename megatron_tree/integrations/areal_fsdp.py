@@ -1,0 +1,240 @@
+"""Tree training inside AReaL's FSDP engine (AReaL 1.0.x), switched on in two lines of the entry
+script, without a line of AReaL changed::
+
+    import areal.engine
+    from megatron_tree.integrations import areal_fsdp as tree_areal_fsdp
+
+    areal.engine.FSDPPPOActor = tree_areal_fsdp.TreeFSDPPPOActor
+
+AReaL's trainer looks the class up when it builds its actor and reference engines
+(``PPOTrainer._create_train_engine``), so the rest of the setup stays as it is:
+``actor.enable_tree_training=true``, ``mb_spec.max_tokens_per_mb``, AReaL's losses, metrics and
+checkpoints. With ``enable_tree_training`` off the class is AReaL's own ``FSDPPPOActor``.
+
+With it on, AReaL's own tree path (its flash-attention patch, trie packing and gathers) stays off
+and the HF model runs the package's: :func:`~megatron_tree.integrations.transformers.prepare_model`
+selects the tree attention before FSDP2 shards the model; micro-batches are the package's tries
+(:func:`~megatron_tree.core.packing.build_packed_tree_batch`, ``max_tokens_per_mb`` as the
+capacity, every data-parallel rank with as many micro-batches, whole trees); each runs through
+:func:`~megatron_tree.integrations.transformers.tree_forward` (depth position ids, the O(N) tree
+mask), the package's log-prob / entropy / vocab-statistics gather gives AReaL's loss its packed
+1-D layout, and forward results come back through AReaL's own reordering as ``[B, L]``.
+
+Refused with the reason: vision-language models, Ulysses sequence parallelism (``sp_size > 1``),
+the critic (``is_critic``: use AReaL's own ``FSDPPPOCritic``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from areal.engine.fsdp_engine import FSDPPPOActor, FSDPTrainContext
+from areal.utils import stats_tracker
+
+from ..core.heads import LogProbs
+from ..core.packing import build_packed_tree_batch
+from ..core.results import gather_packed_tree_vocab_stats
+from .areal import TreeHeadOutputs, TreeMicroBatchList, _areal_micro_batch, _check_version
+from .transformers import TreeAttentionOptions, prepare_model, tree_forward
+
+logger = logging.getLogger(__name__)
+
+
+class TreeFSDPPPOActor(FSDPPPOActor):
+    """AReaL's ``FSDPPPOActor`` with tree micro-batches and tree attention (the actor and the
+    reference policy).
+
+    Attributes (class level; override per instance): ``tree_backend`` (tree attention backend),
+    ``tree_block_size`` (attention tile and packing alignment), ``tree_share_prefixes`` (False:
+    every sequence its own chain, the unshared baseline on the same kernels), ``tree_stats`` (the
+    last batch's packing).
+    """
+
+    tree_backend = "auto"
+    tree_block_size = 128
+    tree_share_prefixes = True
+    tree_stats: dict | None = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        # AReaL's own tree path (its attention patch, packing and gathers) stays off.
+        self.tree_training = bool(self.enable_tree_training)
+        self.enable_tree_training = False
+        if self.tree_training and self.config.is_critic:
+            raise ValueError(
+                "TreeFSDPPPOActor is an actor: for a critic use AReaL's FSDPPPOCritic without "
+                "enable_tree_training"
+            )
+        self._head_outputs: tuple[str, ...] | None = None
+
+    # -- build --------------------------------------------------------------------------------
+
+    def initialize(self, addr, ft_spec, *args, **kwargs):
+        if not self.tree_training:
+            return super().initialize(addr, ft_spec, *args, **kwargs)
+        _check_version()
+        if self.is_vision_model:
+            raise ValueError(
+                f"model_type={self.model_config.model_type!r} is a vision-language model, which "
+                "the tree engine does not support (its inputs are not token trees): set "
+                "enable_tree_training=False"
+            )
+        if self.parallel_helper.sp_size > 1:
+            raise ValueError(
+                f"sp_size={self.parallel_helper.sp_size}: the tree engine runs whole trees per "
+                "rank; set the allocation's Ulysses sequence parallel size to 1"
+            )
+        return super().initialize(addr, ft_spec, *args, **kwargs)
+
+    def _create_device_model(self):
+        super()._create_device_model()
+        if self.tree_training:  # before FSDP2 shards it (initialize's parallelize_model)
+            prepare_model(self.model)
+
+    # -- micro-batches ------------------------------------------------------------------------
+
+    def _prepare_mb_list(self, input_: dict[str, Any]):
+        if not self.tree_training:
+            return super()._prepare_mb_list(input_)
+        input_ids, mask = input_["input_ids"], input_["attention_mask"]
+        shape = tuple(input_ids.shape)
+        per_token = {
+            k: v
+            for k, v in input_.items()
+            if k not in ("input_ids", "attention_mask")
+            and isinstance(v, torch.Tensor)
+            and tuple(v.shape[:2]) == shape
+        }
+        packed = build_packed_tree_batch(
+            {"input_ids": input_ids, "attention_mask": mask, **per_token},
+            max_tokens_per_mb=self._capacity(),
+            block_size=self.tree_block_size,
+            dp_group=self.data_parallel_group,
+            share_prefixes=self.tree_share_prefixes,
+            share_trunks=False,
+        )
+        self._report(packed)
+        per_sequence = {
+            k: v
+            for k, v in input_.items()
+            if k not in per_token and k not in ("input_ids", "attention_mask")
+        }
+        mbs = [_areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
+        order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
+        backward = [0] * len(order)
+        for position, sequence in enumerate(order):
+            backward[sequence] = position
+        return TreeMicroBatchList(
+            data=input_,
+            mb_spec=self.config.mb_spec,
+            mbs=mbs,
+            group_lens=[mb.tree.num_tree_tokens for mb in packed],
+            forward_indices=order,
+            backward_indices=backward,
+            padded_mbs=mbs,
+            padding_lengths=[mb.rows.num_rows - mb.tree.num_tree_tokens for mb in packed],
+            padded_to_lengths=[mb.rows.num_rows for mb in packed],
+            packed=packed,
+        )
+
+    def _capacity(self) -> int:
+        tokens = self.config.mb_spec.max_tokens_per_mb
+        if tokens is None:
+            raise ValueError(
+                "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
+                "unique tokens of one tree)"
+            )
+        unit = self.tree_block_size
+        capacity = -(-int(tokens) // unit) * unit
+        if capacity != tokens:
+            logger.info(
+                "megatron_tree: max_tokens_per_mb=%d rounded up to %d (a multiple of the block "
+                "size %d)",
+                tokens,
+                capacity,
+                unit,
+            )
+        return capacity
+
+    def _report(self, packed) -> None:
+        self.tree_stats = {
+            "sequences": packed.batch_size,
+            "micro_batches": len(packed),
+            "tokens_unpacked": packed.num_real_tokens,
+            "tokens_computed": packed.num_padded_tokens,
+            "tree_token_ratio": packed.tree_token_ratio,
+        }
+        stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
+        logger.info(
+            "megatron_tree: %s",
+            " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in self.tree_stats.items()
+            ),
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
+        if not isinstance(mb_list, TreeMicroBatchList):
+            return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
+        outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
+        gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
+        for mb, data in zip(mb_list.packed, mb_list.mbs):
+            logits = tree_forward(self.model, mb, options=options).logits  # [1, n, V]
+            tree = mb.tree
+            if tree.num_sequences == 0:  # a data-parallel fill-in: every rank runs as many
+                loss = logits.sum() * 0.0
+            else:
+                head = TreeHeadOutputs(gather.gather(logits, tree, None))
+                if "vocab_min" in outputs:
+                    head["vocab_min"], head["vocab_max"] = gather_packed_tree_vocab_stats(
+                        logits, tree
+                    )
+                ctx = FSDPTrainContext(
+                    model_inputs=data, mb_input=data, pad_length=0, ulysses_pad_size=0
+                )
+                loss = process_output_fn(head, ctx.to_dict())
+            if not forward_only and loss is not None:
+                loss.backward()
+
+    def forward_batch(self, *args, **kwargs):
+        # AReaL's forward results are log-probs: no entropy or vocab statistics.
+        self._head_outputs = ("logprobs",)
+        try:
+            return super().forward_batch(*args, **kwargs)
+        finally:
+            self._head_outputs = None
+
+    def _compute_logprobs_and_loss(
+        self,
+        logits,
+        ctx: FSDPTrainContext,
+        loss_fn,
+        loss_weight_fn,
+        total_loss_weight: torch.Tensor,
+        loss_multiplier: float = 1.0,
+    ) -> torch.Tensor:
+        if not isinstance(logits, TreeHeadOutputs):
+            return super()._compute_logprobs_and_loss(
+                logits, ctx, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier
+            )
+        local_weight = loss_weight_fn(ctx.mb_input)
+        if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
+            return sum(v.sum() for v in logits.values() if v.requires_grad) * 0.0
+        loss = loss_fn(
+            logits["logprobs"],
+            logits["entropy"],
+            ctx.mb_input,
+            vocab_min_logits=logits["vocab_min"],
+            vocab_max_logits=logits["vocab_max"],
+        )
+        return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    def _compute_forward_result(self, logits, ctx: FSDPTrainContext):
+        if not isinstance(logits, TreeHeadOutputs):
+            return super()._compute_forward_result(logits, ctx)
+        return logits["logprobs"]

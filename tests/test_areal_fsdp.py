@@ -1,0 +1,127 @@
+"""AReaL 1.0.4's own FSDP engine (``FSDPPPOActor``, FSDP2 on a 1-rank gloo world), made by AReaL's
+trainer code (``PPOTrainer._create_train_engine`` -> ``initialize``) and driven by its PPO actor
+(``compute_logp``, ``compute_advantages``, ``ppo_update`` with ``grpo_loss_fn``), tiny random Qwen3
+on the CPU in fp32: AReaL's stock engine (its packed varlen forward on the CPU stand-in
+``packed_sdpa``) and megatron_tree's ``TreeFSDPPPOActor`` in its place, on the branching sequences.
+References: HF eager on each sequence alone, and the stock engine on the same batch. Runs on the
+AReaL stack (``MEGATRON_TREE_BRIDGE=areal``); skipped elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_tree.testing.dist import run_spawned
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
+
+ON_AREAL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "areal"
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("areal") is None and not ON_AREAL_STACK,
+        reason="AReaL is not installed (the AReaL stack: MEGATRON_TREE_BRIDGE=areal)",
+    ),
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines",
+    ),
+]
+
+
+def _run(path: str, seqs: list, hf: dict, tree: bool) -> dict:
+    """compute_logp on the batch, then PPOTrainer's compute_advantages and ppo_update (on-policy:
+    the rollout log-probs are HF's; lr 0) with the gradients as the backward left them."""
+    from areal.utils import stats_tracker
+
+    from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
+    from megatron_tree.testing.areal import areal_batch, areal_trajectories, per_sequence
+    from megatron_tree.testing.areal_fsdp import build_fsdp_engine, captured_grads, packed_sdpa
+
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if tree:
+            eng = build_fsdp_engine(path, tree=True, engine_cls=TreeFSDPPPOActor)
+        else:
+            stack.enter_context(packed_sdpa())
+            eng = build_fsdp_engine(path)
+        logp = eng.compute_logp([areal_batch(seqs)])[0]
+        trajectories = areal_trajectories(
+            seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
+        )
+        batch = eng.compute_advantages(trajectories)
+        stats_tracker.export_all()  # drop what compute_logp / advantages logged
+        with captured_grads(eng) as grads:
+            eng.ppo_update(batch)
+        out = {
+            "engine": type(eng).__name__,
+            "attention": eng.model.config._attn_implementation,
+            "logp": per_sequence(logp, seqs),
+            "grads": grads,
+            "stats": stats_tracker.export_all(),
+            "tree_stats": getattr(eng, "tree_stats", None),
+            "seconds": time.perf_counter() - start,
+        }
+        eng.destroy()
+    return out
+
+
+def _fsdp_worker(rank: int, path: str, seqs: list) -> dict:
+    from megatron_tree.testing.areal_fsdp import setup_fsdp_cpu
+    from megatron_tree.testing.models import hf_logprobs
+
+    setup_fsdp_cpu()  # AReaL imports only with its stand-ins
+    hf = hf_logprobs(path, seqs)
+    return {"hf": hf, "stock": _run(path, seqs, hf, False), "ours": _run(path, seqs, hf, True)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    from megatron_tree.testing.models import branching_sequences, make_hf_checkpoint
+
+    path = str(tmp_path_factory.mktemp("areal_fsdp") / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    seqs = branching_sequences()
+    out = run_spawned(_fsdp_worker, 1, path, seqs, megatron=False)[0]
+    out["seqs"] = seqs
+    return out
+
+
+def _max_err(a: dict, b: dict) -> float:
+    return max(float((a[i] - b[i]).abs().max()) for i in b)
+
+
+def test_stock_fsdp_engine_compute_logp_equals_hf(fsdp_runs):
+    """AReaL's stock FSDP engine (packed, non-tree) in fp32 on the CPU stand-in gives each
+    sequence HF's log-probs: the reference below is sound."""
+    assert fsdp_runs["stock"]["engine"] == "FSDPPPOActor"
+    assert _max_err(fsdp_runs["stock"]["logp"], fsdp_runs["hf"]) <= LOGP_TOL
+
+
+def test_tree_fsdp_engine_compute_logp(fsdp_runs):
+    """The switch gives megatron_tree's engine (tree attention on the HF model); its log-probs
+    equal HF's per sequence and the stock engine's on the same batch."""
+    ours = fsdp_runs["ours"]
+    assert ours["engine"] == "TreeFSDPPPOActor" and ours["attention"] == "megatron_tree"
+    assert ours["tree_stats"]["tokens_computed"] < ours["tree_stats"]["tokens_unpacked"]
+    assert _max_err(ours["logp"], fsdp_runs["hf"]) <= LOGP_TOL
+    assert _max_err(ours["logp"], fsdp_runs["stock"]["logp"]) <= LOGP_TOL
+
+
+def test_tree_fsdp_engine_ppo_update(fsdp_runs):
+    """AReaL's ppo_update (grpo_loss_fn): the same gradients and loss statistics as the stock
+    engine on the same batch."""
+    from megatron_tree.testing.reference import gradient_errors
+
+    stock, ours = fsdp_runs["stock"], fsdp_runs["ours"]
+    assert len(stock["grads"]) == len(ours["grads"]) == 1
+    errors = gradient_errors(ours["grads"][0], stock["grads"][0])
+    assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    keys = [k for k in stock["stats"] if "loss" in k or "importance_weight" in k]
+    assert keys
+    for key in keys:
+        want, got = stock["stats"][key], ours["stats"][key]
+        assert abs(got - want) <= LOSS_RTOL * max(abs(want), 1e-6), (key, got, want)
