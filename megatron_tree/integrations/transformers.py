@@ -22,6 +22,7 @@ tree's packed length, n the rows of a micro-batch here, B batch size, L the long
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,15 @@ from ..core.results import gather_packed_tree_values, merge_packed_tree_results
 
 ATTENTION_KEY = "megatron_tree"
 
+logger = logging.getLogger(__name__)
+
 # HF model types the tests run against the same model on each sequence alone (README models table).
 TESTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "llama",
     "qwen3_moe",
+    "qwen2_moe",
     "deepseek_v3",
     "glm4_moe",
     "gpt_oss",
@@ -195,6 +199,19 @@ def prepare_model(model: torch.nn.Module, *, key: str = ATTENTION_KEY) -> torch.
                 f"{key!r}: its modeling code does not use transformers' attention interface "
                 f"({error})"
             ) from error
+        if config._attn_implementation != key:  # some transformers versions only warn
+            raise ValueError(
+                f"{type(model).__name__} ({config.model_type}) cannot take attn_implementation="
+                f"{key!r}: its modeling code does not use transformers' attention interface "
+                f"(it kept {config._attn_implementation!r})"
+            )
+    if config.model_type not in TESTED_MODEL_TYPES:
+        logger.warning(
+            "prepare_model: %s is not among the HF families tested against HF on each sequence "
+            "(%s); check its log-probs against an unpacked run before training",
+            config.model_type,
+            ", ".join(TESTED_MODEL_TYPES),
+        )
     swap_recurrent_modules(model)
     left = _recurrent_modules(model)
     if left:
