@@ -11,6 +11,9 @@ and state-dict names, so checkpoints, optimizers and FSDP2's sharding see the sa
   layers hand the mixer the forward's keyword arguments, so the micro-batch's ``tree_mask`` reaches
   it (also when HF's gradient checkpointing recomputes the layer: the kwargs are the checkpointed
   call's arguments).
+  transformers 4.x's Qwen3-Next layer calls its mixer without them (its mixer's forward takes no
+  ``**kwargs``): there its decoder layers become :class:`TreeQwen3NextDecoderLayer`, which hand them
+  on.
 * Mamba-2: Nemotron-H's ``NemotronHMamba2Mixer``. ``NemotronHBlock`` calls its mixer without the
   keyword arguments, so its Mamba blocks become :class:`TreeNemotronHBlock`, which hands them on.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 
 import torch
@@ -55,10 +59,18 @@ def _hf_class(module: str, name: str):
 
 
 Qwen3NextGatedDeltaNet = _hf_class("qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet")
+Qwen3NextDecoderLayer = _hf_class("qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer")
 Qwen3_5GatedDeltaNet = _hf_class("qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet")
 Qwen3_5MoeGatedDeltaNet = _hf_class("qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet")
 NemotronHMamba2Mixer = _hf_class("nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
 NemotronHBlock = _hf_class("nemotron_h.modeling_nemotron_h", "NemotronHBlock")
+
+
+def _takes_kwargs(function) -> bool:
+    """Whether ``function`` takes ``**kwargs`` (transformers 5's mixers do, and get the forward's
+    keyword arguments from their layer; 4.x's Qwen3-Next mixer takes none and gets none)."""
+    kinds = (p.kind for p in inspect.signature(function).parameters.values())
+    return inspect.Parameter.VAR_KEYWORD in kinds
 
 
 @functools.cache
@@ -239,6 +251,34 @@ if Qwen3NextGatedDeltaNet is not None:
 
     TREE_CLASSES[Qwen3NextGatedDeltaNet] = TreeQwen3NextGatedDeltaNet
 
+if Qwen3NextGatedDeltaNet is not None and not _takes_kwargs(Qwen3NextGatedDeltaNet.forward):
+
+    class TreeQwen3NextDecoderLayer(Qwen3NextDecoderLayer):
+        """transformers 4.x's Qwen3NextDecoderLayer that hands its gated delta-net the forward's
+        keyword arguments (``tree_mask``); HF's layer drops them. Same submodules and parameters."""
+
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            if self.layer_type != "linear_attention":
+                return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+            for name in ("position_ids", "use_cache"):  # the mixer's forward does not take them
+                kwargs.pop(name, None)
+            cache = kwargs.pop("past_key_values", None)
+            residual = hidden_states
+            hidden_states = self.linear_attn(
+                self.input_layernorm(hidden_states),
+                cache_params=cache,
+                attention_mask=attention_mask,
+                **kwargs,
+            )
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+            if isinstance(hidden_states, tuple):  # MoE: (hidden states, router logits)
+                hidden_states = hidden_states[0]
+            return residual + hidden_states
+
+    TREE_CLASSES[Qwen3NextDecoderLayer] = TreeQwen3NextDecoderLayer
+
 if Qwen3_5GatedDeltaNet is not None:
 
     class TreeQwen3_5GatedDeltaNet(_TreeGatedDeltaNet, Qwen3_5GatedDeltaNet):
@@ -299,8 +339,8 @@ def swap_recurrent_modules(model: torch.nn.Module) -> int:
     """Swap every recurrent mixer of ``model`` that has a tree module; returns how many.
 
     Changes the class of each instance in place (idempotent: a swapped module is not swapped again),
-    and that of the blocks that must hand their mixer the tree mask (Nemotron-H's Mamba blocks; not
-    counted). Modules without a tree class are left to
+    and that of the layers that must hand their mixer the tree mask (Nemotron-H's blocks, 4.x's
+    Qwen3-Next layers; not counted). Modules without a tree class are left to
     :func:`~megatron_tree.integrations.transformers.prepare_model`, which refuses them by name."""
     swapped = 0
     for module in model.modules():
