@@ -52,9 +52,20 @@ as the package's step.
   (verl's ``tokens // cp`` on every rank would drop up to cp - 1 per micro-batch from the count the
   gradients are divided by).
 
-Refused with the reason: routing replay (verl's router replay patches the router with
-per-micro-batch routes in verl's token order, which a tree does not keep), verl's dynamic context
-parallelism (its scheduler replaces the micro-batches), top-k distillation with trunk reuse or CP.
+* Routing replay (verl's ``router_replay.mode``, its MoE routers patched with verl's
+  ``RouterReplay``), expert parallelism included. R2: verl's old-log-prob pass without
+  ``routed_experts`` records; the routers' choices for every micro-batch's rows are kept per tree
+  position (a trunk group's tree filled by its parts, :class:`_RouteRecorder`) and each sample's
+  routes at its own tokens go to verl's bookkeeping, which returns them per sample in verl's
+  layout, as from its own engine. Its other passes, and every R3 pass, replay ``routed_experts``:
+  re-laid per tree position by the packer (``route_key``: two samples share a position only where
+  their routes agree) and handed to the routers with each micro-batch
+  (:func:`~megatron_tree.mcore.moe.replay_routes`); under R3 a sample's last token routes
+  natively, as verl's replay mask has it (:meth:`_TreeEngine._routes_to_replay`). Refused for now
+  with PP, CP or sequence parallelism.
+
+Refused with the reason: verl's dynamic context parallelism (its scheduler replaces the
+micro-batches), top-k distillation with trunk reuse or CP.
 """
 
 from __future__ import annotations
@@ -86,12 +97,14 @@ from verl.workers.engine.megatron.transformer_impl import (
 from ..core.packing import build_packed_tree_batch
 from ..core.partition import partition_for_data_parallel
 from ..core.trie import unique_tokens
+from ..mcore.moe import check_replaying, replay_routes, replaying
 from ..mcore.schedule import Phases, StepContext, run_phases
 from ..mcore.step import constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
 
 logger = logging.getLogger(__name__)
 VENDOR = "megatron_tree"
+ROUTE_KEY = "routed_experts"  # verl's per-token routes [B, j, layers, topk]
 
 
 def tree_micro_batches(
@@ -103,6 +116,7 @@ def tree_micro_batches(
     dp_group=None,
     parallel_size: int = 1,
     pad_to_max: bool = False,
+    routes: torch.Tensor | None = None,
 ) -> tuple[list, list[list[int]], object]:
     """verl's micro-batch preparation with trees.
 
@@ -113,9 +127,16 @@ def tree_micro_batches(
     prompt group larger than ``max_tokens`` runs as trunk parts (computed once) and branches.
     ``parallel_size``: a factor of every packed length (the CP size, times the TP size under
     sequence parallelism); ``pad_to_max``: every tree ``max_tokens`` long (constant shapes).
+    ``routes``: per sample, the routes its tokens replay (nested [B, j, layers, topk], -1 where a
+    token routes natively): two samples share a tree position only where their routes agree too
+    (the packer's ``route_key``).
     """
+    inputs = {"input_ids": data["input_ids"]}
+    if routes is not None:
+        inputs[ROUTE_KEY] = routes
     packed = build_packed_tree_batch(
-        {"input_ids": data["input_ids"]},
+        inputs,
+        route_key=None if routes is None else ROUTE_KEY,
         max_tokens_per_mb=max_tokens,
         block_size=block_size,
         parallel_size=parallel_size,
@@ -211,12 +232,16 @@ class _VerlHead:
             -> per-token outputs.
         token_rows: per packed micro-batch's rows (by id), (its rows' tokens of its own tree or
             None when no sample ends in it, of its group's tree or None when it is no trunk part).
+        record: a :class:`_RouteRecorder` (verl's R2 record pass), told the rows of every forward
+            (the head runs right after it), or None.
     """
 
-    def __init__(self, head, token_rows: dict[int, tuple]):
-        self.head, self.token_rows = head, token_rows
+    def __init__(self, head, token_rows: dict[int, tuple], record=None):
+        self.head, self.token_rows, self.record = head, token_rows, record
 
     def __call__(self, output: torch.Tensor, tree, rows) -> dict[str, torch.Tensor]:
+        if self.record is not None:
+            self.record(rows)
         own, group = self.token_rows.get(id(rows), (None, None))
         token_rows = group if rows.records and tree is rows.tree else own
         if token_rows is None:  # no sample's tokens (a trunk part no sample ends in)
@@ -272,6 +297,40 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
+class _RouteRecorder:
+    """verl's R2 record pass (old log-probs) on trees: after each micro-batch's forward, the experts
+    every router chose for its rows [n, topk], kept per position of the rows' tree (a trunk group's
+    tree is filled by its parts); then each sample's routes at its own tokens, in verl's layout.
+
+    Args:
+        routers: the model's routers that record, in layer order (verl's ``RouterReplay`` on each).
+    """
+
+    def __init__(self, routers: list):
+        self.routers = routers
+        self.tables: dict = {}  # per tree (a trunk group's, or a micro-batch's rows): [N, L, topk]
+
+    @staticmethod
+    def _key(rows):
+        return ("group", rows.group) if rows.group is not None else id(rows)
+
+    def __call__(self, rows) -> None:
+        routes = torch.stack(
+            [router.router_replay.recorded_topk_idx for router in self.routers], dim=1
+        ).to(torch.int16)  # [n, L, topk]
+        key = self._key(rows)
+        if key not in self.tables:
+            self.tables[key] = routes.new_zeros((rows.tree.padded_length, *routes.shape[1:]))
+        self.tables[key][rows.positions.to(routes.device)] = routes
+
+    def samples(self, mb) -> torch.Tensor:
+        """The routes of the samples ending in ``mb``, nested [b, j, L, topk] (int16, CPU, as
+        verl records them)."""
+        tree, table = mb.tree, self.tables[self._key(mb.rows)]
+        per_token = table[tree.token_index.to(table.device)]
+        return _nested(list(per_token.cpu().split(tree.cu_seqlens.diff().tolist())))
+
+
 class _TreeEngine:
     """What the tree engines change in verl's Megatron engine (see the module docstring).
 
@@ -315,14 +374,25 @@ class _TreeEngine:
         return math.ceil(int(tokens) / unit) * unit
 
     def _check_supported(self, data) -> None:
-        if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False) or getattr(
-            self, "enable_routing_replay", False
+        if (
+            tu.get_non_tensor_data(data, key="enable_routing_replay", default=False)
+            and self.engine_config.router_replay.mode != "disabled"
         ):
-            raise ValueError(
-                "routing replay (router_replay) is not supported by the verl tree engine yet: the "
-                "recorded routes would not be replayed on the tree; unset VERL_ENGINE_VENDOR or "
-                "turn router replay off"
-            )
+            config = self.tf_config
+            for name in ("pipeline_model_parallel_size", "context_parallel_size"):
+                if getattr(config, name) > 1:
+                    raise ValueError(
+                        f"{name}={getattr(config, name)}: routing replay (router_replay.mode="
+                        f"{self.engine_config.router_replay.mode}) in the verl tree engine is "
+                        f"tested without pipeline and context parallelism; set {name}=1 or "
+                        "router_replay.mode='disabled'"
+                    )
+            if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+                raise ValueError(
+                    "sequence_parallel=True: the verl tree engine's routing replay does not yet "
+                    "gather the routes of sequence-parallel shards; set sequence_parallel=False or "
+                    "router_replay.mode='disabled'"
+                )
         if getattr(self.engine_config, "dynamic_context_parallel", False):
             raise ValueError(
                 "dynamic_context_parallel=True: verl's dynamic CP scheduler re-lays samples per "
@@ -330,6 +400,56 @@ class _TreeEngine:
                 "and context_parallel_size (the tree engine splits every tree across the CP ranks "
                 "by attention work)"
             )
+
+    def _routes_to_replay(self, data, forward_only: bool) -> torch.Tensor | None:
+        """The routes the batch's trees replay (per sample, nested [B, j, layers, topk]), as verl's
+        engine replays them, or None: routing replay off, or verl's R2 record pass (old log-probs
+        without ``routed_experts``: the routers record, :class:`_RouteRecorder`).
+
+        R2 replays the recorded routes at every token. R3 replays the rollout's routes at every
+        token but a sample's last (verl's replay mask: that row predicts nothing, and the rollout
+        records no route for it), whose route is the model's own (-1 here); a sample without
+        response tokens replays none. The layers are the model's: a route table of the MoE layers
+        only (verl's R2 record on a model with dense layers) is spread to their layer numbers."""
+        mode = self.engine_config.router_replay.mode
+        if mode == "disabled" or not tu.get_non_tensor_data(
+            data, key="enable_routing_replay", default=False
+        ):
+            return None
+        routes = data.get(ROUTE_KEY, None)
+        if routes is None:
+            if forward_only and mode == "R2":
+                return None  # verl's R2 record pass
+            raise ValueError(
+                f"router_replay.mode={mode!r} replays data[{ROUTE_KEY!r}], which the batch does "
+                "not hold: R2 records it in compute_log_prob (forward only), R3 takes the "
+                "rollout's (enable_rollout_routing_replay=True)"
+            )
+        lengths = data["input_ids"].offsets().diff().tolist()
+        replayed = lengths
+        if mode == "R3":
+            responses = data["response_mask"].sum(dim=-1).tolist()
+            replayed = [n - 1 if r > 0 else 0 for n, r in zip(lengths, responses)]
+        layers = _moe_layers(self.tf_config)
+        per_sample = []
+        for i, (sample, n, k) in enumerate(zip(routes.unbind(), lengths, replayed)):
+            if sample.shape[0] not in (n, n - 1) or sample.shape[0] < k:
+                raise ValueError(
+                    f"data[{ROUTE_KEY!r}] sample {i} has {sample.shape[0]} routes for {n} tokens; "
+                    "give one per token (R3: the last token's may be missing)"
+                )
+            full = sample.new_full((n, self.tf_config.num_layers, sample.shape[-1]), -1)
+            if sample.shape[1] == self.tf_config.num_layers:
+                full[:k] = sample[:k]
+            elif sample.shape[1] == len(layers):
+                full[:k, layers] = sample[:k]
+            else:
+                raise ValueError(
+                    f"data[{ROUTE_KEY!r}] holds routes of {sample.shape[1]} layers; the model has "
+                    f"{self.tf_config.num_layers} layers, {len(layers)} of them MoE layers"
+                )
+            per_sample.append(full)
+        return _nested(per_sample)
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self._check_supported(data)
@@ -348,6 +468,7 @@ class _TreeEngine:
             align=align,
             constant=constant,
             trees=trees,
+            routes=self._routes_to_replay(data, forward_only),
         )
         schedule = partial(
             self._tree_schedule, trees=trees, loss_function=loss_function, forward_only=forward_only
@@ -372,6 +493,7 @@ class _TreeEngine:
         align: int,
         constant: bool,
         trees: dict,
+        routes: torch.Tensor | None,
         **unused,
     ):
         # With dp_group every data-parallel rank gets as many micro-batches (all-padding ones
@@ -385,6 +507,7 @@ class _TreeEngine:
             dp_group=dp_group,
             parallel_size=align,
             pad_to_max=constant,
+            routes=routes,
         )
         self.tree_stats = {
             "sequences": packed.batch_size,
@@ -409,6 +532,7 @@ class _TreeEngine:
         temperature = data["temperature"]
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.full((len(data),), float(temperature))
+        trees["replay"] = routes is not None
         trees["packed"], trees["token_rows"] = (
             packed,
             [  # the head's host facts, once per micro-batch
@@ -477,11 +601,15 @@ class _TreeEngine:
                 "which trunk parts and context-parallel row shares do not keep: set "
                 "tree_share_trunks=False on the engine and context_parallel_size=1"
             )
+        record = None
+        if tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
+            record = _RouteRecorder(_recording_routers(model))
         head = _VerlHead(
             partial(
                 self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
             ),
             {id(mb.rows): pair for mb, pair in zip(packed, token_rows)},
+            record,
         )
         per_token = bool(self.tf_config.calculate_per_token_loss)
         loss = _VerlLoss(
@@ -495,18 +623,52 @@ class _TreeEngine:
             self._tree_model_output,
             self._token_share if per_token and mpu.get_context_parallel_world_size() > 1 else None,
         )
+        if trees["replay"]:
+            check_replaying(model, ROUTE_KEY)
         ctx = StepContext(
             model,
             self.tf_config,
             moe=bool(self.tf_config.num_moe_experts),
+            routes=replay_routes(list(packed), ROUTE_KEY) if trees["replay"] else None,
+            # expert-parallel ranks (data-parallel ones) run as many micro-batches per call
+            ep_group=mpu.get_data_parallel_group() if expert_parallel(self.tf_config) else None,
             # Per-token mode: router losses weighted by their tokens, as the loss's (Megatron
             # divides both by the global token count); otherwise Megatron's mean per micro-batch.
             loss_scale=1.0 if per_token else None,
             per_token=False,  # the config's mode: verl's protocol
         )
-        with _vpp_groups_of_pp(model):
+        with (
+            _vpp_groups_of_pp(model),
+            replaying(model) if trees["replay"] else contextlib.nullcontext(),
+        ):
             run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
+        if record is not None:
+            # verl's engine merges these (per micro-batch taking a loss, in its order) and restores
+            # the batch's sample order with our indices, as it does with its own recordings.
+            self.mini_layer_topk_idx_list += [
+                record.samples(packed[i]) for i in sorted(loss.outputs)
+            ]
         return [loss.outputs[i] for i in sorted(loss.outputs)]
+
+
+def _moe_layers(config) -> list[int]:
+    """The 0-based indices of ``config``'s MoE layers (``moe_layer_freq``: every n-th layer, or a
+    0/1 list per layer)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(config.num_layers) if i % freq == 0]
+    return [i for i, moe in enumerate(freq) if moe]
+
+
+def _recording_routers(chunks) -> list:
+    """The routers that record routes (verl's ``RouterReplay`` on them), in layer order."""
+    routers = [
+        m.router
+        for chunk in chunks
+        for m in chunk.modules()
+        if getattr(getattr(m, "router", None), "router_replay", None) is not None
+    ]
+    return sorted(routers, key=lambda router: router.layer_number)
 
 
 def _needs_constant_shapes(config, num_chunks: int) -> bool:

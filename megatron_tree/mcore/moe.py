@@ -41,6 +41,8 @@ scores once the counts are the group's; the z-loss is a sum over tokens).
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +77,9 @@ class RouterInputs:
             (``MoEAuxLossAutoScaler.set_loss_scale``, set by its schedule from
             ``grad_scale_func``) scales them further in backward.
         routes: int [n, num_layers, topk]: the routes each row replays (global layer order),
-            or None without routing replay.
+            or None without routing replay. A row of -1 routes as the model chooses, where the
+            router's replay takes a mask (verl's ``RouterReplay``: its R3 replay of rollout routes
+            leaves each sample's last token to the model).
     """
 
     weights: torch.Tensor
@@ -222,8 +226,6 @@ class TreeMoELayer(MoELayer):
     def _replay(self, routes: torch.Tensor) -> None:
         """Make the router replay its layer's column of ``routes`` [n, layers, topk] (cut to the
         sequence-parallel shard it sees) in this call, a recomputation included."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         replay = getattr(self.router, "router_replay", None)
         if replay is None:
             raise ValueError(
@@ -234,9 +236,22 @@ class TreeMoELayer(MoELayer):
             shard = routes.shape[0] // self.config.tensor_model_parallel_size
             rank = parallel_state.get_tensor_model_parallel_rank()
             routes = routes[rank * shard : (rank + 1) * shard]
-        replay.set_target_indices(routes[:, self.router.layer_number - 1].to(torch.int64))
+        column = routes[:, self.router.layer_number - 1].to(torch.int64)  # [n, topk]
+        if "replay_mask" in inspect.signature(replay.set_target_indices).parameters:
+            # verl's RouterReplay: rows marked -1 route as the model chooses (its R3 replay mask)
+            replay.set_target_indices(column.clamp(min=0), replay_mask=column[:, 0] >= 0)
+            replay.replay_backward_mask_list.pop()
+        else:
+            replay.set_target_indices(column)
         replay.replay_backward_list.pop()  # a recomputation replays forward again
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        replay.set_router_replay_action(_replay_actions(replay).REPLAY_FORWARD)
+
+
+def _replay_actions(replay):
+    """The action enum of ``replay``'s class: Megatron's ``RouterReplayAction``, or verl's where
+    verl's router replay patch (verl 0.9.1 on a Megatron-Core without hash routing) gives every
+    router its own ``RouterReplay``, which compares actions with its own enum."""
+    return importlib.import_module(type(replay).__module__).RouterReplayAction
 
 
 class _TreeLayer:

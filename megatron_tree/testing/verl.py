@@ -53,6 +53,16 @@ def register_cpu_platform() -> None:
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
 
 
+def router_replay_on_cpu() -> None:
+    """verl's router replay utilities pick their device once, at import (``device_name =
+    get_device_name()`` in ``verl/utils/megatron/router_replay_utils.py``), as "cuda" when the
+    module is imported before the CPU platform is set; recording routes then moves them to CUDA
+    ("Found no NVIDIA driver"). Point it at the CPU."""
+    from verl.utils.megatron import router_replay_utils
+
+    router_replay_utils.device_name = "cpu"
+
+
 def seed_megatron_rng_tracker(seed: int = 42) -> None:
     """verl's set_random_seed (engine/megatron/utils.py) skips model_parallel_cuda_manual_seed
     when no accelerator is present, and Megatron's layers then fail in get_cuda_rng_tracker().fork()
@@ -130,12 +140,39 @@ def use_local_spec_in_mbridge() -> None:
 
     def mcore_to_hf(self, name):
         for local, te in _LOCAL_TO_TE_NAMES.items():
-            if name.endswith(local):
+            # an MoE layer's pre-MLP norm is a module of its own with TE too
+            moe = local == ".pre_mlp_layernorm.weight" and self.config.num_moe_experts
+            if name.endswith(local) and not moe:
                 name = name[: -len(local)] + te
         return original(self, name)
 
     llm_bridge.LLMBridge._get_transformer_layer_spec = mbridge_local_layer_spec
     bridge_module.Bridge._weight_name_mapping_mcore_to_hf = mcore_to_hf
+
+
+def local_moe_in_stock_mbridge() -> None:
+    """For verl's STOCK engine on the mbridge path with an MoE checkpoint: mbridge's MoE configs ask
+    for grouped GEMM and apex's persistent norm (the torch norms assert it off: "persist_layer_norm
+    not supported by torch LayerNorm") and its weight maps name TE's grouped experts; the bridges
+    that ``AutoBridge.from_config`` returns while ``VERL_ENGINE_VENDOR`` is unset get the package's
+    local-MoE binding (``megatron_tree.bridges.mbridge._bind_local_moe``: SequentialMLP experts,
+    their names mapped to the global expert), as the tree engine's bridges get it from the
+    package's patch. Skipped without mbridge."""
+    if not _installed("mbridge"):
+        return
+    from mbridge import AutoBridge
+
+    from megatron_tree.bridges.mbridge import _bind_local_moe
+
+    original = AutoBridge.from_config.__func__
+
+    def from_config(cls, *args, **kwargs):
+        bridge = original(cls, *args, **kwargs)
+        if bridge.config.num_moe_experts and not os.environ.get("VERL_ENGINE_VENDOR"):
+            _bind_local_moe(bridge)
+        return bridge
+
+    AutoBridge.from_config = classmethod(from_config)
 
 
 class _NoStream:
@@ -280,13 +317,15 @@ def local_spec_in_megatron_bridge():
     ``AutoBridge.to_megatron_provider`` returns use Megatron-Bridge's local layer spec instead of
     its default transformer-engine spec, which without transformer-engine fails in ``provide()``
     (gpt_layer_specs.py:233, ``TESpecProvider()`` -> TypeError: 'NoneType' object is not callable).
-    The TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider`` switches
-    off are not needed here (Qwen3: removing them changes nothing). The tree engine needs none of
+    Of the TE-only fusions that ``megatron_tree.bridges.megatron_bridge.make_tree_provider``
+    switches off, only the MoE ones are needed here (dense Qwen3: removing the others changes
+    nothing). The tree engine needs none of
     it."""
     from megatron.bridge.models import gpt_provider
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
 
     from megatron_tree.bridges.megatron_bridge import te_layer_specs
+    from megatron_tree.patches import megatron_bridge_experts
 
     original = AutoBridge.to_megatron_provider
 
@@ -294,6 +333,11 @@ def local_spec_in_megatron_bridge():
         provider = original(self, *args, **kwargs)
         if provider.transformer_layer_spec in te_layer_specs():
             provider.transformer_layer_spec = gpt_provider.local_layer_spec
+        if provider.num_moe_experts:
+            # TE-only MoE fusions ("fused permutation is not available. Please install TE"), and
+            # the local spec's SequentialMLP experts loaded by name (the package's import patch)
+            provider.moe_permute_fusion = provider.moe_grouped_gemm = False
+            megatron_bridge_experts.apply()
         return provider
 
     with swapped(AutoBridge, to_megatron_provider=to_megatron_provider):
@@ -319,11 +363,13 @@ def setup_cpu(skip: str = "") -> None:
         apply_megatron_cpu_patch,
         apply_mbridge_compat,
         use_local_spec_in_mbridge,
+        local_moe_in_stock_mbridge,
         import_megatron_bridge_without_te,
         redirect_cuda_in_optimizer_and_ddp,
         cpu_grad_clipping,
         init_gloo_world,
         register_cpu_platform,
+        router_replay_on_cpu,
     ):
         if step.__name__ not in skip:
             step()
@@ -342,19 +388,22 @@ def build_engine(
     parallel: dict | None = None,
     use_remove_padding: bool = False,
     override_transformer_config: dict | None = None,
+    router_replay: str = "disabled",
 ):
     """verl's Megatron engine of ``model_type`` ("language_model" or "value_model") for the HF
     checkpoint at ``path`` (fp32, BSHD), chosen by ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own);
     initialized. ``vanilla_mbridge``: verl's mbridge path (True) or its default Megatron-Bridge path
     (False; verl's stock engine then builds inside :func:`local_spec_in_megatron_bridge`).
-    ``parallel``: the layout, ``{"tp", "pp", "vpp", "cp"}`` sizes (default 1 each, the rest of the
-    world data parallel); verl initializes Megatron's parallel state with it unless it is already
-    (:func:`reset_model_parallel` between layouts). ``use_remove_padding`` (verl's THD path; only
-    the tree engine runs it on a CPU) and ``override_transformer_config`` go to verl's engine
-    config; ``lr`` and ``clip_grad`` to its optimizer (a ``clip_grad`` above the gradient norm
-    leaves the gradients as the loss made them, so that a normalization error shows)."""
+    ``parallel``: the layout, ``{"tp", "pp", "vpp", "cp", "ep"}`` sizes (default 1 each, the rest
+    of the world data parallel); verl initializes Megatron's parallel state with it unless it is
+    already (:func:`reset_model_parallel` between layouts). ``use_remove_padding`` (verl's THD
+    path; only the tree engine runs it on a CPU) and ``override_transformer_config`` go to verl's
+    engine config; ``lr`` and ``clip_grad`` to its optimizer (a ``clip_grad`` above the gradient
+    norm leaves the gradients as the loss made them, so that a normalization error shows).
+    ``router_replay``: verl's routing replay mode ("disabled", "R2", "R3")."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig
     from verl.workers.engine import EngineRegistry
 
     if vendor:
@@ -363,7 +412,7 @@ def build_engine(
         os.environ.pop("VERL_ENGINE_VENDOR", None)
     model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
-    sizes = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, **(parallel or {})}
+    sizes = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, **(parallel or {})}
     engine_config = McoreEngineConfig(
         strategy="megatron",
         vanilla_mbridge=vanilla_mbridge,
@@ -376,6 +425,8 @@ def build_engine(
         pipeline_model_parallel_size=sizes["pp"],
         virtual_pipeline_model_parallel_size=sizes["vpp"],
         context_parallel_size=sizes["cp"],
+        expert_model_parallel_size=sizes["ep"],
+        router_replay=EngineRouterReplayConfig(mode=router_replay),
         override_transformer_config=dict(override_transformer_config or {}),
     )
     force_fp32(engine_config)
