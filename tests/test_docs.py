@@ -201,6 +201,27 @@ def check_building_blocks(ns: dict) -> None:
         assert bool((merged[row, : n - 1] < 0).all()) and bool(merged[row].isfinite().all())
 
 
+def hf_namespace(checkpoints) -> dict:
+    """README's HF snippet: ``hf_path``, a list of branching ``sequences``, ``device``."""
+    from megatron_tree.testing.models import branching_sequences
+
+    return dict(hf_path=checkpoints["qwen3"], sequences=branching_sequences(), device="cpu")
+
+
+def check_hf(ns: dict) -> None:
+    """Each sequence's log-probs equal HF eager's on the sequence alone."""
+    from megatron_tree.testing.models import hf_logprobs
+    from megatron_tree.testing.tolerances import LOGP_TOL
+
+    seqs, logprobs = ns["sequences"], ns["logprobs"]
+    assert isinstance(logprobs, list) and len(logprobs) == len(seqs)
+    reference = hf_logprobs(ns["hf_path"], seqs)
+    for i, seq in enumerate(seqs):
+        assert logprobs[i].shape == seq.shape
+        err = float((logprobs[i][:-1].detach() - reference[i]).abs().max())
+        assert err <= LOGP_TOL, f"sequence {i}: {err}"
+
+
 MEGATRON_BRIDGE_PREAMBLE = """\
 # Fixture preamble (tests/test_docs.py): a one-process world and a tiny checkpoint; nothing of
 # Megatron-Bridge or of megatron_tree's bridges is imported before the snippet.
@@ -235,6 +256,7 @@ print("MEGATRON_TREE_DOCS_OK")
 PREAMBLES = {
     snippet_id("README.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("README.md", 1): (AREAL_PREAMBLE, AREAL_CHECK),
+    snippet_id("README.md", 2): (hf_namespace, check_hf),
     snippet_id("docs/usage.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("docs/usage.md", 1): (MEGATRON_BRIDGE_PREAMBLE, MEGATRON_BRIDGE_CHECK),
     snippet_id("docs/usage.md", 2): (megatron_core_namespace, check_megatron_core),
