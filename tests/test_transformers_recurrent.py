@@ -4,13 +4,13 @@
 mixers of Nemotron-H (dense and MoE) for tree modules. Reference: HuggingFace's own model (eager) on
 the sequences as one right-padded batch, each row its sequence alone (Nemotron-H in one scan chunk:
 ``testing.reference.one_mamba_chunk``), for log-probs and every parameter's gradient of a fixed
-random per-token loss; one gated delta-net and one Mamba family also with HF's gradient
-checkpointing on (the recomputation must get the tree mask again). Sequences: the tries a recurrent
-layer gets wrong first (``recurrent_sequences``: one- and two-token segments between branch points,
-a branch at a root's first token, a ladder of one-token segments) plus a prompt group whose shared
-prompt spans several of Nemotron-H's 16-token scan chunks, a prefix and a duplicate; packed into
-two micro-batches. Runs on the Megatron-Bridge stack (transformers 5.12); a family this
-transformers lacks is skipped by name.
+random per-token loss; Qwen3-Next and Nemotron-H also with HF's gradient checkpointing on
+(non-reentrant and reentrant: the recomputation must get the tree mask again). Sequences: the tries
+a recurrent layer gets wrong first (``recurrent_sequences``: one- and two-token segments between
+branch points, a branch at a root's first token, a ladder of one-token segments) plus a prompt
+group whose shared prompt spans several of Nemotron-H's 16-token scan chunks, a prefix and a
+duplicate; packed into two micro-batches. Runs on the Megatron-Bridge stack (transformers 5.12);
+a family this transformers lacks is skipped by name.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ CASES = {
     "qwen3_5_moe_text": ("qwen3_5_moe_text", {}, "qwen3_5_moe", HF_HYBRID_LOGP_TOL),
     **{name: (arch, over, "nemotron_h", LOGP_TOL) for name, (arch, over) in MAMBA_CASES.items()},
 }
-# Cases run with HF's gradient checkpointing (non-reentrant, HF's default) on the tree model.
-CHECKPOINTED = ("qwen3_next", "nemotron_h")
+# Cases run with HF's gradient checkpointing on the tree model: {case: use_reentrant} (False is
+# HF's default).
+CHECKPOINTED = {"qwen3_next": False, "nemotron_h": True}
 # Several micro-batches of at most 64 tokens (tiles of 16).
 PACKING = dict(max_tokens_per_mb=64, block_size=16, share_trunks=False)
 
@@ -154,7 +155,8 @@ def test_tree_mixers_match_hf_on_each_sequence(name, checkpoint, monkeypatch, re
     assert len(mixers) >= 2, [type(m).__name__ for m in model.modules()]
     checkpointed = name in CHECKPOINTED
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        reentrant = {"use_reentrant": CHECKPOINTED[name]}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
         model.train()  # HF checkpoints only in training mode (dropout is 0 in these configs)
     calls = []
     # A pre-hook: non-reentrant recomputation stops once it has what backward needs, which can be
