@@ -5,11 +5,12 @@ script, without a line of AReaL changed::
     from megatron_tree.integrations import areal_fsdp as tree_areal_fsdp
 
     areal.engine.FSDPPPOActor = tree_areal_fsdp.TreeFSDPPPOActor
+    areal.engine.FSDPPPOCritic = tree_areal_fsdp.TreeFSDPPPOCritic
 
-AReaL's trainer looks the class up when it builds its actor and reference engines
-(``PPOTrainer._create_train_engine``), so the rest of the setup stays as it is:
+AReaL's trainer looks the classes up when it builds its actor, reference and critic engines
+(``PPOTrainer._create_train_engine``, ``_create_critic``), so the rest of the setup stays as it is:
 ``actor.enable_tree_training=true``, ``mb_spec.max_tokens_per_mb``, AReaL's losses, metrics and
-checkpoints. With ``enable_tree_training`` off the class is AReaL's own ``FSDPPPOActor``.
+checkpoints. With ``enable_tree_training`` off the classes are AReaL's own.
 
 With it on, AReaL's own tree path (its flash-attention patch, trie packing and gathers) stays off
 and the HF model runs the package's: :func:`~megatron_tree.integrations.transformers.prepare_model`
@@ -17,11 +18,12 @@ selects the tree attention before FSDP2 shards the model; micro-batches are the 
 (:func:`~megatron_tree.core.packing.build_packed_tree_batch`, ``max_tokens_per_mb`` as the
 capacity, every data-parallel rank with as many micro-batches, whole trees); each runs through
 :func:`~megatron_tree.integrations.transformers.tree_forward` (depth position ids, the O(N) tree
-mask), the package's log-prob / entropy / vocab-statistics gather gives AReaL's loss its packed
-1-D layout, and forward results come back through AReaL's own reordering as ``[B, L]``.
+mask), the package's log-prob / entropy / vocab-statistics gather (the critic: its value head's
+output at each sequence's own rows) gives AReaL's loss its packed 1-D layout, and forward results
+come back through AReaL's own reordering as ``[B, L]``. AReaL's own FSDP tree path refuses the
+critic (``NotImplementedError``).
 
-Refused with the reason: vision-language models, Ulysses sequence parallelism (``sp_size > 1``),
-the critic (``is_critic``: use AReaL's own ``FSDPPPOCritic``).
+Refused with the reason: vision-language models, Ulysses sequence parallelism (``sp_size > 1``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import logging
 from typing import Any
 
 import torch
-from areal.engine.fsdp_engine import FSDPPPOActor, FSDPTrainContext
+from areal.engine.fsdp_engine import FSDPPPOActor, FSDPPPOCritic, FSDPTrainContext
 from areal.utils import stats_tracker
 
-from ..core.heads import LogProbs
+from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
 from ..core.results import gather_packed_tree_vocab_stats
 from .areal import TreeHeadOutputs, TreeMicroBatchList, _areal_micro_batch, _check_version
@@ -42,9 +44,8 @@ from .transformers import TreeAttentionOptions, prepare_model, tree_forward
 logger = logging.getLogger(__name__)
 
 
-class TreeFSDPPPOActor(FSDPPPOActor):
-    """AReaL's ``FSDPPPOActor`` with tree micro-batches and tree attention (the actor and the
-    reference policy).
+class _TreeFSDPEngine:
+    """What the tree engines change in AReaL's FSDP engine (see the module docstring).
 
     Attributes (class level; override per instance): ``tree_backend`` (tree attention backend),
     ``tree_block_size`` (attention tile and packing alignment), ``tree_share_prefixes`` (False:
@@ -62,11 +63,6 @@ class TreeFSDPPPOActor(FSDPPPOActor):
         # AReaL's own tree path (its attention patch, packing and gathers) stays off.
         self.tree_training = bool(self.enable_tree_training)
         self.enable_tree_training = False
-        if self.tree_training and self.config.is_critic:
-            raise ValueError(
-                "TreeFSDPPPOActor is an actor: for a critic use AReaL's FSDPPPOCritic without "
-                "enable_tree_training"
-            )
         self._head_outputs: tuple[str, ...] | None = None
 
     # -- build --------------------------------------------------------------------------------
@@ -182,7 +178,10 @@ class TreeFSDPPPOActor(FSDPPPOActor):
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
         outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
-        gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
+        if self.config.is_critic:
+            gather, outputs = Values(), ("values",)
+        else:
+            gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
         for mb, data in zip(mb_list.packed, mb_list.mbs):
             logits = tree_forward(self.model, mb, options=options).logits  # [1, n, V]
             tree = mb.tree
@@ -202,7 +201,7 @@ class TreeFSDPPPOActor(FSDPPPOActor):
                 loss.backward()
 
     def forward_batch(self, *args, **kwargs):
-        # AReaL's forward results are log-probs: no entropy or vocab statistics.
+        # AReaL's forward results are log-probs (or values): no entropy or vocab statistics.
         self._head_outputs = ("logprobs",)
         try:
             return super().forward_batch(*args, **kwargs)
@@ -225,16 +224,29 @@ class TreeFSDPPPOActor(FSDPPPOActor):
         local_weight = loss_weight_fn(ctx.mb_input)
         if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
             return sum(v.sum() for v in logits.values() if v.requires_grad) * 0.0
-        loss = loss_fn(
-            logits["logprobs"],
-            logits["entropy"],
-            ctx.mb_input,
-            vocab_min_logits=logits["vocab_min"],
-            vocab_max_logits=logits["vocab_max"],
-        )
+        if self.config.is_critic:
+            loss = loss_fn(logits["values"], ctx.mb_input)
+        else:
+            loss = loss_fn(
+                logits["logprobs"],
+                logits["entropy"],
+                ctx.mb_input,
+                vocab_min_logits=logits["vocab_min"],
+                vocab_max_logits=logits["vocab_max"],
+            )
         return loss * (local_weight / total_loss_weight * loss_multiplier)
 
     def _compute_forward_result(self, logits, ctx: FSDPTrainContext):
         if not isinstance(logits, TreeHeadOutputs):
             return super()._compute_forward_result(logits, ctx)
-        return logits["logprobs"]
+        return logits["values" if self.config.is_critic else "logprobs"]
+
+
+class TreeFSDPPPOActor(_TreeFSDPEngine, FSDPPPOActor):
+    """AReaL's ``FSDPPPOActor`` with tree micro-batches and tree attention (the actor and the
+    reference policy)."""
+
+
+class TreeFSDPPPOCritic(_TreeFSDPEngine, FSDPPPOCritic):
+    """AReaL's ``FSDPPPOCritic`` with tree micro-batches and tree attention: each sequence's values
+    are the value head's output at its own tokens' rows."""

@@ -1,6 +1,6 @@
-"""AReaL 1.0.4's own FSDP engine (``FSDPPPOActor``) as a test fixture on the CPU: an engine builder
-through AReaL's own creation path, a CPU stand-in for its packed (varlen flash-attention) forward,
-and the parameter gradients of a ``train_batch``.
+"""AReaL 1.0.4's own FSDP engine (``FSDPPPOActor`` / ``FSDPPPOCritic``) as a test fixture on the
+CPU: an engine builder through AReaL's own creation path, a CPU stand-in for its packed (varlen
+flash-attention) forward, and the parameter gradients of a ``train_batch``.
 
 Run inside a gloo world (``megatron_tree.testing.dist.run_spawned(..., megatron=False)``), after
 :func:`setup_fsdp_cpu`. The batches and configs are :mod:`megatron_tree.testing.areal`'s.
@@ -75,32 +75,37 @@ def packed_sdpa() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _actor_class(engine_cls: type | None) -> Iterator[None]:
-    """``PPOTrainer._create_train_engine`` looks the class up as ``areal.engine.FSDPPPOActor`` at
-    call time; ``engine_cls`` takes its place for the call (the README's switch)."""
+def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
+    """``PPOTrainer._create_train_engine`` / ``_create_critic`` look the class up as
+    ``areal.engine.FSDPPPOActor`` / ``FSDPPPOCritic`` at call time; ``engine_cls`` takes its place
+    for the call (the README's switch)."""
     import areal.engine as engines
 
-    original = engines.FSDPPPOActor  # resolves the lazy import
+    name = "FSDPPPOCritic" if critic else "FSDPPPOActor"
+    original = getattr(engines, name)  # resolves the lazy import
     if engine_cls is not None:
-        engines.FSDPPPOActor = engine_cls
+        setattr(engines, name, engine_cls)
     try:
         yield
     finally:
-        engines.FSDPPPOActor = original
+        setattr(engines, name, original)
 
 
 def build_fsdp_engine(
     path: str,
     *,
+    critic: bool = False,
     tree: bool = False,
     engine_cls: type | None = None,
     mb_tokens: int = MB_TOKENS,
     total_train_steps: int = 10,
     **config,
 ):
-    """AReaL's FSDP PPO actor for the HF checkpoint at ``path``, made the way AReaL's trainer makes
-    it (``PPOTrainer._create_train_engine`` with a ``ModelAllocation("fsdp", ...)``, data parallel
-    over the world) and initialized (FSDP2 ``fully_shard`` on gloo).
+    """AReaL's FSDP PPO actor (``critic``: critic) for the HF checkpoint at ``path``, made the way
+    AReaL's trainer makes it (``PPOTrainer._create_train_engine`` / ``_create_critic`` with a
+    ``ModelAllocation("fsdp", ...)``, data parallel over the world) and initialized (FSDP2
+    ``fully_shard`` on gloo). A critic's value head is initialized from torch's global RNG: seed it
+    the same before building two critics to compare.
 
     Args:
         tree: ``enable_tree_training``.
@@ -122,16 +127,17 @@ def build_fsdp_engine(
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
     config.setdefault("attn_impl", "sdpa")
-    cfg = make_config(path, tree=tree, mb_tokens=mb_tokens, **config)
+    cfg = make_config(path, critic=critic, tree=tree, mb_tokens=mb_tokens, **config)
     alloc = ModelAllocation(
         backend="fsdp",
-        name="actor",
+        name="critic" if critic else "actor",
         parallel=ParallelStrategy(data_parallel_size=dist.get_world_size()),
         scheduling_strategy=SchedulingStrategy(),
     )
     trainer = SimpleNamespace(scheduler=None)  # read only in single-controller mode
-    with _actor_class(engine_cls):
-        engine = PPOTrainer._create_train_engine(trainer, cfg, alloc)
+    create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
+    with _engine_class(critic, engine_cls):
+        engine = create(trainer, cfg, alloc)
     engine.initialize(
         None,
         FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
