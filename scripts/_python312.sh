@@ -19,7 +19,7 @@ find_python312() {
 # .ci/run and scripts/test_matrix.sh.
 MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_hybrid.py tests/test_nemotron_h.py tests/test_mamba_parallel.py tests/test_frontier.py tests/test_areal_megatron_bridge.py tests/test_transformers.py tests/test_transformers_recurrent.py tests/test_fsdp2.py tests/test_docs.py)
 # The tests that run on the verl stack (verl's own engine code drives them).
-VERL_TESTS=(tests/test_verl.py)
+VERL_TESTS=(tests/test_verl.py tests/test_verl_fsdp.py)
 # The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
 # engine code drives them).
 AREAL_TESTS=(tests/test_areal.py tests/test_areal_fsdp.py tests/test_docs.py)

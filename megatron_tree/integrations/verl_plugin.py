@@ -4,7 +4,9 @@ verl imports every entry point of that group at ``import verl`` and swallows any
 at debug level); its engine lookup then falls back to its own engine when the vendor key is missing.
 So a failed import here would leave ``VERL_ENGINE_VENDOR=megatron_tree`` running verl's stock engine
 without a word. Instead, the failure is logged as an error and, in the adapter's place, an engine is
-registered under the same keys whose construction raises it.
+registered under the same keys whose construction raises it. The two adapters import separately
+(:mod:`.verl`, the Megatron engines; :mod:`.verl_fsdp`, the FSDP engines), each refused on its own
+keys when it fails.
 """
 
 from __future__ import annotations
@@ -34,27 +36,35 @@ class MegatronTreeUnavailable(BaseEngine):
         )
 
 
+# adapter module -> the (backends, devices) its engines are registered under
+ADAPTERS = {
+    "verl": (["megatron"], ["cuda", "cpu"]),
+    "verl_fsdp": (["fsdp", "fsdp2"], ["cuda", "npu", "cpu"]),
+}
+
+
 def _register() -> None:
-    try:
-        importlib.import_module(f"{__package__}.verl")  # registers the engines
-    except Exception as error:
-        reason = f"{type(error).__name__}: {error}"
-        logger.error(
-            "megatron_tree's verl engines could not be registered (%s):\n%s",
-            reason,
-            traceback.format_exc(),
-        )
-        _register_refusal(reason)
+    for module, (backends, devices) in ADAPTERS.items():
+        try:
+            importlib.import_module(f"{__package__}.{module}")  # registers the engines
+        except Exception as error:
+            reason = f"{module}: {type(error).__name__}: {error}"
+            logger.error(
+                "megatron_tree's verl engines could not be registered (%s):\n%s",
+                reason,
+                traceback.format_exc(),
+            )
+            _register_refusal(reason, backends, devices)
 
 
-def _register_refusal(reason: str) -> None:
-    MegatronTreeUnavailable.reason = reason
+def _register_refusal(reason: str, backends: list[str], devices: list[str]) -> None:
+    if MegatronTreeUnavailable.reason == "unknown":
+        MegatronTreeUnavailable.reason = reason
+    else:
+        MegatronTreeUnavailable.reason += f"; {reason}"
     for model_type in ("language_model", "value_model"):
         EngineRegistry.register(
-            model_type=model_type,
-            backend="megatron",
-            device=["cuda", "cpu"],
-            vendor="megatron_tree",
+            model_type=model_type, backend=backends, device=devices, vendor="megatron_tree"
         )(MegatronTreeUnavailable)
 
 
