@@ -188,6 +188,11 @@ def test_grpo_logprobs_loss_and_gradients(checkpoint, tmp_path):
     assert float((ent_tree - ent_stock).abs().max()) <= LOGP_TOL
     assert tree.model.config._attn_implementation == "megatron_tree"
     assert tree.generation_attention == stock.model.config._attn_implementation == "sdpa"
+    # Micro-batches of 32 unique tokens: the 8 rows in several tries, the same log-probs.
+    tree.tree_max_tokens_per_mb = 32
+    lp_small, _ = _logps(tree, inputs)
+    tree.tree_max_tokens_per_mb = None
+    assert float((lp_small - lp_stock).abs().max()) <= LOGP_TOL
 
     # Independent of TRL: HF eager on each sequence alone, at temperature 1 (the trainer's 0.7
     # scales the logits; here the tree path's own function at temperature 1 is compared).
