@@ -28,20 +28,7 @@ pytestmark = [
     ),
 ]
 
-PAD = 0
 NUM_GENERATIONS = 4
-
-
-def _tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary, built in memory (TRL needs one)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1"
-    )
 
 
 def _sequences(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -62,28 +49,9 @@ def _sequences(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _trl_inputs(prompts: list[torch.Tensor], completions: list[torch.Tensor]) -> dict:
-    """TRL's prepared-input layout: prompts left-padded, completions right-padded, advantages per
-    group, old log-probs drawn near the policy's later (so the ratio is clipped on some tokens)."""
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    rows = len(prompts)
-    prompt_ids = torch.full((rows, width_p), PAD)
-    prompt_mask = torch.zeros(rows, width_p, dtype=torch.long)
-    completion_ids = torch.full((rows, width_c), PAD)
-    completion_mask = torch.zeros(rows, width_c, dtype=torch.long)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[b, width_p - len(p) :], prompt_mask[b, width_p - len(p) :] = p, 1
-        completion_ids[b, : len(c)], completion_mask[b, : len(c)] = c, 1
-    g = torch.Generator().manual_seed(1)
-    rewards = torch.randn(rows, generator=g).view(-1, NUM_GENERATIONS)
-    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages.reshape(-1),
-        "num_items_in_batch": completion_mask.sum(),
-    }
+    from megatron_tree.testing.trl import trl_inputs
+
+    return trl_inputs(prompts, completions, num_generations=NUM_GENERATIONS)
 
 
 @pytest.fixture(scope="module")
@@ -114,39 +82,18 @@ def _reward(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def _trainer(path: str, tmp_path, *, tree: bool, **config):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from megatron_tree.testing.trl import grpo_trainer
 
-    from megatron_tree.integrations.trl import TreeGRPOTrainer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    args = GRPOConfig(
-        output_dir=str(tmp_path / ("tree" if tree else "stock")),
-        per_device_train_batch_size=2 * NUM_GENERATIONS,
+    trainer = grpo_trainer(
+        path,
+        str(tmp_path / ("tree" if tree else "stock")),
+        tree=tree,
+        prompts=["p0", "p1"],
         num_generations=NUM_GENERATIONS,
-        max_completion_length=16,
-        temperature=0.7,
-        loss_type="dapo",
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        **config,
-    )
-    dataset = Dataset.from_dict({"prompt": ["p0", "p1"]})
-    cls, extra = (TreeGRPOTrainer, {"tree_options": _options()}) if tree else (GRPOTrainer, {})
-    trainer = cls(
-        model=model,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=_tokenizer(),
+        reward=_reward,
         rollout_func=_rollout,
-        **extra,
+        tree_options=_options() if tree else None,
+        **config,
     )
     trainer.rollout_attention = []  # the attention selected while each rollout ran
     return trainer
@@ -159,11 +106,12 @@ def _options():
 
 
 def _logps(trainer, inputs: dict):
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    from megatron_tree.testing.trl import prompt_completion
+
+    ids, mask, keep = prompt_completion(inputs)
     with torch.no_grad():
         logps, ent, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True
+            trainer.model, ids, mask, keep, compute_entropy=True
         )
     return logps, ent
 
