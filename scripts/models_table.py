@@ -32,6 +32,7 @@ FAMILY = {
     "qwen2_moe": "Qwen2-MoE (routed + gated shared expert)",
     "qwen3_next": "Qwen3-Next (gated delta-net hybrid, MoE)",
     "qwen3_5_text": "Qwen3.5 (gated delta-net hybrid)",
+    "qwen3_5": "Qwen3.5 vision-language model on text (gated delta-net hybrid)",
     "qwen3_5_moe_text": "Qwen3.5-MoE (gated delta-net hybrid, MoE)",
     "deepseek_v3": "DeepSeek-V3 (MLA + YaRN, routed + shared experts, expert bias)",
     "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture, its own bridge)",

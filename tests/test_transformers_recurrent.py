@@ -209,6 +209,55 @@ def test_swap_keeps_the_parameters(name, checkpoint):
         )
 
 
+@pytest.mark.skipif(
+    not _has("qwen3_5"), reason=f"transformers {transformers.__version__} has no qwen3_5"
+)
+def test_qwen3_5_vision_language_model_on_text(record_property):
+    """Qwen3.5's vision-language model (model type ``qwen3_5``: the text model inside
+    ``Qwen3_5ForConditionalGeneration``, multimodal rotary over depth positions) on text rollouts:
+    log-probs and gradients vs HF as above."""
+    from megatron_tree.testing.models import HYBRID_TINY
+
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        **HYBRID_TINY["qwen3_5_text"],
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    # Drawn as make_hf_checkpoint draws the hybrids. With HF's own init (A up to 16: decays of
+    # e^-16 per token), HF's fp32 gradients of A_log / dt_bias err by 1.5e-4 against an exact fp64
+    # delta rule (the tree's by 6.4e-5), above GRAD_RTOL for rounding alone.
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centered (1 + weight) but the gated norm's
+                shift = 0.0 if name.endswith("linear_attn.norm.weight") else 1.0
+                p.uniform_(0.6 - shift, 1.4 - shift)
+            else:
+                p.normal_(0.0, 0.1 if p.dim() >= 2 else 0.2)
+    reference.set_attn_implementation("eager")
+    model = prepare_model(copy.deepcopy(reference))
+    seqs = _sequences()
+    weights = _weights(seqs)
+    want = _hf_step(reference, seqs, weights)
+    batch = build_packed_tree_batch({"input_ids": seqs}, **PACKING)
+    lps = packed_logprobs(model, batch).logprobs
+    sum((w * lp[:-1]).sum() for w, lp in zip(weights, lps)).backward()
+    err = max(float((lp[:-1].detach() - w).abs().max()) for lp, w in zip(lps, want))
+    grad_rel = _max_grad_rel(_grads(model), _grads(reference))
+    record_property("logprob_err", f"{err:.2e}")
+    record_property("grad_rel", f"{grad_rel:.2e}")
+    record_parity("qwen3_5", "transformers", err, engine="hf", max_grad_rel=grad_rel)
+    assert err <= HF_HYBRID_LOGP_TOL, err
+    assert grad_rel <= GRAD_RTOL, grad_rel
+
+
 # Recurrent families without a tree module: (model type, tiny config fields, the module named in
 # the refusal). Jamba: Mamba-1; Bamba and Falcon-H1: Mamba-2 mixers whose names lack "Mamba".
 UNSWAPPABLE = {
