@@ -79,6 +79,7 @@ def _actor_run(path: str, vendor: str | None, padded: dict, **engine_kwargs) -> 
     return {
         "engine": type(engine).__name__,
         "attention": engine.module.config._attn_implementation,
+        "checkpointing": engine.module.is_gradient_checkpointing,
         "log_probs": [t.clone() for t in model_output["log_probs"].unbind()],
         "entropy": [t.clone() for t in model_output["entropy"].unbind()],
         "loss": float(sum(result["loss"])),
@@ -224,6 +225,8 @@ def test_tree_actor_equals_verls_fsdp_engine_and_hf(ranks):
             "TreeFSDPEngineWithLMHead",
         )
         assert (stock["attention"], tree["attention"]) == ("sdpa", "megatron_tree")
+        # verl's default: HF recomputes each layer in the backward (the tree mask rides along)
+        assert stock["checkpointing"] and tree["checkpointing"]
         errors = {"logp": 0.0, "entropy": 0.0, "hf": 0.0}
         for i, (want, got) in enumerate(zip(stock["log_probs"], tree["log_probs"])):
             # The last entry predicts nothing (verl's losses skip it): verl reads the next

@@ -53,15 +53,17 @@ def build_fsdp_engine(
     clip_grad: float = 1.0,
     tree_max_tokens: int = 128,
     ulysses: int = 1,
+    gradient_checkpointing: bool = True,
 ):
     """verl's FSDP engine of ``model_type`` for the HF checkpoint at ``path``, chosen by
     ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own), initialized: fp32 parameters and compute
-    (``mixed_precision`` fp32, no autocast), no torch.compile, no gradient checkpointing, HF's
-    ``sdpa`` attention for verl's engine (the tree engine selects its own). ``lr`` and
-    ``clip_grad`` go to verl's optimizer (a ``clip_grad`` above the gradient norm leaves the
-    gradients as the loss made them); the tree engine gets tiles of 16 tokens, the block-sparse
-    backend and trees of ``tree_max_tokens``. ``ulysses``: verl's Ulysses size (the tree engine
-    refuses > 1). A critic's score head (not in the checkpoint) is initialized from seed 0."""
+    (``mixed_precision`` fp32, no autocast), no torch.compile, HF's ``sdpa`` attention for verl's
+    engine (the tree engine selects its own). ``lr`` and ``clip_grad`` go to verl's optimizer (a
+    ``clip_grad`` above the gradient norm leaves the gradients as the loss made them); the tree
+    engine gets tiles of 16 tokens, the block-sparse backend and trees of ``tree_max_tokens``.
+    ``ulysses``: verl's Ulysses size (the tree engine refuses > 1); ``gradient_checkpointing``:
+    HF's, on by default as in verl. A critic's score head (not in the checkpoint) is initialized
+    from seed 0."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -74,7 +76,7 @@ def build_fsdp_engine(
         path=path,
         load_tokenizer=False,
         model_type=model_type,
-        enable_gradient_checkpointing=False,
+        enable_gradient_checkpointing=gradient_checkpointing,
         override_config={"attn_implementation": "sdpa"},
     )
     give_pad_token(model_config)
