@@ -11,7 +11,8 @@ three things changed:
   (the model is loaded with the tree attention, also the critic, for which verl hard-codes
   ``flash_attention_2``: no flash-attention build is needed);
 * micro-batches are trees: the rank's batch is packed into prefix tries of at most the batch's token
-  budget (:func:`~megatron_tree.core.packing.build_packed_tree_batch`, whole trees, every
+  budget (``max_token_len_per_gpu``, also with ``use_dynamic_bsz=False``, whose sample counts it
+  replaces; :func:`~megatron_tree.core.packing.build_packed_tree_batch`, whole trees, every
   data-parallel rank running as many micro-batches), in place of verl's micro-batching; verl
   restores its sample order from the trees' sequence ids as it restores its dynamic batches;
 * the forward step runs :func:`~.transformers.tree_forward` and the core's gathers and hands verl's
