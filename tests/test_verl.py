@@ -882,6 +882,7 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
     out = {"stock": run(build(None))}
     tree = build("megatron_tree")
     out["engine"] = type(tree).__name__
+    out["bridge"] = type(tree.bridge).__module__
     out["trees"] = run(tree)
     tree.tree_max_tokens = TRUNK_PARTS  # no prompt group fits: trunk reuse
     out["trunks"] = run(tree)
@@ -913,6 +914,7 @@ def test_routing_replay_with_expert_parallelism(tmp_path, mode):
     worst = {}
     for out in ranks:
         assert out["engine"] == "TreeMegatronEngineWithLMHead"
+        assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
         stock = out["stock"]
         native = out["native"]
         if mode == "R3":  # the old log-probs replay the rollout's routes
@@ -952,3 +954,115 @@ def test_routing_replay_with_expert_parallelism(tmp_path, mode):
         f"routing replay {mode} at EP=2 ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):",
         worst,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The critic under pipeline parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def _critic_pipeline_worker(rank: int, path: str, vanilla_mbridge: bool) -> dict:
+    """verl's value engine at PP=2: ``infer_batch`` (values) and ``train_batch`` (verl's
+    value_loss) on one GRPO batch (2 prompts of 20-27 tokens x 4 samples) through verl's stock
+    engine and the tree engine, with whole trees and with trunk reuse. Learning rate 0 (one tree
+    engine runs both packings on the same weights), gradients unclipped."""
+    from functools import partial
+
+    from megatron_tree.testing import verl as harness
+
+    harness.setup_cpu()
+    from verl.workers.config.critic import McoreCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    padded, seqs = harness.rollout_batch(
+        _vocab(path), prompts=2, samples=4, prompt_tokens=(20, 28), seed=2
+    )
+    g = torch.Generator().manual_seed(2)
+    mask = padded["response_mask"]
+    extra = {
+        "values": torch.randn(mask.shape, generator=g) * mask,
+        "returns": torch.randn(mask.shape, generator=g) * mask,
+    }
+    config = McoreCriticConfig(
+        strategy="megatron",
+        rollout_n=4,
+        ppo_mini_batch_size=len(seqs),
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+    )
+
+    def run(engine) -> dict:
+        with engine.eval_mode():
+            output = engine.infer_batch(harness.engine_batch(padded))
+        train = harness.engine_batch(dict(padded, **extra), global_batch_size=len(seqs))
+        with engine.train_mode():
+            result = engine.train_batch(train, loss_function=partial(value_loss, config=config))
+            grads = harness.engine_grads(engine)
+        values = output.get("model_output", {}).get("values")  # the last stage's ranks only
+        return {
+            "values": None if values is None else [t.clone() for t in values.unbind()],
+            "loss": float(sum(result["loss"])) if "loss" in result else None,
+            "grads": grads,
+            "stats": dict(engine.tree_stats) if getattr(engine, "tree_stats", None) else None,
+        }
+
+    def build(vendor):
+        return harness.build_engine(
+            path,
+            vendor=vendor,
+            model_type="value_model",
+            lr=0.0,
+            clip_grad=1e9,
+            parallel={"pp": 2},
+            vanilla_mbridge=vanilla_mbridge,
+        )[0]
+
+    out = {"stock": run(build(None))}
+    tree = build("megatron_tree")
+    out["engine"] = type(tree).__name__
+    out["bridge"] = type(tree.bridge).__module__
+    tree.tree_max_tokens = WHOLE_TREES
+    out["trees"] = run(tree)
+    tree.tree_max_tokens = TRUNK_PARTS
+    out["trunks"] = run(tree)
+    return out
+
+
+def test_tree_critic_under_pipeline_parallelism(tmp_path):
+    """The value engine (verl's critic) at PP=2, whole trees and trunk reuse, against verl's stock
+    value engine at PP=2: values and loss on the last stage, both stages' gradients. verl's model
+    path: Megatron-Bridge where it is installed, mbridge otherwise."""
+    from megatron_tree.testing.models import make_hf_checkpoint
+
+    path = str(tmp_path / "qwen3")
+    make_hf_checkpoint("qwen3", path)
+    vanilla_mbridge = not _has("megatron.bridge")
+    ranks = run_spawned(_critic_pipeline_worker, 2, path, vanilla_mbridge, megatron=False)
+    worst = {}
+    for rank, out in enumerate(ranks):
+        assert out["engine"] == "TreeMegatronEngineWithValueHead"
+        assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
+        stock = out["stock"]
+        assert (stock["values"] is not None) == (rank == 1)  # outputs on the last stage
+        for name in ("trees", "trunks"):
+            run = out[name]
+            assert (run["stats"]["trunk_groups"] > 0) == (name == "trunks"), run["stats"]
+            assert (run["values"] is None) == (stock["values"] is None)
+            if stock["values"] is not None:
+                errors = {
+                    "values": max(
+                        float((got - want).abs().max())
+                        for got, want in zip(run["values"], stock["values"])
+                    ),
+                    "loss": abs(run["loss"] - stock["loss"]) / abs(stock["loss"]),
+                }
+                assert all(
+                    got.shape == want.shape for got, want in zip(run["values"], stock["values"])
+                )
+                assert errors["values"] <= LOGP_TOL and errors["loss"] <= LOSS_RTOL, errors
+                for key, value in errors.items():
+                    worst[(name, key)] = max(worst.get((name, key), 0.0), value)
+            _check_gradients(run["grads"], stock["grads"])
+            grad = max(gradient_errors(run["grads"], stock["grads"]).values())
+            worst[(name, "grad")] = max(worst.get((name, "grad"), 0.0), grad)
+    print(f"critic at PP=2 ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):", worst)
