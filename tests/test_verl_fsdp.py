@@ -165,6 +165,12 @@ def _engines_worker(rank: int, path: str) -> dict:
         out[vendor or "stock"] = _actor_run(path, vendor, padded, tree_max_tokens=64)
         out["critic", vendor or "stock"] = _critic_run(path, vendor, padded)
     out["hf"] = hf_logprobs(path, seqs)
+    for vendor in (None, "megatron_tree"):  # verl's LoRA: the model is a peft wrapper
+        engine, _ = build_fsdp_engine(path, vendor=vendor, lora_rank=8)
+        with engine.eval_mode():
+            output = engine.infer_batch(harness.engine_batch(padded))["model_output"]
+        module = type(engine.module).__name__
+        out["lora", vendor or "stock"] = (module, output["log_probs"].unbind())
 
     # Refusals, by name (on both ranks alike, before any collective).
     out["ulysses"] = _refusal(lambda: build_fsdp_engine(path, vendor="megatron_tree", ulysses=2))
@@ -263,6 +269,15 @@ def test_tree_critic_equals_verls_fsdp_critic(ranks):
         errors["loss"] = abs(tree["loss"] - stock["loss"]) / abs(stock["loss"])
         errors["grad"] = _check_gradients(tree["grads"], stock["grads"])
         print("verl FSDP tree critic vs verl's:", errors)
+
+
+def test_tree_actor_with_lora_equals_verls(ranks):
+    """verl's LoRA (lora_rank > 0): the engines run a peft wrapper of the HF model."""
+    for out in ranks:
+        (stock_type, stock), (tree_type, tree) = out["lora", "stock"], out["lora", "megatron_tree"]
+        assert stock_type == tree_type == "FSDPPeftModelForCausalLM"
+        for want, got in zip(stock, tree):
+            assert float((got[:-1] - want[:-1]).abs().max()) <= LOGP_TOL
 
 
 def test_unsupported_settings_are_refused_by_name(ranks):

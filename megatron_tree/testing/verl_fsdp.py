@@ -54,6 +54,7 @@ def build_fsdp_engine(
     tree_max_tokens: int = 128,
     ulysses: int = 1,
     gradient_checkpointing: bool = True,
+    lora_rank: int = 0,
 ):
     """verl's FSDP engine of ``model_type`` for the HF checkpoint at ``path``, chosen by
     ``VERL_ENGINE_VENDOR=vendor`` (None: verl's own), initialized: fp32 parameters and compute
@@ -62,8 +63,8 @@ def build_fsdp_engine(
     ``clip_grad`` above the gradient norm leaves the gradients as the loss made them); the tree
     engine gets tiles of 16 tokens, the block-sparse backend and trees of ``tree_max_tokens``.
     ``ulysses``: verl's Ulysses size (the tree engine refuses > 1); ``gradient_checkpointing``:
-    HF's, on by default as in verl. A critic's score head (not in the checkpoint) is initialized
-    from seed 0."""
+    HF's, on by default as in verl; ``lora_rank``: verl's LoRA (peft) when > 0. A critic's score
+    head (not in the checkpoint) is initialized from seed 0."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -77,6 +78,7 @@ def build_fsdp_engine(
         load_tokenizer=False,
         model_type=model_type,
         enable_gradient_checkpointing=gradient_checkpointing,
+        lora_rank=lora_rank,
         override_config={"attn_implementation": "sdpa"},
     )
     give_pad_token(model_config)
