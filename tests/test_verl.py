@@ -1066,3 +1066,55 @@ def test_tree_critic_under_pipeline_parallelism(tmp_path):
             grad = max(gradient_errors(run["grads"], stock["grads"]).values())
             worst[(name, "grad")] = max(worst.get((name, "grad"), 0.0), grad)
     print(f"critic at PP=2 ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):", worst)
+
+
+def test_routes_to_replay_per_sample():
+    """verl's ``routed_experts`` as the tree engine replays them, per sample [n, layers, topk]: R2's
+    table of the MoE layers only is spread to their layer numbers (-1 on dense layers, which never
+    read it); R3's rollout routes (none for the last token) replay all but the last token, which
+    routes natively (-1), and nothing for a sample without response tokens; R2's old-log-prob pass
+    without routes records (None); routes of the wrong length are refused."""
+    from types import SimpleNamespace
+
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_tree.integrations.verl import TreeMegatronEngineWithLMHead
+
+    def engine(mode):
+        return SimpleNamespace(
+            engine_config=SimpleNamespace(router_replay=SimpleNamespace(mode=mode)),
+            tf_config=SimpleNamespace(num_layers=4, moe_layer_freq=[0, 1, 0, 1]),
+        )
+
+    def batch(routes, responses, lengths=(3, 4)):
+        ids = [torch.arange(1, n + 1) for n in lengths]
+        data = tu.get_tensordict(
+            {
+                "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+                "response_mask": torch.tensor([[1] * r + [0] * (2 - r) for r in responses]),
+            }
+        )
+        if routes is not None:
+            data[ROUTE_KEY] = torch.nested.as_nested_tensor(routes, layout=torch.jagged)
+        tu.assign_non_tensor(data, enable_routing_replay=True)
+        return data
+
+    def replay(mode, data, forward_only=False):
+        return TreeMegatronEngineWithLMHead._routes_to_replay(engine(mode), data, forward_only)
+
+    moe_only = [torch.full((n, 2, 2), 3, dtype=torch.int16) for n in (3, 4)]
+    r2 = replay("R2", batch(moe_only, (2, 2))).unbind()
+    assert [tuple(r.shape) for r in r2] == [(3, 4, 2), (4, 4, 2)]
+    assert all(bool((r[:, [1, 3]] == 3).all() and (r[:, [0, 2]] == -1).all()) for r in r2)
+    rollout = [torch.full((n - 1, 4, 2), 2, dtype=torch.int16) for n in (3, 4)]
+    first, second = replay("R3", batch(rollout, (2, 0))).unbind()
+    assert bool((first[:2] == 2).all() and (first[2] == -1).all())
+    assert bool((second == -1).all())  # no response tokens: nothing replayed
+    assert replay("R2", batch(None, (2, 2)), forward_only=True) is None
+    assert replay("disabled", batch(rollout, (2, 2))) is None
+    with pytest.raises(ValueError, match="sample 1 has 2 routes for 4 tokens"):
+        replay("R3", batch([rollout[0], rollout[1][:2]], (2, 2)))
+    with pytest.raises(ValueError, match="holds routes of 3 layers; the model has 4 layers, 2"):
+        replay("R2", batch([torch.zeros(n, 3, 2, dtype=torch.int16) for n in (3, 4)], (2, 2)))
+    with pytest.raises(ValueError, match="R2 records it in compute_log_prob"):
+        replay("R3", batch(None, (2, 2)), forward_only=True)
