@@ -36,7 +36,8 @@ class MegatronTreeUnavailable(BaseEngine):
         )
 
 
-# adapter module -> the (backends, devices) its engines are registered under
+# adapter module -> the (backends, devices) its engines register (repeated here: a module that
+# failed to import cannot say)
 ADAPTERS = {
     "verl": (["megatron"], ["cuda", "cpu"]),
     "verl_fsdp": (["fsdp", "fsdp2"], ["cuda", "npu", "cpu"]),
