@@ -32,7 +32,7 @@ pytestmark = [
 ]
 
 
-def _run(path: str, seqs: list, hf: dict, tree: bool) -> dict:
+def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
     """compute_logp on the batch, then PPOTrainer's compute_advantages and ppo_update (on-policy:
     the rollout log-probs are HF's; lr 0) with the gradients as the backward left them."""
     from areal.utils import stats_tracker
@@ -44,10 +44,10 @@ def _run(path: str, seqs: list, hf: dict, tree: bool) -> dict:
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if tree:
-            eng = build_fsdp_engine(path, tree=True, engine_cls=TreeFSDPPPOActor)
+            eng = build_fsdp_engine(path, tree=True, engine_cls=TreeFSDPPPOActor, **engine)
         else:
             stack.enter_context(packed_sdpa())
-            eng = build_fsdp_engine(path)
+            eng = build_fsdp_engine(path, **engine)
         logp = eng.compute_logp([areal_batch(seqs)])[0]
         trajectories = areal_trajectories(
             seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
@@ -115,14 +115,44 @@ def _fsdp_worker(rank: int, path: str, seqs: list) -> dict:
     }
 
 
+def _dp_shards(seqs: list) -> list[list]:
+    """Rank 0: every other sequence (3 micro-batches of 48 tokens); rank 1: two sequences (2)."""
+    return [seqs[0::2], seqs[1:10:8]]
+
+
+def _dp_worker(rank: int, path: str, seqs: list) -> dict:
+    """Data parallel 2 (FSDP2 shards every parameter over the two ranks): each rank its share of
+    the sequences (:func:`_dp_shards`); ours with 48-token micro-batches of 16-token blocks (rank 0
+    needs more than rank 1, which gets an all-padding fill-in so that both run as many forwards),
+    the stock engine with one."""
+    from megatron_tree.testing.areal_fsdp import setup_fsdp_cpu
+    from megatron_tree.testing.models import hf_logprobs
+
+    setup_fsdp_cpu()  # AReaL imports only with its stand-ins
+    from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
+
+    mine = _dp_shards(seqs)[rank]
+    hf = hf_logprobs(path, mine)
+    stock = _run(path, mine, hf, False)
+    TreeFSDPPPOActor.tree_block_size = 16  # this process only
+    return {"hf": hf, "stock": stock, "ours": _run(path, mine, hf, True, mb_tokens=48)}
+
+
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    from megatron_tree.testing.models import branching_sequences, make_hf_checkpoint
+def checkpoint(tmp_path_factory) -> str:
+    from megatron_tree.testing.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("areal_fsdp") / "qwen3")
     make_hf_checkpoint("qwen3", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(checkpoint):
+    from megatron_tree.testing.models import branching_sequences
+
     seqs = branching_sequences()
-    out = run_spawned(_fsdp_worker, 1, path, seqs, megatron=False)[0]
+    out = run_spawned(_fsdp_worker, 1, checkpoint, seqs, megatron=False)[0]
     out["seqs"] = seqs
     return out
 
@@ -175,4 +205,24 @@ def test_tree_fsdp_critic(fsdp_runs):
     assert len(stock["grads"]) == len(ours["grads"]) > 1  # one per PPO minibatch
     for got, want in zip(ours["grads"], stock["grads"]):
         errors = gradient_errors(got, want)
+        assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_tree_fsdp_engine_data_parallel(checkpoint):
+    """DP=2 with FSDP2 sharding: per rank, log-probs equal HF's and the stock engine's; the
+    reduced gradients equal the stock engine's; both ranks ran as many tree micro-batches."""
+    from megatron_tree import build_packed_tree_batch
+    from megatron_tree.testing.models import branching_sequences
+    from megatron_tree.testing.reference import gradient_errors
+
+    seqs = branching_sequences()
+    packing = dict(max_tokens_per_mb=48, block_size=16, share_trunks=False)  # as the engine's
+    alone = [len(build_packed_tree_batch({"input_ids": s}, **packing)) for s in _dp_shards(seqs)]
+    assert alone == [3, 2]  # rank 1 alone would run one forward fewer
+    ranks = run_spawned(_dp_worker, 2, checkpoint, seqs, megatron=False)
+    assert [r["ours"]["tree_stats"]["micro_batches"] for r in ranks] == [3, 3]
+    for r in ranks:
+        assert _max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
+        assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
+        errors = gradient_errors(r["ours"]["grads"][0], r["stock"]["grads"][0])
         assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
