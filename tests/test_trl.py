@@ -200,10 +200,14 @@ def test_grpo_train_step(checkpoint, tmp_path):
 
 
 def test_grpo_refusals(checkpoint, tmp_path):
-    from megatron_tree.integrations.trl import TreeGRPOTrainer
+    from megatron_tree.integrations.trl import TreeGRPOTrainer, check_capacity
 
     with pytest.raises(ValueError, match="tree_max_tokens_per_mb"):
         TreeGRPOTrainer(model=checkpoint, tree_max_tokens_per_mb=100)
+    with pytest.raises(ValueError, match="with 2 processes"):
+        check_capacity(128, num_processes=2)
+    check_capacity(None, num_processes=2)
+    check_capacity(128, num_processes=1)
     tree = _trainer(checkpoint, tmp_path, tree=True)
     ids = torch.randint(3, VOCAB, (2, 6))
     holes = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
