@@ -204,10 +204,10 @@ def test_grpo_refusals(checkpoint, tmp_path):
 
     with pytest.raises(ValueError, match="tree_max_tokens_per_mb"):
         TreeGRPOTrainer(model=checkpoint, tree_max_tokens_per_mb=100)
-    with pytest.raises(ValueError, match="with 2 processes"):
-        check_capacity(128, num_processes=2)
-    check_capacity(None, num_processes=2)
-    check_capacity(128, num_processes=1)
+    with pytest.raises(ValueError, match="sharded over 2 processes"):
+        check_capacity(128, num_processes=2, sharded=True)
+    check_capacity(None, num_processes=2, sharded=True)
+    check_capacity(128, num_processes=2, sharded=False)  # DDP: one reduction per backward
     tree = _trainer(checkpoint, tmp_path, tree=True)
     ids = torch.randint(3, VOCAB, (2, 6))
     holes = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0]])

@@ -154,16 +154,18 @@ def completion_logprobs(
     return logps, completion_part(out.entropy) if entropy else None
 
 
-def check_capacity(tree_max_tokens_per_mb: int | None, *, num_processes: int) -> None:
-    """Refuse a micro-batch capacity with several processes: DDP marks each parameter ready once
-    per backward (several micro-batch forwards before one backward accumulate into it more than
-    once), and under FSDP / DeepSpeed ZeRO every forward gathers the parameters on all ranks, which
-    may pack their rows into different numbers of micro-batches."""
-    if tree_max_tokens_per_mb is not None and num_processes > 1:
+def check_capacity(
+    tree_max_tokens_per_mb: int | None, *, num_processes: int, sharded: bool
+) -> None:
+    """Refuse a micro-batch capacity where the parameters are sharded over several processes
+    (FSDP, DeepSpeed ZeRO-3): every forward gathers them on all ranks, and the ranks may pack their
+    rows into different numbers of micro-batches. (DDP reduces once per backward: uneven forwards
+    are fine there.)"""
+    if tree_max_tokens_per_mb is not None and sharded and num_processes > 1:
         raise ValueError(
-            f"tree_max_tokens_per_mb={tree_max_tokens_per_mb} with {num_processes} processes: "
-            "DDP / FSDP / DeepSpeed need one model forward per loss on every rank; leave "
-            "tree_max_tokens_per_mb=None (one micro-batch per call)"
+            f"tree_max_tokens_per_mb={tree_max_tokens_per_mb} with parameters sharded over "
+            f"{num_processes} processes (FSDP / DeepSpeed ZeRO-3): every rank must run as many "
+            "forwards; leave tree_max_tokens_per_mb=None (one micro-batch per call)"
         )
 
 
@@ -175,8 +177,9 @@ class TreeGRPOTrainer(GRPOTrainer):
     Args:
         tree_max_tokens_per_mb: unique-token capacity of one packed micro-batch (a multiple of
             ``tree_options.block_size``); None: a whole log-prob batch in one micro-batch, as TRL
-            runs it (required with several processes: DDP / FSDP / DeepSpeed need one forward per
-            loss on every rank). The logits of a micro-batch are materialized ([n, V]).
+            runs it (required where FSDP / DeepSpeed ZeRO-3 shard the parameters over several
+            processes: every rank must run as many forwards). The logits of a micro-batch are
+            materialized ([n, V]).
         tree_options: the tree attention's backend and tile size.
 
     The policy (and reference) model run the tree attention from construction on
@@ -205,7 +208,13 @@ class TreeGRPOTrainer(GRPOTrainer):
             )
         self.tree_max_tokens_per_mb = tree_max_tokens_per_mb
         super().__init__(*args, **kwargs)
-        check_capacity(tree_max_tokens_per_mb, num_processes=self.accelerator.num_processes)
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        check_capacity(
+            tree_max_tokens_per_mb,
+            num_processes=self.accelerator.num_processes,
+            sharded=bool(self.is_fsdp_enabled or is_deepspeed_zero3_enabled()),
+        )
         models = [self._hf_model(self.model)]
         if self.ref_model is not None:
             models.append(self._hf_model(self.ref_model))
