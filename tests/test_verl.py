@@ -781,7 +781,9 @@ def _rollout_routes(seqs: list, prompt_lengths: list, *, layers: int, experts: i
     return routes
 
 
-def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbridge: bool) -> dict:
+def _replay_worker(
+    rank: int, path: str, mode: str, parallel: dict, data_parallel: int, vanilla_mbridge: bool
+) -> dict:
     """verl's ``infer_batch`` then ``train_batch`` (its ppo_loss) with verl's routing replay of
     ``mode`` through verl's stock engine and the tree engine (whole trees, then trunk reuse), each
     data-parallel rank on its own GRPO batch (2 prompts of 20-27 tokens x 4 samples).
@@ -803,7 +805,7 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
 
     hf = AutoConfig.from_pretrained(path)
     # 2 prompts of 20-27 tokens x 4 samples, every sequence 36 tokens long (see the test)
-    g = torch.Generator().manual_seed(2 + rank)
+    g = torch.Generator().manual_seed(2 + rank % data_parallel)
     pairs = []
     for _ in range(2):
         prompt = torch.randint(
@@ -828,7 +830,7 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
     # old log-probs near the model's (a uniform guess over the vocabulary): PPO ratios near 1
     old = torch.full(padded["responses"].shape, -math.log(hf.vocab_size))
     advantages = (
-        torch.randn(old.shape, generator=torch.Generator().manual_seed(1 + rank))
+        torch.randn(old.shape, generator=torch.Generator().manual_seed(1 + rank % data_parallel))
         * padded["response_mask"]
     )
     config = McoreActorConfig(
@@ -846,7 +848,7 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
         if mode == "R3" and replay:
             infer[ROUTE_KEY] = routes
         with engine.eval_mode():
-            output = engine.infer_batch(infer)["model_output"]
+            output = engine.infer_batch(infer).get("model_output", {})
         train = harness.engine_batch(
             dict(padded, old_log_probs=old, advantages=advantages),
             1,
@@ -858,11 +860,11 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
         with engine.train_mode():
             result = engine.train_batch(train, loss_function=partial(ppo_loss, config=config))
             grads = harness.engine_grads(engine)
-        recorded = output.get(ROUTE_KEY)
+        recorded, log_probs = output.get(ROUTE_KEY), output.get("log_probs")  # last stage only
         return {
-            "log_probs": [t.clone() for t in output["log_probs"].unbind()],
+            "log_probs": None if log_probs is None else [t.clone() for t in log_probs.unbind()],
             "routes": None if recorded is None else [t.clone() for t in recorded.unbind()],
-            "loss": float(sum(result["loss"])),
+            "loss": float(sum(result["loss"])) if "loss" in result else None,
             "grads": grads,
             "stats": dict(engine.tree_stats) if getattr(engine, "tree_stats", None) else None,
         }
@@ -890,13 +892,19 @@ def _replay_worker(rank: int, path: str, mode: str, parallel: dict, vanilla_mbri
     return out
 
 
+# name: (the engines' layout, data-parallel size); 2 ranks each
+REPLAY_LAYOUTS = {"ep2": ({"ep": 2}, 2), "pp2": ({"pp": 2}, 1)}
+
+
+@pytest.mark.parametrize("layout", list(REPLAY_LAYOUTS))
 @pytest.mark.parametrize("mode", ["R2", "R3"])
-def test_routing_replay_with_expert_parallelism(tmp_path, mode):
+def test_routing_replay(tmp_path, mode, layout):
     """verl's routing replay in the tree engine at EP=2 (two data-parallel ranks, each holding 2 of
-    the 4 experts of a tiny Qwen3-MoE), whole trees and trunk reuse, against verl's stock engine at
-    EP=2 on the same batches: log-probs, loss, every rank's gradients; R2's recorded routes equal
-    the stock engine's per token. verl's model path: Megatron-Bridge where it is installed, mbridge
-    otherwise.
+    the 4 experts of a tiny Qwen3-MoE, each on its own batch) and at PP=2 (one MoE layer per stage),
+    whole trees and trunk reuse, against verl's stock engine at the same layout on the same
+    batches: log-probs and loss (on the last stage), every rank's gradients; R2's recorded routes
+    (gathered over the stages by verl's bookkeeping) equal the stock engine's per token. verl's
+    model path: Megatron-Bridge where it is installed, mbridge otherwise.
 
     verl's stock engine runs its BSHD path on a CPU (its THD path needs transformer-engine's
     attention), but lays the routes it replays and records out in THD order: they line up with the
@@ -907,53 +915,59 @@ def test_routing_replay_with_expert_parallelism(tmp_path, mode):
     sample per micro-batch, and every sequence of the batch has the same length."""
     from megatron_tree.testing.models import make_hf_checkpoint
 
+    parallel, data_parallel = REPLAY_LAYOUTS[layout]
     path = str(tmp_path / "qwen3_moe")
     make_hf_checkpoint("qwen3_moe", path)
     vanilla_mbridge = not _has("megatron.bridge")
-    ranks = run_spawned(_replay_worker, 2, path, mode, {"ep": 2}, vanilla_mbridge, megatron=False)
+    ranks = run_spawned(
+        _replay_worker, 2, path, mode, parallel, data_parallel, vanilla_mbridge, megatron=False
+    )
+    # verl's engines return outputs on the last pipeline stage only
+    assert [out["stock"]["loss"] is not None for out in ranks] == (
+        [False, True] if "pp" in parallel else [True, True]
+    )
     worst = {}
     for out in ranks:
         assert out["engine"] == "TreeMegatronEngineWithLMHead"
         assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
-        stock = out["stock"]
-        native = out["native"]
-        if mode == "R3":  # the old log-probs replay the rollout's routes
-            assert (
-                max(
-                    float((a[:-1] - b[:-1]).abs().max())
-                    for a, b in zip(native["log_probs"], stock["log_probs"])
+        stock, native = out["stock"], out["native"]
+        last_stage = stock["loss"] is not None
+        if last_stage:  # the replayed routes are not the model's own
+            if mode == "R3":  # the old log-probs replay the rollout's routes
+                assert (
+                    max(
+                        float((a[:-1] - b[:-1]).abs().max())
+                        for a, b in zip(native["log_probs"], stock["log_probs"])
+                    )
+                    > 1e-3
                 )
-                > 1e-3
-            )
-        assert abs(native["loss"] - stock["loss"]) > 1e-3 * abs(stock["loss"])
+            assert abs(native["loss"] - stock["loss"]) > 1e-3 * abs(stock["loss"])
         for name in ("trees", "trunks"):
             run, stats = out[name], out[name]["stats"]
             assert (stats["trunk_groups"] > 0) == (name == "trunks"), stats
-            errors = {
-                "logp": max(
+            _check_gradients(run["grads"], stock["grads"])
+            errors = {"grad": max(gradient_errors(run["grads"], stock["grads"]).values())}
+            assert (run["loss"] is None) == (not last_stage)
+            if last_stage:
+                errors["logp"] = max(
                     float((got[:-1] - want[:-1]).abs().max())
                     for got, want in zip(run["log_probs"], stock["log_probs"])
-                ),
-                "loss": abs(run["loss"] - stock["loss"]) / abs(stock["loss"]),
-                "grad": max(gradient_errors(run["grads"], stock["grads"]).values()),
-            }
-            assert errors["logp"] <= LOGP_TOL and errors["loss"] <= LOSS_RTOL, errors
-            _check_gradients(run["grads"], stock["grads"])
-            if mode == "R2":
-                assert all(
-                    torch.equal(got, want) for got, want in zip(run["routes"], stock["routes"])
                 )
+                errors["loss"] = abs(run["loss"] - stock["loss"]) / abs(stock["loss"])
+                assert errors["logp"] <= LOGP_TOL and errors["loss"] <= LOSS_RTOL, errors
+            if mode == "R2" and last_stage:
                 assert [r.shape for r in run["routes"]] == [
                     (len(lp), 2, 2) for lp in stock["log_probs"]
                 ]
+                assert all(
+                    torch.equal(got, want) for got, want in zip(run["routes"], stock["routes"])
+                )
             else:
                 assert run["routes"] is None and stock["routes"] is None
             for key, value in errors.items():
                 worst[(name, key)] = max(worst.get((name, key), 0.0), value)
-    print(
-        f"routing replay {mode} at EP=2 ({'mbridge' if vanilla_mbridge else 'Megatron-Bridge'}):",
-        worst,
-    )
+    path_name = "mbridge" if vanilla_mbridge else "Megatron-Bridge"
+    print(f"routing replay {mode} at {layout} ({path_name}):", worst)
 
 
 # ---------------------------------------------------------------------------------------------

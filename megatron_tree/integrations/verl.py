@@ -61,8 +61,9 @@ as the package's step.
   re-laid per tree position by the packer (``route_key``: two samples share a position only where
   their routes agree) and handed to the routers with each micro-batch
   (:func:`~megatron_tree.mcore.moe.replay_routes`); under R3 a sample's last token routes
-  natively, as verl's replay mask has it (:meth:`_TreeEngine._routes_to_replay`). Refused for now
-  with PP, CP or sequence parallelism.
+  natively, as verl's replay mask has it (:meth:`_TreeEngine._routes_to_replay`). Under PP each
+  stage records its own layers' routes and verl's bookkeeping gathers them. Refused for now with
+  VPP, CP or sequence parallelism.
 
 Refused with the reason: verl's dynamic context parallelism (its scheduler replaces the
 micro-batches), top-k distillation with trunk reuse or CP.
@@ -79,6 +80,7 @@ import logging
 import math
 import os
 import sys
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -232,16 +234,12 @@ class _VerlHead:
             -> per-token outputs.
         token_rows: per packed micro-batch's rows (by id), (its rows' tokens of its own tree or
             None when no sample ends in it, of its group's tree or None when it is no trunk part).
-        record: a :class:`_RouteRecorder` (verl's R2 record pass), told the rows of every forward
-            (the head runs right after it), or None.
     """
 
-    def __init__(self, head, token_rows: dict[int, tuple], record=None):
-        self.head, self.token_rows, self.record = head, token_rows, record
+    def __init__(self, head, token_rows: dict[int, tuple]):
+        self.head, self.token_rows = head, token_rows
 
     def __call__(self, output: torch.Tensor, tree, rows) -> dict[str, torch.Tensor]:
-        if self.record is not None:
-            self.record(rows)
         own, group = self.token_rows.get(id(rows), (None, None))
         token_rows = group if rows.records and tree is rows.tree else own
         if token_rows is None:  # no sample's tokens (a trunk part no sample ends in)
@@ -299,22 +297,33 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 class _RouteRecorder:
     """verl's R2 record pass (old log-probs) on trees: after each micro-batch's forward, the experts
-    every router chose for its rows [n, topk], kept per position of the rows' tree (a trunk group's
-    tree is filled by its parts); then each sample's routes at its own tokens, in verl's layout.
+    this stage's routers chose for its rows [n, topk], kept per position of the rows' tree (a trunk
+    group's tree is filled by its parts); then each sample's routes at its own tokens, in verl's
+    layout (this stage's MoE layers; verl's bookkeeping gathers the stages').
+
+    A router keeps its choices until its next call, so a forward's routes are read when the next
+    micro-batch's inputs are prepared on this stage (:class:`_RecordingContext`) and after the
+    last (:meth:`flush`).
 
     Args:
-        routers: the model's routers that record, in layer order (verl's ``RouterReplay`` on each).
+        routers: this stage's routers that record, in layer order (verl's ``RouterReplay`` on
+            each).
+        topk: the routers' k (the width of a stage without MoE layers' empty table).
     """
 
-    def __init__(self, routers: list):
-        self.routers = routers
+    def __init__(self, routers: list, topk: int):
+        self.routers, self.topk = routers, topk
         self.tables: dict = {}  # per tree (a trunk group's, or a micro-batch's rows): [N, L, topk]
+        self.pending = None  # the rows of the forward whose routes the routers hold
 
     @staticmethod
     def _key(rows):
         return ("group", rows.group) if rows.group is not None else id(rows)
 
-    def __call__(self, rows) -> None:
+    def flush(self) -> None:
+        rows, self.pending = self.pending, None
+        if rows is None or not self.routers:
+            return
         routes = torch.stack(
             [router.router_replay.recorded_topk_idx for router in self.routers], dim=1
         ).to(torch.int16)  # [n, L, topk]
@@ -326,9 +335,26 @@ class _RouteRecorder:
     def samples(self, mb) -> torch.Tensor:
         """The routes of the samples ending in ``mb``, nested [b, j, L, topk] (int16, CPU, as
         verl records them)."""
-        tree, table = mb.tree, self.tables[self._key(mb.rows)]
+        tree = mb.tree
+        lengths = tree.cu_seqlens.diff().tolist()
+        if not self.routers:
+            return _nested([torch.zeros((n, 0, self.topk), dtype=torch.int16) for n in lengths])
+        table = self.tables[self._key(mb.rows)]
         per_token = table[tree.token_index.to(table.device)]
-        return _nested(list(per_token.cpu().split(tree.cu_seqlens.diff().tolist())))
+        return _nested(list(per_token.cpu().split(lengths)))
+
+
+@dataclass(frozen=True)
+class _RecordingContext(StepContext):
+    """The step's context in verl's R2 record pass: before preparing each micro-batch's inputs, the
+    routes of this stage's previous forward are read (:class:`_RouteRecorder`)."""
+
+    recorder: _RouteRecorder | None = None
+
+    def model_inputs(self, index, mb, store):
+        self.recorder.flush()
+        self.recorder.pending = mb.rows
+        return super().model_inputs(index, mb, store)
 
 
 class _TreeEngine:
@@ -379,13 +405,13 @@ class _TreeEngine:
             and self.engine_config.router_replay.mode != "disabled"
         ):
             config = self.tf_config
-            for name in ("pipeline_model_parallel_size", "context_parallel_size"):
-                if getattr(config, name) > 1:
+            for name in ("virtual_pipeline_model_parallel_size", "context_parallel_size"):
+                if (getattr(config, name) or 1) > 1:
                     raise ValueError(
                         f"{name}={getattr(config, name)}: routing replay (router_replay.mode="
                         f"{self.engine_config.router_replay.mode}) in the verl tree engine is "
-                        f"tested without pipeline and context parallelism; set {name}=1 or "
-                        "router_replay.mode='disabled'"
+                        f"tested without virtual pipeline and context parallelism; set {name}=1 "
+                        "or router_replay.mode='disabled'"
                     )
             if config.sequence_parallel and config.tensor_model_parallel_size > 1:
                 raise ValueError(
@@ -603,13 +629,12 @@ class _TreeEngine:
             )
         record = None
         if tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
-            record = _RouteRecorder(_recording_routers(model))
+            record = _RouteRecorder(_recording_routers(model), self.tf_config.moe_router_topk)
         head = _VerlHead(
             partial(
                 self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
             ),
             {id(mb.rows): pair for mb, pair in zip(packed, token_rows)},
-            record,
         )
         per_token = bool(self.tf_config.calculate_per_token_loss)
         loss = _VerlLoss(
@@ -625,7 +650,7 @@ class _TreeEngine:
         )
         if trees["replay"]:
             check_replaying(model, ROUTE_KEY)
-        ctx = StepContext(
+        ctx = (StepContext if record is None else partial(_RecordingContext, recorder=record))(
             model,
             self.tf_config,
             moe=bool(self.tf_config.num_moe_experts),
@@ -643,10 +668,12 @@ class _TreeEngine:
         ):
             run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
         if record is not None:
-            # verl's engine merges these (per micro-batch taking a loss, in its order) and restores
-            # the batch's sample order with our indices, as it does with its own recordings.
+            record.flush()
+            # verl's engine gathers these over the pipeline stages (per micro-batch taking a loss,
+            # in its order) and restores the batch's sample order with our indices, as it does
+            # with its own recordings.
             self.mini_layer_topk_idx_list += [
-                record.samples(packed[i]) for i in sorted(loss.outputs)
+                record.samples(mb) for mb in packed if mb.tree.num_sequences
             ]
         return [loss.outputs[i] for i in sorted(loss.outputs)]
 
