@@ -229,12 +229,8 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         """TRL's generation, with the model's own attention selected for its duration."""
-        model = self._hf_model(self.model)
-        model.set_attn_implementation(self.generation_attention)
-        try:
+        with attention_selected([self._hf_model(self.model)], self.generation_attention):
             return super()._generate(prompts)
-        finally:
-            model.set_attn_implementation(ATTENTION_KEY)
 
     def _get_per_token_logps_and_entropies(
         self,
