@@ -121,10 +121,10 @@ def _dp_shards(seqs: list) -> list[list]:
 
 
 def _dp_worker(rank: int, path: str, seqs: list) -> dict:
-    """Data parallel 2 (FSDP2 shards every parameter over the two ranks): each rank its share of
-    the sequences (:func:`_dp_shards`); ours with 48-token micro-batches of 16-token blocks (rank 0
-    needs more than rank 1, which gets an all-padding fill-in so that both run as many forwards),
-    the stock engine with one."""
+    """Data parallel 2 (FSDP2 shards every parameter over the two ranks), HF gradient
+    checkpointing on in both engines: each rank its share of the sequences (:func:`_dp_shards`);
+    ours with 48-token micro-batches of 16-token blocks (rank 0 needs more than rank 1, which gets
+    an all-padding fill-in so that both run as many forwards), the stock engine with one."""
     from megatron_tree.testing.areal_fsdp import setup_fsdp_cpu
     from megatron_tree.testing.models import hf_logprobs
 
@@ -133,9 +133,10 @@ def _dp_worker(rank: int, path: str, seqs: list) -> dict:
 
     mine = _dp_shards(seqs)[rank]
     hf = hf_logprobs(path, mine)
-    stock = _run(path, mine, hf, False)
+    stock = _run(path, mine, hf, False, gradient_checkpointing=True)
     TreeFSDPPPOActor.tree_block_size = 16  # this process only
-    return {"hf": hf, "stock": stock, "ours": _run(path, mine, hf, True, mb_tokens=48)}
+    ours = _run(path, mine, hf, True, mb_tokens=48, gradient_checkpointing=True)
+    return {"hf": hf, "stock": stock, "ours": ours}
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +210,9 @@ def test_tree_fsdp_critic(fsdp_runs):
 
 
 def test_tree_fsdp_engine_data_parallel(checkpoint):
-    """DP=2 with FSDP2 sharding: per rank, log-probs equal HF's and the stock engine's; the
-    reduced gradients equal the stock engine's; both ranks ran as many tree micro-batches."""
+    """DP=2 with FSDP2 sharding and gradient checkpointing: per rank, log-probs equal HF's and the
+    stock engine's; the reduced gradients equal the stock engine's; both ranks ran as many tree
+    micro-batches."""
     from megatron_tree import build_packed_tree_batch
     from megatron_tree.testing.models import branching_sequences
     from megatron_tree.testing.reference import gradient_errors
