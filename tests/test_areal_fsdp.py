@@ -59,6 +59,7 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
         out = {
             "engine": type(eng).__name__,
             "attention": eng.model.config._attn_implementation,
+            "checkpointing": eng.model.is_gradient_checkpointing,
             "logp": per_sequence(logp, seqs),
             "grads": grads,
             "stats": stats_tracker.export_all(),
@@ -224,6 +225,7 @@ def test_tree_fsdp_engine_data_parallel(checkpoint):
     ranks = run_spawned(_dp_worker, 2, checkpoint, seqs, megatron=False)
     assert [r["ours"]["tree_stats"]["micro_batches"] for r in ranks] == [3, 3]
     for r in ranks:
+        assert r["ours"]["checkpointing"] and r["stock"]["checkpointing"]
         assert _max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
         assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
         errors = gradient_errors(r["ours"]["grads"][0], r["stock"]["grads"][0])
