@@ -447,3 +447,23 @@ def test_chains_varlen_path_gets_the_runs(monkeypatch):
     out = tree_attention(q, k, v, tree_attention_mask(tree))
     assert (out - ref).abs().max() < FP64_TOL
     assert handed == [([0, 13, 15, 46, 54], 31)]  # the sequences; padding is not a run
+
+
+@pytest.mark.parametrize("backend", ["auto", "causal", "block_sparse", "sdpa"])
+def test_all_padding_fill_in_gives_zero_query_key_gradients(backend):
+    """A data-parallel fill-in (all padding: each position sees itself, output = its value) still
+    gives queries and keys a gradient, zero: a sharded wrapper (FSDP2) reduce-scatters the same
+    parameters' gradients on every rank, also on a rank whose backward covers only fill-ins."""
+    from megatron_tree.core.tree import PackedTree
+
+    tree = PackedTree.all_padding(32)
+    q = torch.randn(32, 1, 4, 8, requires_grad=True)
+    k = torch.randn(32, 1, 2, 8, requires_grad=True)
+    v = torch.randn(32, 1, 2, 8, requires_grad=True)
+    out = tree_attention(q, k, v, tree_attention_mask(tree), backend=backend, block_size=16)
+    torch.testing.assert_close(out.view(32, 4, 8), v[:, 0].repeat_interleave(2, dim=1))
+    (out * torch.randn_like(out)).sum().backward()
+    for name, t in (("q", q), ("k", k)):
+        assert t.grad is not None, f"{name} got no gradient"
+        # one key per softmax row: zero up to rounding where a backend computes the softmax
+        torch.testing.assert_close(t.grad, torch.zeros_like(t), atol=1e-6, rtol=0)

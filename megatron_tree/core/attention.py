@@ -438,6 +438,8 @@ def _causal_varlen(query, key, value, plan: TreeMaskPlan, *, scale, dropout_p) -
         )
     if real < n:
         outs.append(v[real:].repeat_interleave(num_heads // v.shape[1], dim=1))
+    if not real:
+        outs[0] = _with_zero_grads(outs[0], q, k)
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.reshape(n, 1, num_heads * v.shape[-1])
 
@@ -472,7 +474,17 @@ def _causal_chains(q, k, v, chains, *, scale, dropout_p, gqa) -> torch.Tensor:
     if start < q.shape[2]:  # padding: each position sees itself only, so its output is its value
         pad = v[:, :, start:]
         outs.append(pad.repeat_interleave(q.shape[1] // v.shape[1], dim=1) if gqa else pad)
+    if not start:
+        outs[0] = _with_zero_grads(outs[0], q, k)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _with_zero_grads(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``out`` of an all-padding micro-batch (a data-parallel fill-in), with zero gradients for the
+    queries and keys it does not read: otherwise their projections get no gradient at all on this
+    rank, and a sharded data-parallel wrapper (FSDP2) reduce-scatters different sets of gradients
+    on different ranks."""
+    return out + (q.flatten()[:1].sum() + k.flatten()[:1].sum()) * 0.0
 
 
 def _flex(
