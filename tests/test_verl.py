@@ -782,7 +782,13 @@ def _rollout_routes(seqs: list, prompt_lengths: list, *, layers: int, experts: i
 
 
 def _replay_worker(
-    rank: int, path: str, mode: str, parallel: dict, data_parallel: int, vanilla_mbridge: bool
+    rank: int,
+    path: str,
+    mode: str,
+    parallel: dict,
+    data_parallel: int,
+    reference: dict | None,
+    vanilla_mbridge: bool,
 ) -> dict:
     """verl's ``infer_batch`` then ``train_batch`` (its ppo_loss) with verl's routing replay of
     ``mode`` through verl's stock engine and the tree engine (whole trees, then trunk reuse), each
@@ -869,20 +875,24 @@ def _replay_worker(
             "stats": dict(engine.tree_stats) if getattr(engine, "tree_stats", None) else None,
         }
 
-    def build(vendor):
+    def build(vendor, layout):
         return harness.build_engine(
             path,
             vendor=vendor,
             lr=0.0,
             clip_grad=1e9,
-            parallel=parallel,
+            parallel=layout,
             vanilla_mbridge=vanilla_mbridge,
             router_replay=mode,
             micro_batch_size=1,
         )[0]
 
-    out = {"stock": run(build(None))}
-    tree = build("megatron_tree")
+    if reference is None:  # verl's stock engine at the same layout
+        out = {"reference": run(build(None, parallel))}
+    else:  # the tree engine at the reference layout (the rest of the world data parallel)
+        out = {"reference": run(build("megatron_tree", reference))}
+        harness.reset_model_parallel()
+    tree = build("megatron_tree", parallel)
     out["engine"] = type(tree).__name__
     out["bridge"] = type(tree.bridge).__module__
     out["trees"] = run(tree)
@@ -892,8 +902,14 @@ def _replay_worker(
     return out
 
 
-# name: (the engines' layout, data-parallel size); 2 ranks each
-REPLAY_LAYOUTS = {"ep2": ({"ep": 2}, 2), "pp2": ({"pp": 2}, 1)}
+# name: (the engines' layout, data-parallel size, the reference's layout); 2 ranks each. Reference
+# None: verl's stock engine at the same layout; a layout: the tree engine there (verl's stock CP
+# needs transformer-engine), the rest of the world data parallel on the same batch.
+REPLAY_LAYOUTS = {
+    "ep2": ({"ep": 2}, 2, None),
+    "pp2": ({"pp": 2}, 1, None),
+    "cp2": ({"cp": 2}, 1, {}),
+}
 
 
 @pytest.mark.parametrize("layout", list(REPLAY_LAYOUTS))
@@ -901,10 +917,11 @@ REPLAY_LAYOUTS = {"ep2": ({"ep": 2}, 2), "pp2": ({"pp": 2}, 1)}
 def test_routing_replay(tmp_path, mode, layout):
     """verl's routing replay in the tree engine at EP=2 (two data-parallel ranks, each holding 2 of
     the 4 experts of a tiny Qwen3-MoE, each on its own batch) and at PP=2 (one MoE layer per stage),
-    whole trees and trunk reuse, against verl's stock engine at the same layout on the same
-    batches: log-probs and loss (on the last stage), every rank's gradients; R2's recorded routes
-    (gathered over the stages by verl's bookkeeping) equal the stock engine's per token. verl's
-    model path: Megatron-Bridge where it is installed, mbridge otherwise.
+    and at CP=2 (each rank records its rows' routes), whole trees and trunk reuse, against verl's
+    stock engine at the same layout (EP, PP) or the tree engine at CP=1 (CP), on the same batches:
+    log-probs and loss (on the last stage), every rank's gradients; R2's recorded routes (gathered
+    over the stages by verl's bookkeeping) equal the reference's per token. verl's model path:
+    Megatron-Bridge where it is installed, mbridge otherwise.
 
     verl's stock engine runs its BSHD path on a CPU (its THD path needs transformer-engine's
     attention), but lays the routes it replays and records out in THD order: they line up with the
@@ -915,22 +932,30 @@ def test_routing_replay(tmp_path, mode, layout):
     sample per micro-batch, and every sequence of the batch has the same length."""
     from megatron_tree.testing.models import make_hf_checkpoint
 
-    parallel, data_parallel = REPLAY_LAYOUTS[layout]
+    parallel, data_parallel, reference = REPLAY_LAYOUTS[layout]
     path = str(tmp_path / "qwen3_moe")
     make_hf_checkpoint("qwen3_moe", path)
     vanilla_mbridge = not _has("megatron.bridge")
     ranks = run_spawned(
-        _replay_worker, 2, path, mode, parallel, data_parallel, vanilla_mbridge, megatron=False
+        _replay_worker,
+        2,
+        path,
+        mode,
+        parallel,
+        data_parallel,
+        reference,
+        vanilla_mbridge,
+        megatron=False,
     )
     # verl's engines return outputs on the last pipeline stage only
-    assert [out["stock"]["loss"] is not None for out in ranks] == (
+    assert [out["reference"]["loss"] is not None for out in ranks] == (
         [False, True] if "pp" in parallel else [True, True]
     )
     worst = {}
     for out in ranks:
         assert out["engine"] == "TreeMegatronEngineWithLMHead"
         assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
-        stock, native = out["stock"], out["native"]
+        stock, native = out["reference"], out["native"]
         last_stage = stock["loss"] is not None
         if last_stage:  # the replayed routes are not the model's own
             if mode == "R3":  # the old log-probs replay the rollout's routes
@@ -1132,3 +1157,38 @@ def test_routes_to_replay_per_sample():
         replay("R2", batch([torch.zeros(n, 3, 2, dtype=torch.int16) for n in (3, 4)], (2, 2)))
     with pytest.raises(ValueError, match="R2 records it in compute_log_prob"):
         replay("R3", batch(None, (2, 2)), forward_only=True)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
+        (dict(sequence_parallel=True, tensor_model_parallel_size=2), "sequence_parallel=True"),
+    ],
+)
+def test_routing_replay_refusals(config, match):
+    """Routing replay under a virtual pipeline (routes recorded per stage, not per model chunk) or
+    sequence parallelism (routes of sequence-parallel shards not gathered) is refused with the fix;
+    without verl's replay flag on the batch the same engine runs."""
+    from types import SimpleNamespace
+
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_tree.integrations.verl import TreeMegatronEngineWithLMHead
+
+    tf_config = dict(
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+        tensor_model_parallel_size=1,
+    )
+    engine = SimpleNamespace(
+        engine_config=SimpleNamespace(
+            router_replay=SimpleNamespace(mode="R3"), dynamic_context_parallel=False
+        ),
+        tf_config=SimpleNamespace(**{**tf_config, **config}),
+    )
+    data = tu.get_tensordict({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+    TreeMegatronEngineWithLMHead._check_supported(engine, data)
+    tu.assign_non_tensor(data, enable_routing_replay=True)
+    with pytest.raises(ValueError, match=f"{match}.*router_replay.mode='disabled'"):
+        TreeMegatronEngineWithLMHead._check_supported(engine, data)

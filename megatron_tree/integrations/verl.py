@@ -62,8 +62,9 @@ as the package's step.
   their routes agree) and handed to the routers with each micro-batch
   (:func:`~megatron_tree.mcore.moe.replay_routes`); under R3 a sample's last token routes
   natively, as verl's replay mask has it (:meth:`_TreeEngine._routes_to_replay`). Under PP each
-  stage records its own layers' routes and verl's bookkeeping gathers them. Refused for now with
-  VPP, CP or sequence parallelism.
+  stage records its own layers' routes and verl's bookkeeping gathers them; under CP each rank
+  records its rows' routes and the CP group sums the tables (a CP rank replays its rows' routes).
+  Refused for now with VPP or sequence parallelism.
 
 Refused with the reason: verl's dynamic context parallelism (its scheduler replaces the
 micro-batches), top-k distillation with trunk reuse or CP.
@@ -303,7 +304,8 @@ class _RouteRecorder:
 
     A router keeps its choices until its next call, so a forward's routes are read when the next
     micro-batch's inputs are prepared on this stage (:class:`_RecordingContext`) and after the
-    last (:meth:`flush`).
+    last (:meth:`flush`). Under CP each rank records its rows' routes, and the tables are summed
+    over the CP group (each position is one rank's row) before they are read (:meth:`gather`).
 
     Args:
         routers: this stage's routers that record, in layer order (verl's ``RouterReplay`` on
@@ -331,6 +333,20 @@ class _RouteRecorder:
         if key not in self.tables:
             self.tables[key] = routes.new_zeros((rows.tree.padded_length, *routes.shape[1:]))
         self.tables[key][rows.positions.to(routes.device)] = routes
+
+    def gather(self, micro_batches, cp_group) -> None:
+        """Every CP rank's rows' routes in every table of ``micro_batches`` (in their order, the
+        same on every CP rank)."""
+        if not self.routers:
+            return
+        for key, mb in {self._key(mb.rows): mb for mb in micro_batches}.items():
+            table = self.tables.get(key)
+            if table is None:  # no row of this tree here
+                shape = (mb.rows.tree.padded_length, len(self.routers), self.topk)
+                table = torch.zeros(shape, dtype=torch.int16, device=mb.input_ids.device)
+            summed = table.to(torch.int32)
+            torch.distributed.all_reduce(summed, group=cp_group)
+            self.tables[key] = summed.to(torch.int16)
 
     def samples(self, mb) -> torch.Tensor:
         """The routes of the samples ending in ``mb``, nested [b, j, L, topk] (int16, CPU, as
@@ -405,14 +421,14 @@ class _TreeEngine:
             and self.engine_config.router_replay.mode != "disabled"
         ):
             config = self.tf_config
-            for name in ("virtual_pipeline_model_parallel_size", "context_parallel_size"):
-                if (getattr(config, name) or 1) > 1:
-                    raise ValueError(
-                        f"{name}={getattr(config, name)}: routing replay (router_replay.mode="
-                        f"{self.engine_config.router_replay.mode}) in the verl tree engine is "
-                        f"tested without virtual pipeline and context parallelism; set {name}=1 "
-                        "or router_replay.mode='disabled'"
-                    )
+            if (config.virtual_pipeline_model_parallel_size or 1) > 1:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size="
+                    f"{config.virtual_pipeline_model_parallel_size}: routing replay "
+                    f"(router_replay.mode={self.engine_config.router_replay.mode}) in the verl "
+                    "tree engine records routes per pipeline stage, not per model chunk; set "
+                    "virtual_pipeline_model_parallel_size=None or router_replay.mode='disabled'"
+                )
             if config.sequence_parallel and config.tensor_model_parallel_size > 1:
                 raise ValueError(
                     "sequence_parallel=True: the verl tree engine's routing replay does not yet "
@@ -669,6 +685,8 @@ class _TreeEngine:
             run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
         if record is not None:
             record.flush()
+            if mpu.get_context_parallel_world_size() > 1:
+                record.gather(list(packed), mpu.get_context_parallel_group())
             # verl's engine gathers these over the pipeline stages (per micro-batch taking a loss,
             # in its order) and restores the batch's sample order with our indices, as it does
             # with its own recordings.
