@@ -44,7 +44,6 @@ import logging
 import math
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,31 +62,9 @@ from ..mcore.schedule import StepContext, run_phases
 from ..mcore.spec import check_tree_model
 from ..mcore.step import PackingConfig, constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
+from .areal_common import TreeHeadOutputs, TreeMicroBatchList, areal_micro_batch, check_version
 
 logger = logging.getLogger(__name__)
-
-TESTED_VERSIONS = ("1.0.4",)
-
-
-@dataclass
-class TreeMicroBatchList(MicroBatchList):
-    """AReaL's ``MicroBatchList`` of a packed batch: ``mbs[i]`` is micro-batch i's sequences in
-    AReaL's packed 1-D layout (what its loss functions read), ``packed`` this rank's rows of the
-    trees. ``forward_indices`` lists the sequences in micro-batch order, so AReaL's own
-    ``reorder_and_pad_outputs`` gives results back as ``[B, L]``."""
-
-    packed: PackedTreeBatch | None = None
-
-    def to(self, *args, **kwargs) -> TreeMicroBatchList:
-        moved = super().to(*args, **kwargs)
-        fields = {f: getattr(moved, f) for f in moved.__dataclass_fields__ if f != "packed"}
-        return TreeMicroBatchList(**fields, packed=self.packed.to(*args, **kwargs))
-
-
-class TreeHeadOutputs(dict):
-    """A micro-batch's per-token head outputs {name: [T]} (``logprobs``, ``entropy``,
-    ``vocab_min``, ``vocab_max`` or ``values``): what AReaL's loss and result functions read in
-    place of the model output when the engine trains with trees."""
 
 
 class _AReaLHead:
@@ -177,7 +154,7 @@ class _TreeEngine:
     def initialize(self, addr, ft_spec, *args, **kwargs):
         if not self.tree_training:
             return super().initialize(addr, ft_spec, *args, **kwargs)
-        _check_version()
+        check_version()
         with ExitStack() as stack:
             stack.enter_context(self._bridge_patch())
             # AReaL refuses CP for models it runs in the padded BSHD layout (gated delta-net,
@@ -256,7 +233,7 @@ class _TreeEngine:
             for k, v in input_.items()
             if k not in per_token and k not in ("input_ids", "attention_mask")
         }
-        mbs = [_areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
+        mbs = [areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
         order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
         backward = [0] * len(order)
         for position, sequence in enumerate(order):
@@ -391,44 +368,6 @@ class _TreeEngine:
         if not isinstance(output, TreeHeadOutputs):
             return super()._compute_forward_result(output, inputs)
         return output["values" if self.config.is_critic else "logprobs"]
-
-
-def _areal_micro_batch(mb, per_sequence: dict, batch_size: int) -> dict:
-    """Micro-batch ``mb``'s sequences in AReaL's packed 1-D layout: ``input_ids`` [T],
-    ``cu_seqlens`` int32 [S + 1], ``max_seqlen``, the per-token inputs [T, ...] (from the packer,
-    in the tree's sequence order), per-sequence tensors [B, ...] at its sequences, the rest as
-    is."""
-    tree = mb.tree
-    lengths = tree.cu_seqlens.diff()
-    result = {
-        "input_ids": tree.input_ids[tree.token_index],
-        "cu_seqlens": tree.cu_seqlens.to(torch.int32),
-        "max_seqlen": int(lengths.max()) if tree.num_sequences else 0,
-        **mb.inputs,
-    }
-    ids = tree.sequence_ids.to(torch.long)
-    for k, v in per_sequence.items():
-        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch_size:
-            result[k] = v[ids.to(v.device)]
-        else:
-            result[k] = v
-    return result
-
-
-def _check_version() -> None:
-    import areal
-
-    version = getattr(areal, "__version__", None)
-    if version is None:
-        from areal.version import __version__ as version
-    if version not in TESTED_VERSIONS:
-        logger.warning(
-            "megatron_tree: AReaL %s; the tree engine is tested with AReaL %s (it replaces "
-            "MegatronEngine's _prepare_mb_list, forward_backward_batch, _compute_logprobs_and_loss "
-            "and _compute_forward_result: check that they have the same signatures)",
-            version,
-            ", ".join(TESTED_VERSIONS),
-        )
 
 
 class TreeMegatronPPOActor(_TreeEngine, MegatronPPOActor):

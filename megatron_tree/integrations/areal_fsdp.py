@@ -38,7 +38,7 @@ from areal.utils import stats_tracker
 from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
 from ..core.results import gather_packed_tree_vocab_stats
-from .areal import TreeHeadOutputs, TreeMicroBatchList, _areal_micro_batch, _check_version
+from .areal_common import TreeHeadOutputs, TreeMicroBatchList, areal_micro_batch, check_version
 from .transformers import TreeAttentionOptions, prepare_model, tree_forward
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class _TreeFSDPEngine:
     def initialize(self, addr, ft_spec, *args, **kwargs):
         if not self.tree_training:
             return super().initialize(addr, ft_spec, *args, **kwargs)
-        _check_version()
+        check_version()
         if self.is_vision_model:
             raise ValueError(
                 f"model_type={self.model_config.model_type!r} is a vision-language model, which "
@@ -117,7 +117,7 @@ class _TreeFSDPEngine:
             for k, v in input_.items()
             if k not in per_token and k not in ("input_ids", "attention_mask")
         }
-        mbs = [_areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
+        mbs = [areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
         order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
         backward = [0] * len(order)
         for position, sequence in enumerate(order):
