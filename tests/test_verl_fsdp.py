@@ -316,3 +316,36 @@ def test_a_failed_import_refuses_the_fsdp_keys_instead_of_falling_back():
     assert len(refused) == 12, run.stdout + run.stderr[-2000:]
     assert all("megatron_tree's verl engines failed to import (verl_fsdp:" in r for r in refused)
     assert "could not be registered" in run.stderr
+
+
+def test_without_megatron_core_the_fsdp_engines_register_and_other_strategies_refuse():
+    """An FSDP-only install (megatron-core not importable): ``import verl`` registers the FSDP tree
+    engines, refuses the Megatron keys (their import failed) and every verl backend without a tree
+    engine (verl's ``fsdp_turbo``), and installs the prompt-group balancing hook, all under
+    ``VERL_ENGINE_VENDOR=megatron_tree``."""
+    code = "\n".join(
+        [
+            "import sys",
+            "sys.modules['megatron'] = None  # megatron-core not installed",
+            "import verl",
+            "from verl.workers.engine import EngineRegistry",
+            "from megatron_tree.integrations.verl_balance import _AfterImport",
+            "engines = EngineRegistry._engines['language_model']",
+            "print('FSDP2', engines['fsdp2'][('cuda', 'megatron_tree')].__name__)",
+            "print('HOOK', any(isinstance(f, _AfterImport) for f in sys.meta_path))",
+            "for backend in ('megatron', 'fsdp_turbo'):",
+            "    try:",
+            "        engines[backend][('cuda', 'megatron_tree')]()",
+            "    except ValueError as error:",
+            "        print('REFUSED', backend, error)",
+        ]
+    )
+    env = {**os.environ, "VERL_ENGINE_VENDOR": "megatron_tree"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    out = run.stdout + run.stderr[-2000:]
+    assert "FSDP2 TreeFSDPEngineWithLMHead" in run.stdout, out
+    assert "HOOK True" in run.stdout, out
+    assert "REFUSED megatron VERL_ENGINE_VENDOR=megatron_tree, but" in run.stdout, out
+    assert "REFUSED fsdp_turbo VERL_ENGINE_VENDOR=megatron_tree has engines for" in run.stdout, out

@@ -21,7 +21,7 @@ three things changed:
   losses, metrics and output order are unchanged.
 
 Prompt groups stay whole across data-parallel ranks through verl's trainer balancing hook, which
-:mod:`.verl` (the Megatron engine) installs at ``import verl`` (where megatron-core imports).
+:mod:`.verl_balance` installs at ``import verl`` (no megatron-core needed).
 
 Refused with the reason: Ulysses sequence parallelism, ``use_fused_kernels``, ``sum_pi_squared``
 and top-k distillation outputs, per-sample temperatures that differ within a tree, TRL value-head

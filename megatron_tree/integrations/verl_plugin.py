@@ -44,7 +44,37 @@ ADAPTERS = {
 }
 
 
+class MegatronTreeUnsupported(BaseEngine):
+    """Registered under the vendor key of every verl backend megatron_tree has no engine for (verl
+    0.9.1's ``fsdp_turbo``): building it raises, instead of verl's silent fallback to its own
+    engine without trees."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(
+            "VERL_ENGINE_VENDOR=megatron_tree has engines for the strategies "
+            f"{sorted(b for backends, _ in ADAPTERS.values() for b in backends)} only; use one "
+            "of them or unset VERL_ENGINE_VENDOR"
+        )
+
+
+def _refuse_other_backends() -> None:
+    """Register :class:`MegatronTreeUnsupported` on the vendor key of every (model type, backend,
+    device) verl has an engine for and megatron_tree none."""
+    for model_type, backends in EngineRegistry._engines.items():
+        for backend, engines in backends.items():
+            devices = [d for d in engines if isinstance(d, str)]
+            missing = [d for d in devices if (d, "megatron_tree") not in engines]
+            if missing:
+                EngineRegistry.register(
+                    model_type=model_type, backend=backend, device=missing, vendor="megatron_tree"
+                )(MegatronTreeUnsupported)
+
+
 def _register() -> None:
+    try:  # the prompt-group balancing hook (either engine), before the engines' own imports
+        importlib.import_module(f"{__package__}.verl_balance")
+    except Exception:
+        logger.exception("megatron_tree: verl's prompt-group balancing could not be installed")
     for module, (backends, devices) in ADAPTERS.items():
         try:
             importlib.import_module(f"{__package__}.{module}")  # registers the engines
@@ -56,6 +86,7 @@ def _register() -> None:
                 traceback.format_exc(),
             )
             _register_refusal(reason, backends, devices)
+    _refuse_other_backends()
 
 
 def _register_refusal(reason: str, backends: list[str], devices: list[str]) -> None:
