@@ -49,12 +49,10 @@ from typing import Any
 import torch
 from areal.engine import megatron_engine
 from areal.engine.megatron_engine import MegatronPPOActor, MegatronPPOCritic
-from areal.utils import stats_tracker
 from areal.utils.data import MicroBatchList
 from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
-from ..core.batch import PackedTreeBatch
 from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
 from ..core.results import gather_packed_tree_vocab_stats
@@ -62,7 +60,15 @@ from ..mcore.schedule import StepContext, run_phases
 from ..mcore.spec import check_tree_model
 from ..mcore.step import PackingConfig, constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
-from .areal_common import TreeHeadOutputs, TreeMicroBatchList, areal_micro_batch, check_version
+from .areal_common import (
+    TreeHeadOutputs,
+    TreeMicroBatchList,
+    check_version,
+    report_packing,
+    split_inputs,
+    tree_capacity,
+    tree_micro_batch_list,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,15 +206,7 @@ class _TreeEngine:
     def _prepare_mb_list(self, input_: dict[str, Any]) -> MicroBatchList:
         if not self.tree_training:
             return super()._prepare_mb_list(input_)
-        input_ids, mask = input_["input_ids"], input_["attention_mask"]
-        shape = tuple(input_ids.shape)
-        per_token = {
-            k: v
-            for k, v in input_.items()
-            if k not in ("input_ids", "attention_mask")
-            and isinstance(v, torch.Tensor)
-            and tuple(v.shape[:2]) == shape
-        }
+        per_token, per_sequence = split_inputs(input_)
         config = get_model_config(self.model[0])
         cp = mpu.get_context_parallel_world_size()
         align = cp * (mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1)
@@ -220,76 +218,23 @@ class _TreeEngine:
             share_trunks=self.tree_share_trunks,
         ).resolve(constant_shapes=constant_shapes(config), align=align)
         packed = build_packed_tree_batch(
-            {"input_ids": input_ids, "attention_mask": mask, **per_token},
+            {"input_ids": input_["input_ids"], "attention_mask": input_["attention_mask"]}
+            | per_token,
             dp_group=self.data_parallel_group,
             **packing,
         )
-        self._report(packed)
+        self.tree_stats = report_packing(packed)
         rows = split_for_context_parallel(
             packed, mpu.get_context_parallel_group() if cp > 1 else None
         )
-        per_sequence = {
-            k: v
-            for k, v in input_.items()
-            if k not in per_token and k not in ("input_ids", "attention_mask")
-        }
-        mbs = [areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
-        order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
-        backward = [0] * len(order)
-        for position, sequence in enumerate(order):
-            backward[sequence] = position
-        return TreeMicroBatchList(
-            data=input_,
-            mb_spec=self.config.mb_spec,
-            mbs=mbs,
-            group_lens=[mb.tree.num_tree_tokens for mb in packed],
-            forward_indices=order,
-            backward_indices=backward,
-            padded_mbs=mbs,
-            padding_lengths=[
-                mb.rows.num_rows * mb.rows.cp_size - mb.tree.num_tree_tokens for mb in packed
-            ],
-            padded_to_lengths=[mb.rows.num_rows * mb.rows.cp_size for mb in packed],
-            packed=rows,
-        )
+        return tree_micro_batch_list(input_, packed, per_sequence, self.config.mb_spec, rows)
 
     def _capacity(self, align: int) -> int:
-        tokens = self.config.mb_spec.max_tokens_per_mb
-        if tokens is None:
-            raise ValueError(
-                "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
-                "unique tokens of one tree)"
-            )
         unit = math.lcm(self.tree_block_size, align)
-        capacity = -(-int(tokens) // unit) * unit
-        if capacity != tokens:
-            logger.info(
-                "megatron_tree: max_tokens_per_mb=%d rounded up to %d (a multiple of the block "
-                "size %d and the CP x SP alignment %d)",
-                tokens,
-                capacity,
-                self.tree_block_size,
-                align,
-            )
-        return capacity
-
-    def _report(self, packed: PackedTreeBatch) -> None:
-        self.tree_stats = {
-            "sequences": packed.batch_size,
-            "micro_batches": len(packed),
-            "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
-            "tokens_unpacked": packed.num_real_tokens,
-            "tokens_computed": packed.num_padded_tokens,
-            "tree_token_ratio": packed.tree_token_ratio,
-        }
-        stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
-        logger.info(
-            "megatron_tree: %s",
-            " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in self.tree_stats.items()
-            ),
+        why = (
+            f"a multiple of the block size {self.tree_block_size} and the CP x SP alignment {align}"
         )
+        return tree_capacity(self.config.mb_spec.max_tokens_per_mb, unit, why)
 
     # -- the step -----------------------------------------------------------------------------
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from areal.utils import stats_tracker
 from areal.utils.data import MicroBatchList
 
 from ..core.batch import PackedTreeBatch
@@ -74,3 +76,83 @@ def check_version() -> None:
             version,
             ", ".join(TESTED_VERSIONS),
         )
+
+
+def split_inputs(input_: dict[str, Any]) -> tuple[dict, dict]:
+    """AReaL's padded batch -> (per-token inputs [B, L, ...] the packer carries in tree layout,
+    everything else but ``input_ids`` / ``attention_mask``, handed on per sequence)."""
+    shape = tuple(input_["input_ids"].shape)
+    per_token = {
+        k: v
+        for k, v in input_.items()
+        if k not in ("input_ids", "attention_mask")
+        and isinstance(v, torch.Tensor)
+        and tuple(v.shape[:2]) == shape
+    }
+    per_sequence = {
+        k: v
+        for k, v in input_.items()
+        if k not in per_token and k not in ("input_ids", "attention_mask")
+    }
+    return per_token, per_sequence
+
+
+def tree_micro_batch_list(
+    input_: dict[str, Any], packed: PackedTreeBatch, per_sequence: dict, mb_spec, rows=None
+) -> TreeMicroBatchList:
+    """The :class:`TreeMicroBatchList` of a packed batch: AReaL's layout of each micro-batch, its
+    sequences' order (``forward_indices``) and the rows this rank computes (``rows``: the batch
+    split for context parallelism; default ``packed``)."""
+    batch_size = input_["input_ids"].shape[0]
+    mbs = [areal_micro_batch(mb, per_sequence, batch_size) for mb in packed]
+    order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
+    backward = [0] * len(order)
+    for position, sequence in enumerate(order):
+        backward[sequence] = position
+    lengths = [mb.rows.num_rows * mb.rows.cp_size for mb in packed]
+    return TreeMicroBatchList(
+        data=input_,
+        mb_spec=mb_spec,
+        mbs=mbs,
+        group_lens=[mb.tree.num_tree_tokens for mb in packed],
+        forward_indices=order,
+        backward_indices=backward,
+        padded_mbs=mbs,
+        padding_lengths=[n - mb.tree.num_tree_tokens for n, mb in zip(lengths, packed)],
+        padded_to_lengths=lengths,
+        packed=packed if rows is None else rows,
+    )
+
+
+def tree_capacity(tokens: int | None, unit: int, why: str) -> int:
+    """``mb_spec.max_tokens_per_mb`` (a tree's unique tokens) rounded up to a multiple of ``unit``
+    (logged, with ``why`` the unit is what it is)."""
+    if tokens is None:
+        raise ValueError(
+            "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
+            "unique tokens of one tree)"
+        )
+    capacity = -(-int(tokens) // unit) * unit
+    if capacity != tokens:
+        logger.info(
+            "megatron_tree: max_tokens_per_mb=%d rounded up to %d (%s)", tokens, capacity, why
+        )
+    return capacity
+
+
+def report_packing(packed: PackedTreeBatch) -> dict:
+    """A packed batch's statistics (logged, and the tree-token ratio to AReaL's stats tracker)."""
+    stats = {
+        "sequences": packed.batch_size,
+        "micro_batches": len(packed),
+        "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
+        "tokens_unpacked": packed.num_real_tokens,
+        "tokens_computed": packed.num_padded_tokens,
+        "tree_token_ratio": packed.tree_token_ratio,
+    }
+    stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
+    logger.info(
+        "megatron_tree: %s",
+        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
+    )
+    return stats

@@ -33,12 +33,19 @@ from typing import Any
 
 import torch
 from areal.engine.fsdp_engine import FSDPPPOActor, FSDPPPOCritic, FSDPTrainContext
-from areal.utils import stats_tracker
 
 from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
 from ..core.results import gather_packed_tree_vocab_stats
-from .areal_common import TreeHeadOutputs, TreeMicroBatchList, areal_micro_batch, check_version
+from .areal_common import (
+    TreeHeadOutputs,
+    TreeMicroBatchList,
+    check_version,
+    report_packing,
+    split_inputs,
+    tree_capacity,
+    tree_micro_batch_list,
+)
 from .transformers import TreeAttentionOptions, prepare_model, tree_forward
 
 logger = logging.getLogger(__name__)
@@ -94,82 +101,21 @@ class _TreeFSDPEngine:
     def _prepare_mb_list(self, input_: dict[str, Any]):
         if not self.tree_training:
             return super()._prepare_mb_list(input_)
-        input_ids, mask = input_["input_ids"], input_["attention_mask"]
-        shape = tuple(input_ids.shape)
-        per_token = {
-            k: v
-            for k, v in input_.items()
-            if k not in ("input_ids", "attention_mask")
-            and isinstance(v, torch.Tensor)
-            and tuple(v.shape[:2]) == shape
-        }
+        per_token, per_sequence = split_inputs(input_)
+        unit = self.tree_block_size
         packed = build_packed_tree_batch(
-            {"input_ids": input_ids, "attention_mask": mask, **per_token},
-            max_tokens_per_mb=self._capacity(),
-            block_size=self.tree_block_size,
+            {"input_ids": input_["input_ids"], "attention_mask": input_["attention_mask"]}
+            | per_token,
+            max_tokens_per_mb=tree_capacity(
+                self.config.mb_spec.max_tokens_per_mb, unit, f"a multiple of the block size {unit}"
+            ),
+            block_size=unit,
             dp_group=self.data_parallel_group,
             share_prefixes=self.tree_share_prefixes,
             share_trunks=False,
         )
-        self._report(packed)
-        per_sequence = {
-            k: v
-            for k, v in input_.items()
-            if k not in per_token and k not in ("input_ids", "attention_mask")
-        }
-        mbs = [areal_micro_batch(mb, per_sequence, shape[0]) for mb in packed]
-        order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
-        backward = [0] * len(order)
-        for position, sequence in enumerate(order):
-            backward[sequence] = position
-        return TreeMicroBatchList(
-            data=input_,
-            mb_spec=self.config.mb_spec,
-            mbs=mbs,
-            group_lens=[mb.tree.num_tree_tokens for mb in packed],
-            forward_indices=order,
-            backward_indices=backward,
-            padded_mbs=mbs,
-            padding_lengths=[mb.rows.num_rows - mb.tree.num_tree_tokens for mb in packed],
-            padded_to_lengths=[mb.rows.num_rows for mb in packed],
-            packed=packed,
-        )
-
-    def _capacity(self) -> int:
-        tokens = self.config.mb_spec.max_tokens_per_mb
-        if tokens is None:
-            raise ValueError(
-                "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
-                "unique tokens of one tree)"
-            )
-        unit = self.tree_block_size
-        capacity = -(-int(tokens) // unit) * unit
-        if capacity != tokens:
-            logger.info(
-                "megatron_tree: max_tokens_per_mb=%d rounded up to %d (a multiple of the block "
-                "size %d)",
-                tokens,
-                capacity,
-                unit,
-            )
-        return capacity
-
-    def _report(self, packed) -> None:
-        self.tree_stats = {
-            "sequences": packed.batch_size,
-            "micro_batches": len(packed),
-            "tokens_unpacked": packed.num_real_tokens,
-            "tokens_computed": packed.num_padded_tokens,
-            "tree_token_ratio": packed.tree_token_ratio,
-        }
-        stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
-        logger.info(
-            "megatron_tree: %s",
-            " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in self.tree_stats.items()
-            ),
-        )
+        self.tree_stats = report_packing(packed)
+        return tree_micro_batch_list(input_, packed, per_sequence, self.config.mb_spec)
 
     # -- the step -----------------------------------------------------------------------------
 
