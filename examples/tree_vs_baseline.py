@@ -552,6 +552,44 @@ def grpo_clipped_loss(logprobs, old, advantages, mask, clip: float = 0.2):
     return -(surrogate * mask).sum() / mask.sum()
 
 
+def result_row(args, errors, losses, packed, unshared, times: dict, flops: dict) -> dict:
+    """The report row both engines share: parity ``errors`` (tree, baseline, sequences checked),
+    warm-up ``losses`` (tree, baseline), packing, the timed ``times`` and the FLOP model's
+    ``flops`` of the tree and the unshared baseline."""
+    tree_err, base_err, checked = errors
+    loss_tree, loss_base = losses
+    t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
+    return {
+        "parity_max_abs_logprob_err": tree_err,
+        "baseline_parity_max_abs_logprob_err": base_err,
+        "parity_sequences": checked,
+        "tree_loss": loss_tree,
+        "baseline_loss": loss_base,
+        "tree_vs_baseline_loss_abs_err": abs(loss_tree - loss_base),
+        "tree_vs_baseline_loss_rel_err": abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30),
+        "tree_token_ratio": packed.tree_token_ratio,
+        "tree_tokens": packed.num_tree_tokens,
+        "real_tokens": packed.num_real_tokens,
+        "trees": len(packed),
+        "baseline_micro_batches": len(unshared),
+        "max_tokens_per_mb": args.max_tokens,
+        "tree_rows": max(mb["input_ids"].shape[-1] for mb in packed),
+        "baseline_rows": max(mb["input_ids"].shape[-1] for mb in unshared),
+        "tree_rows_total": sum(mb["input_ids"].shape[-1] for mb in packed),
+        "baseline_rows_total": sum(mb["input_ids"].shape[-1] for mb in unshared),
+        "baseline_s": t_base,
+        "tree_s": t_tree,
+        "baseline_s_runs": times["base"],
+        "tree_s_runs": times["tree"],
+        "speedup": t_base / t_tree,
+        "speedup_per_rep": [b / t for b, t in zip(times["base"], times["tree"])],
+        "ideal_speedup": flops["base"] / flops["tree"],
+        "fraction_of_ideal": (t_base / t_tree) / (flops["base"] / flops["tree"]),
+        "tree_gflops": flops["tree"] / t_tree / 1e9,
+        "baseline_gflops": flops["base"] / t_base / 1e9,
+    }
+
+
 def main_hf(args) -> dict:
     """The main job on HF's model code (``--engine hf``): one process, no Megatron."""
     from transformers import AutoModelForCausalLM
@@ -630,7 +668,6 @@ def main_hf(args) -> dict:
     loss_tree, loss_base = float(results["tree"]), float(results["base"])
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
     times = timed(batches, args.reps, step)
-    t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
     progress(f"timed {args.reps} interleaved steps of each (forward + backward)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     picture = save_tree_mask_png(packed[0]["tree"].to("cpu"), Path(args.out) / "tree_mask.png")
@@ -639,33 +676,15 @@ def main_hf(args) -> dict:
     flops = {"tree": train_flops(packed.trees, shape), "base": train_flops(unshared.trees, shape)}
     row = {
         "engine": "hf",
-        "parity_max_abs_logprob_err": tree_err,
-        "baseline_parity_max_abs_logprob_err": base_err,
-        "parity_sequences": len(rows),
-        "tree_loss": loss_tree,
-        "baseline_loss": loss_base,
-        "tree_vs_baseline_loss_abs_err": abs(loss_tree - loss_base),
-        "tree_vs_baseline_loss_rel_err": abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30),
-        "tree_token_ratio": packed.tree_token_ratio,
-        "tree_tokens": packed.num_tree_tokens,
-        "real_tokens": packed.num_real_tokens,
-        "trees": len(packed),
-        "baseline_micro_batches": len(unshared),
-        "max_tokens_per_mb": args.max_tokens,
-        "tree_rows": max(mb["input_ids"].shape[-1] for mb in packed),
-        "baseline_rows": max(mb["input_ids"].shape[-1] for mb in unshared),
-        "tree_rows_total": sum(mb["input_ids"].shape[-1] for mb in packed),
-        "baseline_rows_total": sum(mb["input_ids"].shape[-1] for mb in unshared),
-        "baseline_s": t_base,
-        "tree_s": t_tree,
-        "baseline_s_runs": times["base"],
-        "tree_s_runs": times["tree"],
-        "speedup": t_base / t_tree,
-        "speedup_per_rep": [b / t for b, t in zip(times["base"], times["tree"])],
-        "ideal_speedup": flops["base"] / flops["tree"],
-        "fraction_of_ideal": (t_base / t_tree) / (flops["base"] / flops["tree"]),
-        "tree_gflops": flops["tree"] / t_tree / 1e9,
-        "baseline_gflops": flops["base"] / t_base / 1e9,
+        **result_row(
+            args,
+            (tree_err, base_err, len(rows)),
+            (loss_tree, loss_base),
+            packed,
+            unshared,
+            times,
+            flops,
+        ),
         "tree_memory_bytes": peaks["tree"],
         "baseline_memory_bytes": peaks["base"],
         "tree_attention_memory_bytes": None,  # HF's attention has no core_attention module
@@ -768,7 +787,6 @@ def main(argv=None) -> dict:
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
     times = timed(batches, args.reps, step)
-    t_tree, t_base = statistics.median(times["tree"]), statistics.median(times["base"])
     progress(f"timed {args.reps} interleaved steps of each")
 
     picture = None
@@ -779,33 +797,15 @@ def main(argv=None) -> dict:
 
     flops = {"tree": train_flops(packed.trees, shape), "base": train_flops(unshared.trees, shape)}
     row = {
-        "parity_max_abs_logprob_err": tree_err,
-        "baseline_parity_max_abs_logprob_err": base_err,
-        "parity_sequences": len(rows),
-        "tree_loss": loss_tree,
-        "baseline_loss": loss_base,
-        "tree_vs_baseline_loss_abs_err": abs(loss_tree - loss_base),
-        "tree_vs_baseline_loss_rel_err": abs(loss_tree - loss_base) / max(abs(loss_base), 1e-30),
-        "tree_token_ratio": packed.tree_token_ratio,
-        "tree_tokens": packed.num_tree_tokens,
-        "real_tokens": packed.num_real_tokens,
-        "trees": len(packed),
-        "baseline_micro_batches": len(unshared),
-        "max_tokens_per_mb": args.max_tokens,
-        "tree_rows": max(mb["input_ids"].shape[-1] for mb in packed),
-        "baseline_rows": max(mb["input_ids"].shape[-1] for mb in unshared),
-        "tree_rows_total": sum(mb["input_ids"].shape[-1] for mb in packed),
-        "baseline_rows_total": sum(mb["input_ids"].shape[-1] for mb in unshared),
-        "baseline_s": t_base,
-        "tree_s": t_tree,
-        "baseline_s_runs": times["base"],
-        "tree_s_runs": times["tree"],
-        "speedup": t_base / t_tree,
-        "speedup_per_rep": [b / t for b, t in zip(times["base"], times["tree"])],
-        "ideal_speedup": flops["base"] / flops["tree"],
-        "fraction_of_ideal": (t_base / t_tree) / (flops["base"] / flops["tree"]),
-        "tree_gflops": flops["tree"] / t_tree / 1e9,
-        "baseline_gflops": flops["base"] / t_base / 1e9,
+        **result_row(
+            args,
+            (tree_err, base_err, len(rows)),
+            (loss_tree, loss_base),
+            packed,
+            unshared,
+            times,
+            flops,
+        ),
         "tree_memory_bytes": peaks["tree"][0],
         "baseline_memory_bytes": peaks["base"][0],
         "tree_attention_memory_bytes": peaks["tree"][1],
