@@ -172,6 +172,27 @@ class PackedTreeBatch(Sequence):
         """Unique tree tokens / real tokens (1.0 means nothing shared; lower is better)."""
         return self.num_tree_tokens / max(self.num_real_tokens, 1)
 
+    def summary(self) -> dict:
+        """The packing's statistics for a log line or a metrics dict: sequences, micro-batches
+        (and how many are all-padding data-parallel fill-ins), trunk groups, tokens as if unpacked
+        and computed (padding included), the tree-token ratio."""
+        return {
+            "sequences": self.batch_size,
+            "micro_batches": len(self),
+            "empty_micro_batches": self.num_dummy_trees,
+            "trunk_groups": len({mb.rows.group for mb in self.micro_batches} - {None}),
+            "tokens_unpacked": self.num_real_tokens,
+            "tokens_computed": self.num_padded_tokens,
+            "tree_token_ratio": self.tree_token_ratio,
+        }
+
+    def summary_line(self) -> str:
+        """:meth:`summary` as ``key=value`` pairs."""
+        return " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in self.summary().items()
+        )
+
     @property
     def trees(self) -> list[PackedTree]:
         return [mb.tree for mb in self.micro_batches]

@@ -142,17 +142,6 @@ def tree_capacity(tokens: int | None, unit: int, why: str) -> int:
 
 def report_packing(packed: PackedTreeBatch) -> dict:
     """A packed batch's statistics (logged, and the tree-token ratio to AReaL's stats tracker)."""
-    stats = {
-        "sequences": packed.batch_size,
-        "micro_batches": len(packed),
-        "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
-        "tokens_unpacked": packed.num_real_tokens,
-        "tokens_computed": packed.num_padded_tokens,
-        "tree_token_ratio": packed.tree_token_ratio,
-    }
     stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
-    logger.info(
-        "megatron_tree: %s",
-        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
-    )
-    return stats
+    logger.info("megatron_tree: %s", packed.summary_line())
+    return packed.summary()

@@ -550,21 +550,8 @@ class _TreeEngine:
             pad_to_max=constant,
             routes=routes,
         )
-        self.tree_stats = {
-            "sequences": packed.batch_size,
-            "micro_batches": len(packed),
-            "trunk_groups": len({mb.rows.group for mb in packed} - {None}),
-            "tokens_unpacked": packed.num_real_tokens,
-            "tokens_computed": packed.num_padded_tokens,
-            "tree_token_ratio": packed.tree_token_ratio,
-        }
-        logger.info(
-            "megatron_tree: %s",
-            " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in self.tree_stats.items()
-            ),
-        )
+        self.tree_stats = packed.summary()
+        logger.info("megatron_tree: %s", packed.summary_line())
         # Each CP rank computes its share of every micro-batch's rows (split on the host).
         cp_group = (
             mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None

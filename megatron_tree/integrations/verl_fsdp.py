@@ -151,22 +151,8 @@ class _TreeFSDPEngine:
             share_trunks=False,
             dp_group=dp_group if same_micro_num_in_dp else None,
         )
-        self.tree_stats = {
-            "sequences": packed.batch_size,
-            "micro_batches": len(packed),
-            # all-padding ones, where other data-parallel ranks run more trees
-            "empty_micro_batches": sum(mb.tree.num_sequences == 0 for mb in packed),
-            "tokens_unpacked": packed.num_real_tokens,
-            "tokens_computed": packed.num_padded_tokens,
-            "tree_token_ratio": packed.tree_token_ratio,
-        }
-        logger.info(
-            "megatron_tree: %s",
-            " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in self.tree_stats.items()
-            ),
-        )
+        self.tree_stats = packed.summary()
+        logger.info("megatron_tree: %s", packed.summary_line())
         packed = packed.to(get_device_id())
         micro_batches, indices = [], []
         for mb in packed:
