@@ -129,14 +129,11 @@ class _TreeFSDPEngine:
         else:
             gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
         # A data-parallel fill-in (an all-padding tree, so that every rank runs as many forwards)
-        # reruns a real micro-batch with a zero loss: on the fill-in's rows no query has a key, so
-        # the query / key projections would get no gradient there, and FSDP2 reduce-scatters only
-        # the gradients a rank has (mismatched collectives across the ranks).
-        real = next((mb for mb in mb_list.packed if mb.tree.num_sequences), None)
+        # takes a zero loss; its attention still gives the query / key projections (zero)
+        # gradients, so FSDP2 reduce-scatters the same gradients on every rank.
         for mb, data in zip(mb_list.packed, mb_list.mbs):
             tree = mb.tree
-            source = real if tree.num_sequences == 0 and real is not None else mb
-            logits = tree_forward(self.model, source, options=options).logits  # [1, n, V]
+            logits = tree_forward(self.model, mb, options=options).logits  # [1, n, V]
             if tree.num_sequences == 0:
                 loss = logits.sum() * 0.0
             else:
