@@ -895,6 +895,7 @@ def _replay_worker(
     tree = build("megatron_tree", parallel)
     out["engine"] = type(tree).__name__
     out["bridge"] = type(tree.bridge).__module__
+    out["sequence_parallel"] = tree.tf_config.sequence_parallel
     out["trees"] = run(tree)
     tree.tree_max_tokens = TRUNK_PARTS  # no prompt group fits: trunk reuse
     out["trunks"] = run(tree)
@@ -909,6 +910,8 @@ REPLAY_LAYOUTS = {
     "ep2": ({"ep": 2}, 2, None),
     "pp2": ({"pp": 2}, 1, None),
     "cp2": ({"cp": 2}, 1, {}),
+    "pp2-vpp2": ({"pp": 2, "vpp": 2}, 1, None),
+    "tp2-sp": ({"tp": 2, "sp": True}, 1, None),
 }
 
 
@@ -916,9 +919,12 @@ REPLAY_LAYOUTS = {
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_routing_replay(tmp_path, mode, layout):
     """verl's routing replay in the tree engine at EP=2 (two data-parallel ranks, each holding 2 of
-    the 4 experts of a tiny Qwen3-MoE, each on its own batch) and at PP=2 (one MoE layer per stage),
-    and at CP=2 (each rank records its rows' routes), whole trees and trunk reuse, against verl's
-    stock engine at the same layout (EP, PP) or the tree engine at CP=1 (CP), on the same batches:
+    the 4 experts of a tiny Qwen3-MoE, each on its own batch), at PP=2 (one MoE layer per stage),
+    at PP=2 x VPP=2 (4 layers: one per model chunk, each chunk recording its own routers), at TP=2
+    with sequence parallelism (each TP rank's routers see its shard of the rows; the record pass
+    gathers them) and at CP=2 (each rank records its rows' routes), whole trees and trunk reuse,
+    against verl's stock engine at the same layout (EP, PP, VPP, SP) or the tree engine at CP=1
+    (CP), on the same batches:
     log-probs and loss (on the last stage), every rank's gradients; R2's recorded routes (gathered
     over the stages by verl's bookkeeping) equal the reference's per token. verl's model path:
     Megatron-Bridge where it is installed, mbridge otherwise.
@@ -934,7 +940,8 @@ def test_routing_replay(tmp_path, mode, layout):
 
     parallel, data_parallel, reference = REPLAY_LAYOUTS[layout]
     path = str(tmp_path / "qwen3_moe")
-    make_hf_checkpoint("qwen3_moe", path)
+    layers = 4 if "vpp" in parallel else 2  # one MoE layer per model chunk
+    make_hf_checkpoint("qwen3_moe", path, num_hidden_layers=layers)
     vanilla_mbridge = not _has("megatron.bridge")
     ranks = run_spawned(
         _replay_worker,
@@ -955,6 +962,7 @@ def test_routing_replay(tmp_path, mode, layout):
     for out in ranks:
         assert out["engine"] == "TreeMegatronEngineWithLMHead"
         assert out["bridge"].startswith("mbridge" if vanilla_mbridge else "megatron.bridge")
+        assert out["sequence_parallel"] == parallel.get("sp", False)
         stock, native = out["reference"], out["native"]
         last_stage = stock["loss"] is not None
         if last_stage:  # the replayed routes are not the model's own
@@ -982,7 +990,7 @@ def test_routing_replay(tmp_path, mode, layout):
                 assert errors["logp"] <= LOGP_TOL and errors["loss"] <= LOSS_RTOL, errors
             if mode == "R2" and last_stage:
                 assert [r.shape for r in run["routes"]] == [
-                    (len(lp), 2, 2) for lp in stock["log_probs"]
+                    (len(lp), layers, 2) for lp in stock["log_probs"]
                 ]
                 assert all(
                     torch.equal(got, want) for got, want in zip(run["routes"], stock["routes"])
@@ -1157,38 +1165,3 @@ def test_routes_to_replay_per_sample():
         replay("R2", batch([torch.zeros(n, 3, 2, dtype=torch.int16) for n in (3, 4)], (2, 2)))
     with pytest.raises(ValueError, match="R2 records it in compute_log_prob"):
         replay("R3", batch(None, (2, 2)), forward_only=True)
-
-
-@pytest.mark.parametrize(
-    "config, match",
-    [
-        (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2"),
-        (dict(sequence_parallel=True, tensor_model_parallel_size=2), "sequence_parallel=True"),
-    ],
-)
-def test_routing_replay_refusals(config, match):
-    """Routing replay under a virtual pipeline (routes recorded per stage, not per model chunk) or
-    sequence parallelism (routes of sequence-parallel shards not gathered) is refused with the fix;
-    without verl's replay flag on the batch the same engine runs."""
-    from types import SimpleNamespace
-
-    from verl.utils import tensordict_utils as tu
-
-    from megatron_tree.integrations.verl import TreeMegatronEngineWithLMHead
-
-    tf_config = dict(
-        virtual_pipeline_model_parallel_size=None,
-        sequence_parallel=False,
-        tensor_model_parallel_size=1,
-    )
-    engine = SimpleNamespace(
-        engine_config=SimpleNamespace(
-            router_replay=SimpleNamespace(mode="R3"), dynamic_context_parallel=False
-        ),
-        tf_config=SimpleNamespace(**{**tf_config, **config}),
-    )
-    data = tu.get_tensordict({"input_ids": torch.ones(2, 3, dtype=torch.long)})
-    TreeMegatronEngineWithLMHead._check_supported(engine, data)
-    tu.assign_non_tensor(data, enable_routing_replay=True)
-    with pytest.raises(ValueError, match=f"{match}.*router_replay.mode='disabled'"):
-        TreeMegatronEngineWithLMHead._check_supported(engine, data)

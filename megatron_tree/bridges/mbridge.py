@@ -8,7 +8,8 @@ no model exists yet. So the patch binds to every bridge *instance* created insid
 * its layer spec is rewritten with :func:`megatron_tree.mcore.spec.tree_attention_spec`; without
   transformer-engine the local spec is used instead of the TE spec (TE cannot be imported on CPU),
   with ``normalization`` from the config and ``sequence_parallel`` switched off (the local spec's
-  torch norms do not support it);
+  torch norms do not support it) unless the CPU patch (:mod:`megatron_tree.patches.megatron_cpu`,
+  whose norms take it) is applied and TP > 1;
 * its models are :class:`megatron_tree.mcore.model.TreeGPTModel` (depth RoPE);
 * with the local spec, its weight-name maps also know the local spec's ``input_layernorm.weight``
   and ``pre_mlp_layernorm.weight`` (and multi-latent attention's ``q_layernorm`` /
@@ -55,7 +56,7 @@ from megatron.core.transformer.enums import AttnBackend
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import tree_attention_spec
-from ..patches import mbridge_compat, mbridge_deepseek
+from ..patches import mbridge_compat, mbridge_deepseek, megatron_cpu
 from ..patches._scoped import swapped
 from ._hook import InitHook
 from .routing import sigmoid_router_fields
@@ -262,7 +263,9 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
         _extend_weight_maps_for_local_spec(bridge)
         if bridge.config.num_moe_experts:
             _bind_local_moe(bridge)
-        if bridge.config.sequence_parallel:
+        keep = megatron_cpu.is_applied() and bridge.config.tensor_model_parallel_size > 1
+        if bridge.config.sequence_parallel and not keep:
+            # (the CPU patch's torch norms take sequence_parallel: kept under it at TP > 1)
             logger.info("tree training without transformer-engine: sequence_parallel switched off")
             bridge.set_extra_args(sequence_parallel=False)
 

@@ -56,7 +56,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec
-from ..patches import megatron_bridge_experts, megatron_bridge_te
+from ..patches import megatron_bridge_experts, megatron_bridge_te, megatron_cpu
 from ..patches._scoped import swapped
 from ._hook import InitHook
 from .routing import sigmoid_router_fields
@@ -124,6 +124,13 @@ _TE_ONLY_FLAGS = (
     "moe_permute_fusion",
     "moe_grouped_gemm",
 )
+
+
+def _cpu_sequence_parallel(provider) -> bool:
+    """Whether ``provider`` keeps ``sequence_parallel`` without transformer-engine: under the CPU
+    patch (:mod:`megatron_tree.patches.megatron_cpu`, whose torch norms take it) at TP > 1, where
+    Megatron's ``MoELayer`` refuses MoE training without it."""
+    return megatron_cpu.is_applied() and (provider.tensor_model_parallel_size or 1) > 1
 
 
 def _hybrid_te_spec() -> Any:
@@ -248,6 +255,8 @@ def make_tree_provider(
         elif base_spec is _hybrid_te_spec():
             base_spec = local_hybrid_block_spec
         for flag in _TE_ONLY_FLAGS:
+            if flag == "sequence_parallel" and _cpu_sequence_parallel(provider):
+                continue
             setattr(provider, flag, False)
         if provider.num_moe_experts:  # SequentialMLP experts: some bridges map only grouped names
             megatron_bridge_experts.apply()

@@ -62,9 +62,15 @@ as the package's step.
   their routes agree) and handed to the routers with each micro-batch
   (:func:`~megatron_tree.mcore.moe.replay_routes`); under R3 a sample's last token routes
   natively, as verl's replay mask has it (:meth:`_TreeEngine._routes_to_replay`). Under PP each
-  stage records its own layers' routes and verl's bookkeeping gathers them; under CP each rank
-  records its rows' routes and the CP group sums the tables (a CP rank replays its rows' routes).
-  Refused for now with VPP or sequence parallelism.
+  stage records its own layers' routes and verl's bookkeeping gathers them; under VPP each model
+  chunk replays its layers' columns (global layer numbers) and records its routers' choices after
+  its forward into the stage's table in layer order (verl's per-chunk reordering skipped,
+  :func:`_merged_routes`); under sequence parallelism a router sees its TP rank's contiguous
+  n / TP rows, the replayed table is cut the same way and the recorded shards are gathered over
+  the TP group; under CP each rank records its rows' routes and the CP group sums the tables (a
+  CP rank replays its rows' routes). Tested against verl's stock engine at PP=2 x VPP=2 and at
+  TP=2 with sequence parallelism, R2 and R3 (log-probs within 3e-6, loss 4e-7 and gradients 4e-6
+  relative, recorded routes equal).
 
 Refused with the reason: verl's dynamic context parallelism (its scheduler replaces the
 micro-batches), top-k distillation with trunk reuse or CP.
@@ -296,42 +302,88 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _RouteRecorder:
-    """verl's R2 record pass (old log-probs) on trees: after each micro-batch's forward, the experts
-    this stage's routers chose for its rows [n, topk], kept per position of the rows' tree (a trunk
-    group's tree is filled by its parts); then each sample's routes at its own tokens, in verl's
-    layout (this stage's MoE layers; verl's bookkeeping gathers the stages').
+    """verl's R2 record pass (old log-probs) on trees: after each model chunk's forward, the experts
+    its routers chose for the micro-batch's rows [n, topk], kept per position of the rows' tree (a
+    trunk group's tree is filled by its parts) and per layer of this stage (every model chunk's
+    MoE layers, in layer order: under VPP a stage's chunks hold its layers in that order); then
+    each sample's routes at its own tokens, in verl's layout (this stage's MoE layers; verl's
+    bookkeeping gathers the stages').
 
-    A router keeps its choices until its next call, so a forward's routes are read when the next
-    micro-batch's inputs are prepared on this stage (:class:`_RecordingContext`) and after the
-    last (:meth:`flush`). Under CP each rank records its rows' routes, and the tables are summed
-    over the CP group (each position is one rank's row) before they are read (:meth:`gather`).
+    A router keeps its choices until its next call, and under VPP a chunk may run the next
+    micro-batch before the following chunk runs this one, so each chunk's routes are read by a
+    forward hook on that chunk (:meth:`recording`), which finds the call's rows by its tree mask
+    (handed over by :class:`_RecordingContext`). Under sequence parallelism a router sees this
+    TP rank's contiguous shard of the rows, and the TP group gathers the shards. Under CP each rank
+    records its rows' routes, and the tables are summed over the CP group (each position is one
+    rank's row) before they are read (:meth:`gather`).
 
     Args:
-        routers: this stage's routers that record, in layer order (verl's ``RouterReplay`` on
-            each).
+        chunks: the model chunks (one per virtual pipeline stage).
         topk: the routers' k (the width of a stage without MoE layers' empty table).
+        sp_group: the TP group under sequence parallelism (TP > 1), else None.
     """
 
-    def __init__(self, routers: list, topk: int):
-        self.routers, self.topk = routers, topk
+    def __init__(self, chunks, topk: int, sp_group=None):
+        per_chunk = [_recording_routers([chunk]) for chunk in chunks]
+        self.routers = sorted(
+            (router for routers in per_chunk for router in routers),
+            key=lambda router: router.layer_number,
+        )
+        column = {id(router): i for i, router in enumerate(self.routers)}
+        self.chunks, self.topk, self.sp_group = list(chunks), topk, sp_group
+        self.per_chunk = [
+            (routers, torch.tensor([column[id(r)] for r in routers], dtype=torch.long))
+            for routers in per_chunk
+        ]
         self.tables: dict = {}  # per tree (a trunk group's, or a micro-batch's rows): [N, L, topk]
-        self.pending = None  # the rows of the forward whose routes the routers hold
+        self.rows_of: dict = {}  # id(tree mask) -> (the mask, its micro-batch's rows)
 
     @staticmethod
     def _key(rows):
         return ("group", rows.group) if rows.group is not None else id(rows)
 
-    def flush(self) -> None:
-        rows, self.pending = self.pending, None
-        if rows is None or not self.routers:
+    def expect(self, mask, rows) -> None:
+        """The chunks' calls with ``mask`` run ``rows``."""
+        self.rows_of[id(mask)] = (mask, rows)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Each chunk's routes recorded after its forward (a forward hook per chunk)."""
+        handles = [
+            chunk.register_forward_hook(partial(self._record, c), with_kwargs=True)
+            for c, chunk in enumerate(self.chunks)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.rows_of.clear()
+
+    def _record(self, c: int, module, args, kwargs, output) -> None:
+        routers, columns = self.per_chunk[c]
+        if not routers:
             return
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        rows = self.rows_of[id(mask)][1]
         routes = torch.stack(
-            [router.router_replay.recorded_topk_idx for router in self.routers], dim=1
-        ).to(torch.int16)  # [n, L, topk]
+            [router.router_replay.recorded_topk_idx for router in routers], dim=1
+        ).to(torch.int32)  # [n (/ tp under SP), l, topk]
+        if self.sp_group is not None:  # the TP ranks' contiguous shards, in rank order
+            shards = [torch.empty_like(routes) for _ in range(self.sp_group.size())]
+            torch.distributed.all_gather(shards, routes.contiguous(), group=self.sp_group)
+            routes = torch.cat(shards)
         key = self._key(rows)
         if key not in self.tables:
-            self.tables[key] = routes.new_zeros((rows.tree.padded_length, *routes.shape[1:]))
-        self.tables[key][rows.positions.to(routes.device)] = routes
+            self.tables[key] = torch.zeros(
+                (rows.tree.padded_length, len(self.routers), self.topk),
+                dtype=torch.int16,
+                device=routes.device,
+            )
+        positions = rows.positions.to(routes.device)
+        self.tables[key][positions[:, None], columns.to(routes.device)[None]] = routes.to(
+            torch.int16
+        )
 
     def gather(self, micro_batches, cp_group) -> None:
         """Every CP rank's rows' routes in every table of ``micro_batches`` (in their order, the
@@ -361,15 +413,16 @@ class _RouteRecorder:
 
 @dataclass(frozen=True)
 class _RecordingContext(StepContext):
-    """The step's context in verl's R2 record pass: before preparing each micro-batch's inputs, the
-    routes of this stage's previous forward are read (:class:`_RouteRecorder`)."""
+    """The step's context in verl's R2 record pass: each micro-batch's tree mask is handed to the
+    recorder with its rows, so that each chunk's forward hook knows the rows it ran
+    (:class:`_RouteRecorder`)."""
 
     recorder: _RouteRecorder | None = None
 
     def model_inputs(self, index, mb, store):
-        self.recorder.flush()
-        self.recorder.pending = mb.rows
-        return super().model_inputs(index, mb, store)
+        inputs = super().model_inputs(index, mb, store)
+        self.recorder.expect(inputs[2], mb.rows)
+        return inputs
 
 
 class _TreeEngine:
@@ -415,25 +468,6 @@ class _TreeEngine:
         return math.ceil(int(tokens) / unit) * unit
 
     def _check_supported(self, data) -> None:
-        if (
-            tu.get_non_tensor_data(data, key="enable_routing_replay", default=False)
-            and self.engine_config.router_replay.mode != "disabled"
-        ):
-            config = self.tf_config
-            if (config.virtual_pipeline_model_parallel_size or 1) > 1:
-                raise ValueError(
-                    f"virtual_pipeline_model_parallel_size="
-                    f"{config.virtual_pipeline_model_parallel_size}: routing replay "
-                    f"(router_replay.mode={self.engine_config.router_replay.mode}) in the verl "
-                    "tree engine records routes per pipeline stage, not per model chunk; set "
-                    "virtual_pipeline_model_parallel_size=None or router_replay.mode='disabled'"
-                )
-            if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-                raise ValueError(
-                    "sequence_parallel=True: the verl tree engine's routing replay does not yet "
-                    "gather the routes of sequence-parallel shards; set sequence_parallel=False or "
-                    "router_replay.mode='disabled'"
-                )
         if getattr(self.engine_config, "dynamic_context_parallel", False):
             raise ValueError(
                 "dynamic_context_parallel=True: verl's dynamic CP scheduler re-lays samples per "
@@ -521,6 +555,7 @@ class _TreeEngine:
             transformer_impl,
             prepare_micro_batches=prepare,
             get_forward_backward_func=lambda: schedule,
+            reorder_and_merge_vpp_layers=_merged_routes,
         ):
             return super().forward_backward_batch(data, loss_function, forward_only)
 
@@ -631,7 +666,13 @@ class _TreeEngine:
             )
         record = None
         if tu.get_non_tensor_data(micro_batches[0], key="record_r2_routes", default=False):
-            record = _RouteRecorder(_recording_routers(model), self.tf_config.moe_router_topk)
+            config = self.tf_config
+            sp = config.sequence_parallel and config.tensor_model_parallel_size > 1
+            record = _RouteRecorder(
+                model,
+                config.moe_router_topk,
+                mpu.get_tensor_model_parallel_group() if sp else None,
+            )
         head = _VerlHead(
             partial(
                 self._tree_head, loss_function=loss_function, flags=flags, batch=micro_batches[0]
@@ -667,19 +708,28 @@ class _TreeEngine:
         with (
             _vpp_groups_of_pp(model),
             replaying(model) if trees["replay"] else contextlib.nullcontext(),
+            contextlib.nullcontext() if record is None else record.recording(),
         ):
             run_phases(ctx, list(packed), head, loss, forward_only=forward_only, phases=phases)
         if record is not None:
-            record.flush()
             if mpu.get_context_parallel_world_size() > 1:
                 record.gather(list(packed), mpu.get_context_parallel_group())
             # verl's engine gathers these over the pipeline stages (per micro-batch taking a loss,
-            # in its order) and restores the batch's sample order with our indices, as it does
-            # with its own recordings.
+            # in its order; each holds all this stage's layers, every model chunk's, so verl's
+            # per-chunk reordering under VPP is skipped, _merged_routes) and restores the batch's
+            # sample order with our indices, as it does with its own recordings.
             self.mini_layer_topk_idx_list += [
                 record.samples(mb) for mb in packed if mb.tree.num_sequences
             ]
         return [loss.outputs[i] for i in sorted(loss.outputs)]
+
+
+def _merged_routes(micro_batch_routes, *unused) -> torch.Tensor:
+    """In place of verl's ``reorder_and_merge_vpp_layers`` (its R2 record under VPP keeps one
+    table per micro-batch and model chunk, in the interleaved schedule's order): the tree engine's
+    tables hold every chunk of this stage per micro-batch, in layer order already
+    (:class:`_RouteRecorder`), so they are only merged, as verl does without VPP."""
+    return transformer_impl.merge_nested_router_maps(micro_batch_routes)
 
 
 def _moe_layers(config) -> list[int]:

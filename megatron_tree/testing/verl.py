@@ -395,8 +395,9 @@ def build_engine(
     initialized. ``vanilla_mbridge``: verl's mbridge path (True) or its default Megatron-Bridge path
     (False; verl's stock engine then builds inside :func:`local_spec_in_megatron_bridge`).
     ``parallel``: the layout, ``{"tp", "pp", "vpp", "cp", "ep"}`` sizes (default 1 each, the rest
-    of the world data parallel); verl initializes Megatron's parallel state with it unless it is
-    already (:func:`reset_model_parallel` between layouts). ``use_remove_padding`` (verl's THD
+    of the world data parallel) and ``"sp"`` (sequence parallelism, with TP > 1; default False);
+    verl initializes Megatron's parallel state with it unless it is already
+    (:func:`reset_model_parallel` between layouts). ``use_remove_padding`` (verl's THD
     path; only the tree engine runs it on a CPU) and ``override_transformer_config`` go to verl's
     engine config; ``lr`` and ``clip_grad`` to its optimizer (a ``clip_grad`` above the gradient
     norm leaves the gradients as the loss made them, so that a normalization error shows).
@@ -412,7 +413,7 @@ def build_engine(
         os.environ.pop("VERL_ENGINE_VENDOR", None)
     model_config = HFModelConfig(path=path, load_tokenizer=False, model_type=model_type)
     give_pad_token(model_config)
-    sizes = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, **(parallel or {})}
+    sizes = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "sp": False, **(parallel or {})}
     engine_config = McoreEngineConfig(
         strategy="megatron",
         vanilla_mbridge=vanilla_mbridge,
@@ -420,7 +421,7 @@ def build_engine(
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=micro_batch_size,
         use_distributed_optimizer=False,
-        sequence_parallel=False,
+        sequence_parallel=sizes["sp"],
         tensor_model_parallel_size=sizes["tp"],
         pipeline_model_parallel_size=sizes["pp"],
         virtual_pipeline_model_parallel_size=sizes["vpp"],
