@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,3 +51,10 @@ class InitHook:
             self._blocks.pop()
             if install:
                 owner.__init__, self._original = self._original, None
+
+
+def cpu_patch_applied() -> bool:
+    """Whether :mod:`megatron_tree.patches.megatron_cpu` is in effect, without importing it (the
+    bridges never pull the CPU patch in: it is applied only where a caller imported it)."""
+    patch = sys.modules.get("megatron_tree.patches.megatron_cpu")
+    return patch is not None and patch.is_applied()

@@ -56,9 +56,9 @@ from megatron.core.transformer.enums import AttnBackend
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import tree_attention_spec
-from ..patches import mbridge_compat, mbridge_deepseek, megatron_cpu
+from ..patches import mbridge_compat, mbridge_deepseek
 from ..patches._scoped import swapped
-from ._hook import InitHook
+from ._hook import InitHook, cpu_patch_applied
 from .routing import sigmoid_router_fields
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
         _extend_weight_maps_for_local_spec(bridge)
         if bridge.config.num_moe_experts:
             _bind_local_moe(bridge)
-        keep = megatron_cpu.is_applied() and bridge.config.tensor_model_parallel_size > 1
+        keep = cpu_patch_applied() and bridge.config.tensor_model_parallel_size > 1
         if bridge.config.sequence_parallel and not keep:
             # (the CPU patch's torch norms take sequence_parallel: kept under it at TP > 1)
             logger.info("tree training without transformer-engine: sequence_parallel switched off")

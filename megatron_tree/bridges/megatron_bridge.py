@@ -56,9 +56,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec
-from ..patches import megatron_bridge_experts, megatron_bridge_te, megatron_cpu
+from ..patches import megatron_bridge_experts, megatron_bridge_te
 from ..patches._scoped import swapped
-from ._hook import InitHook
+from ._hook import InitHook, cpu_patch_applied
 from .routing import sigmoid_router_fields
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
@@ -130,7 +130,7 @@ def _cpu_sequence_parallel(provider) -> bool:
     """Whether ``provider`` keeps ``sequence_parallel`` without transformer-engine: under the CPU
     patch (:mod:`megatron_tree.patches.megatron_cpu`, whose torch norms take it) at TP > 1, where
     Megatron's ``MoELayer`` refuses MoE training without it."""
-    return megatron_cpu.is_applied() and (provider.tensor_model_parallel_size or 1) > 1
+    return cpu_patch_applied() and (provider.tensor_model_parallel_size or 1) > 1
 
 
 def _hybrid_te_spec() -> Any:
