@@ -61,6 +61,7 @@ from ..mcore.spec import check_tree_model
 from ..mcore.step import PackingConfig, constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
 from .areal_common import (
+    TreeEngineSwitch,
     TreeHeadOutputs,
     TreeMicroBatchList,
     check_version,
@@ -131,29 +132,14 @@ class _AReaLLoss:
             self.process_output(self.pending.pop(index), self.mbs[index])
 
 
-class _TreeEngine:
+class _TreeEngine(TreeEngineSwitch):
     """What the tree engines change in AReaL's Megatron engine (see the module docstring).
 
-    Attributes (class level; override per instance): ``tree_backend`` (TreeCoreAttention
-    backend), ``tree_block_size`` (packing alignment), ``tree_share_trunks`` (trunk reuse for
-    prompt groups larger than a micro-batch), ``tree_share_prefixes`` (False: every sequence its
-    own chain, the unshared baseline on the same model and kernels), ``tree_stats`` (the last
-    batch's packing).
+    Besides :class:`TreeEngineSwitch`'s settings: ``tree_share_trunks`` (trunk reuse for prompt
+    groups larger than a micro-batch).
     """
 
-    tree_backend = "auto"
-    tree_block_size = 128
     tree_share_trunks = True
-    tree_share_prefixes = True
-    tree_stats: dict | None = None
-
-    def __init__(self, config):
-        super().__init__(config)
-        # AReaL's own tree path stays off (its attention, packing, gathers and refusals); ours
-        # runs where the config asks for trees.
-        self.tree_training = bool(self.enable_tree_training)
-        self.enable_tree_training = False
-        self._head_outputs: tuple[str, ...] | None = None
 
     # -- build --------------------------------------------------------------------------------
 

@@ -19,6 +19,26 @@ logger = logging.getLogger(__name__)
 TESTED_VERSIONS = ("1.0.4",)
 
 
+class TreeEngineSwitch:
+    """What both AReaL tree engines (Megatron, FSDP) hold: the settings, class level, overridable
+    per instance (``tree_backend``: the attention backend; ``tree_block_size``: attention tile and
+    packing alignment; ``tree_share_prefixes``: False packs every sequence as its own chain, the
+    unshared baseline on the same kernels; ``tree_stats``: the last batch's packing), and the
+    switch: AReaL's own tree path (its attention patch, packing, gathers and refusals) stays off,
+    ours runs where the config asks for trees (``tree_training``)."""
+
+    tree_backend = "auto"
+    tree_block_size = 128
+    tree_share_prefixes = True
+    tree_stats: dict | None = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tree_training = bool(self.enable_tree_training)
+        self.enable_tree_training = False
+        self._head_outputs: tuple[str, ...] | None = None
+
+
 @dataclass
 class TreeMicroBatchList(MicroBatchList):
     """AReaL's ``MicroBatchList`` of a packed batch: ``mbs[i]`` is micro-batch i's sequences in

@@ -38,6 +38,7 @@ from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
 from ..core.results import gather_packed_tree_vocab_stats
 from .areal_common import (
+    TreeEngineSwitch,
     TreeHeadOutputs,
     TreeMicroBatchList,
     check_version,
@@ -51,26 +52,11 @@ from .transformers import TreeAttentionOptions, prepare_model, tree_forward
 logger = logging.getLogger(__name__)
 
 
-class _TreeFSDPEngine:
+class _TreeFSDPEngine(TreeEngineSwitch):
     """What the tree engines change in AReaL's FSDP engine (see the module docstring).
 
-    Attributes (class level; override per instance): ``tree_backend`` (tree attention backend),
-    ``tree_block_size`` (attention tile and packing alignment), ``tree_share_prefixes`` (False:
-    every sequence its own chain, the unshared baseline on the same kernels), ``tree_stats`` (the
-    last batch's packing).
+    The settings are :class:`TreeEngineSwitch`'s.
     """
-
-    tree_backend = "auto"
-    tree_block_size = 128
-    tree_share_prefixes = True
-    tree_stats: dict | None = None
-
-    def __init__(self, config):
-        super().__init__(config)
-        # AReaL's own tree path (its attention patch, packing and gathers) stays off.
-        self.tree_training = bool(self.enable_tree_training)
-        self.enable_tree_training = False
-        self._head_outputs: tuple[str, ...] | None = None
 
     # -- build --------------------------------------------------------------------------------
 
