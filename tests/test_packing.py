@@ -630,7 +630,7 @@ def test_agent_batch_packs_within_3_percent_of_one_trie(seed):
 def test_piece_bins_count_their_union_trie(sequences, slack):
     """The planner's token and pair counts per bin equal a brute-force trie of the bin's sequences,
     after packing, longest-cost-first assignment, and moves and swaps (pieces removed again)."""
-    from megatron_tree.core.partition import balance_pieces, pack_pieces, refine
+    from megatron_tree.core.bins import balance_pieces, pack_pieces, refine
     from megatron_tree.core.trie import TrieCounts, cut_tries
 
     capacity = max(map(len, sequences)) + slack

@@ -290,7 +290,7 @@ def test_mask_errors():
 # ---------------------------------------------------------------------- at scale: heaps, not scans
 #
 # The partitioner finds bins through heaps and exchanges through pieces grouped by ancestor path
-# (core/partition.py, _Ranks); these tests hold it to the scans over every bin that define it, and
+# (core/ranks.py, Ranks); these tests hold it to the scans over every bin that define it, and
 # to an independent whole-groups baseline, on seeded random batches.
 
 HUGE = 10**18  # a capacity no bin reaches: the packer's scan code paths, without a limit
@@ -362,7 +362,7 @@ def cut_by_scan(pieces, counts, num: int, weights):
 def scan_balance_groups(groups, num_bins: int, weights, max_samples=math.inf):
     """Reference for balance_groups: longest-cost-first over groups, each tried in every bin (an
     empty one while as many groups are left as bins are empty) with room for its samples."""
-    from megatron_tree.core.partition import Bin
+    from megatron_tree.core.bins import Bin
 
     bins, samples = [Bin() for _ in range(num_bins)], [0] * num_bins
     ordered = sorted(groups, key=lambda g: (-Bin(g).cost(weights), g[0].first))
@@ -391,11 +391,11 @@ def test_heaps_give_the_scans_answer(monkeypatch, vector):
     """Cutting to dp pieces, longest-cost-first and the moves and swaps give exactly what the scans
     over every piece and bin give (the packer's code with no capacity), ties included: on batches
     with and without a shared system prompt, chains of turns, both cost models, 1-40 ranks."""
-    from megatron_tree.core import partition
+    from megatron_tree.core import bins, partition, ranks
     from megatron_tree.core.trie import cut_tries
 
     if vector:  # every class of pieces through the numpy path
-        monkeypatch.setattr(partition, "_VECTOR", 1)
+        monkeypatch.setattr(ranks, "_VECTOR", 1)
     rounds = 0
     for seed in range(24):
         rng = random.Random(seed)
@@ -411,20 +411,21 @@ def test_heaps_give_the_scans_answer(monkeypatch, vector):
                 cut = cut_tries(counts, max_cost=max_cost, weights=weights)
                 pieces = partition._cut_to(cut, counts, dp, weights)
                 assert pieces == cut_by_scan(cut, counts, dp, weights)
-                ranks = partition._lpt(pieces, dp, weights)
-                scanned = partition.balance_pieces(pieces, dp, weights, capacity=HUGE)
-                assert pieces_of(ranks.bins) == pieces_of(scanned)
-                refined = partition._refine_ranks(ranks, rounds=4 * len(pieces)).bins
-                by_scan = partition.refine(scanned, weights, rounds=4 * len(pieces), capacity=HUGE)
+                heaps = ranks.lpt(pieces, dp, weights)
+                scanned = bins.balance_pieces(pieces, dp, weights, capacity=HUGE)
+                assert pieces_of(heaps.bins) == pieces_of(scanned)
+                refined = ranks.refine_ranks(heaps, rounds=4 * len(pieces)).bins
+                by_scan = bins.refine(scanned, weights, rounds=4 * len(pieces), capacity=HUGE)
                 assert pieces_of(refined) == pieces_of(by_scan)
-                rounds += pieces_of(refined) != pieces_of(partition._lpt(pieces, dp, weights).bins)
+                rounds += pieces_of(refined) != pieces_of(ranks.lpt(pieces, dp, weights).bins)
     assert rounds >= 10  # refinement changed the assignment often enough to mean something
 
 
 def test_balance_groups_gives_the_scans_answer():
     """Given groups (labels that need not follow the tries: a group may hang below several paths,
     or share a chain with another), with and without equal shares: exactly the scan's bins."""
-    from megatron_tree.core.partition import _pieces_by_group, balance_groups
+    from megatron_tree.core.partition import _pieces_by_group
+    from megatron_tree.core.ranks import balance_groups
 
     for seed in range(12):
         rng = random.Random(seed)

@@ -40,13 +40,14 @@ from megatron_tree.testing.synthetic import pad_sequences, random_trie_sequences
 from megatron_tree.testing.tolerances import BF16_FACTOR, FP32_ATTN_TOL
 
 MODULE = "megatron_tree.core.triton_attention"
+KERNELS = "megatron_tree.core.triton_kernels"  # decorated at import: re-imported with MODULE
 TILE = 16  # the kernels' tile in these tests (block_size=16): many tiles on tiny trees
 
 
 @pytest.fixture(scope="module")
 def interpreter():
     """The kernel module with its kernels in Triton's interpreter (for the module's tests)."""
-    before = sys.modules.pop(MODULE, None)
+    before = {name: sys.modules.pop(name, None) for name in (MODULE, KERNELS)}
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
     try:
@@ -58,9 +59,10 @@ def interpreter():
             os.environ["TRITON_INTERPRET"] = saved
     assert module.interpreted()
     yield module
-    sys.modules.pop(MODULE, None)
-    if before is not None:
-        sys.modules[MODULE] = before
+    for name, old in before.items():
+        sys.modules.pop(name, None)
+        if old is not None:
+            sys.modules[name] = old
 
 
 # ------------------------------------------------------------------------------ references
@@ -529,18 +531,12 @@ def test_model_step_matches_unpacked_reference(interpreter):
 # ------------------------------------------------------------------------------ broken on purpose
 
 
-def _broken_module(tmp_path: Path, old: str, new: str):
-    """The kernel module with ``old`` replaced by ``new`` in its source, imported (interpreted)
-    from a file of its own (the interpreter reads each kernel's source)."""
-    path = Path(importlib.util.find_spec(MODULE).origin)
-    source = path.read_text()
-    assert source.count(old) >= 1, old
-    source = source.replace(old, new).replace(
-        "from .tree import", "from megatron_tree.core.tree import"
-    )
-    broken = tmp_path / "broken_triton_attention.py"
-    broken.write_text(source)
-    spec = importlib.util.spec_from_file_location("broken_triton_attention", broken)
+def _load(name: str, source: str, tmp_path: Path):
+    """``source`` imported as module ``name`` from a file of its own (the interpreter reads each
+    kernel's source), its kernels interpreted."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -551,6 +547,24 @@ def _broken_module(tmp_path: Path, old: str, new: str):
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+def _broken_module(tmp_path: Path, old: str, new: str):
+    """The launch module over a copy of the kernels with ``old`` replaced by ``new`` in their
+    source, both imported (interpreted) from files of their own."""
+    kernels = Path(importlib.util.find_spec(KERNELS).origin).read_text()
+    assert kernels.count(old) >= 1, old
+    broken_kernels = _load("broken_triton_kernels", kernels.replace(old, new), tmp_path)
+    source = Path(importlib.util.find_spec(MODULE).origin).read_text()
+    source = source.replace("from .tree import", "from megatron_tree.core.tree import").replace(
+        "from .triton_kernels import", "from broken_triton_kernels import"
+    )
+    sys.modules["broken_triton_kernels"] = broken_kernels
+    try:
+        module = _load("broken_triton_attention", source, tmp_path)
+    finally:
+        del sys.modules["broken_triton_kernels"]
     assert module.interpreted()
     return module
 

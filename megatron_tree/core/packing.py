@@ -10,7 +10,7 @@ How it works, with no Python object or loop per token:
 2. Split the sorted order into root groups (LCP 0); cut a group too large for one micro-batch at
    its branch points into subtrees that repeat only their ancestors' path (``core/trie.py``), and
    bin-pack the pieces first-fit-decreasing, each into the bin holding most of its path (a loop
-   over pieces, not tokens; ``core/partition.py``). The previous plan (contiguous runs of the
+   over pieces, not tokens; ``core/bins.py``). The previous plan (contiguous runs of the
    sorted order, bin-packed first-fit-decreasing; ``packing="runs"``) is computed too and kept when
    it needs fewer trees, or as many trees and fewer tokens, so no batch packs worse than with it.
    Optionally the pieces are then rebalanced by FLOP cost over the same number of trees.
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from .batch import RESERVED_KEYS, PackedTreeBatch, micro_batch
+from .bins import balance_by_cost, first_fit_decreasing, pack_pieces
 from .checks import check_bool, check_int
 from .flops import GPTShape, cost_weights
 from .mask import padding_subtree_end
-from .partition import balance_by_cost, first_fit_decreasing, pack_pieces
 from .ragged import read_batch
 from .tree import PackedTree
 from .trie import TrieCounts, cut_tries, lexicographic_order, neighbour_lcp, sequence_keys
@@ -243,7 +243,7 @@ def _plan_trees(
             plan: contiguous runs, first-fit-decreasing).
         weights: cost per (token, attention pair), for ``balance``.
         balance: rebalance the pieces by cost over the same number of trees (see
-            :func:`~.partition.balance_by_cost`).
+            :func:`~.bins.balance_by_cost`).
 
     Returns:
         per tree, its runs ``(first, end)`` in sorted order.

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from .bins import first_fit_decreasing
 from .mask import padding_subtree_end
-from .partition import first_fit_decreasing
 from .rows import TreeRows, pair_offsets
 from .tree import PackedTree
 
