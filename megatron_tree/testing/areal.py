@@ -422,13 +422,16 @@ def trie_depths(seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 def error_by_depth(
     got: dict[int, torch.Tensor], want: dict[int, torch.Tensor], seqs: list[torch.Tensor]
 ) -> dict[int, float]:
-    """Largest ``|got - want|`` over the tokens at each :func:`trie_depths` depth."""
+    """Largest ``|got - want|`` over the tokens at each :func:`trie_depths` depth; ``inf`` at a
+    depth where either holds a NaN or inf."""
+    from megatron_tree.testing.tolerances import max_abs_error
+
     depths = trie_depths(seqs)
     out: dict[int, float] = {}
     for i in want:
-        err = (got[i].float() - want[i].float()).abs()
         for d in depths[i].unique().tolist():
-            out[d] = max(out.get(d, 0.0), float(err[depths[i] == d].max()))
+            at = depths[i] == d
+            out[d] = max(out.get(d, 0.0), max_abs_error(got[i].float()[at], want[i].float()[at]))
     return dict(sorted(out.items()))
 
 

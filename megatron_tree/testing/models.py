@@ -679,9 +679,11 @@ def record_parity(
 
 def max_err(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> float:
     """Largest absolute difference between two {sequence: log-probs} maps over the same
-    sequences."""
+    sequences; ``inf`` if any value is NaN or inf."""
+    from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
     assert a.keys() == b.keys()
-    return max(float((a[i] - b[i]).abs().max()) for i in a)
+    return worst_error(max_abs_error(a[i], b[i]) for i in a)
 
 
 def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:

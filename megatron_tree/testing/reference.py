@@ -155,19 +155,17 @@ def parameter_grads(
 def gradient_errors(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 ) -> dict[str, float]:
-    """Relative error ``|got - want| / |want|`` per parameter (names must match)."""
+    """Relative error ``|got - want| / |want|`` per parameter (names must match); ``inf`` where
+    either gradient holds a NaN or inf (:func:`~megatron_tree.testing.tolerances.relative_error`),
+    so that ``max()`` over the errors cannot drop it."""
+    from megatron_tree.testing.tolerances import relative_error
+
     if got.keys() != want.keys():
         raise ValueError(
             f"gradient names differ: only in got {sorted(got.keys() - want.keys())[:4]}, only in "
             f"want {sorted(want.keys() - got.keys())[:4]}"
         )
-    return {
-        name: float(
-            (got[name].float() - want[name].float()).norm()
-            / want[name].float().norm().clamp(min=1e-30)
-        )
-        for name in want
-    }
+    return {name: relative_error(got[name], want[name]) for name in want}
 
 
 def finalize_sequence_parallel_grads(model) -> None:

@@ -11,6 +11,11 @@ more). Change a bar only with a measurement, and write it down here.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
+import torch
+
 # ------------------------------------------------------------------------------------- float64
 # Kernels in float64 (tree attention backends, the recurrent scans, log-softmax and entropy)
 # against a float64 brute force: only summation order differs, ~1e-15 on these O(1) values; 1e-12
@@ -78,3 +83,51 @@ GPU_FP32_KERNEL_TOL = 1e-4
 # reference is of the same size; 2x that error leaves room for the different rounding while a
 # systematic error (leaked key, wrong rotary angle) adds to it. Small bugs are the fp32 bars' job.
 BF16_FACTOR = 2.0
+
+
+# ------------------------------------------------------------------------ NaN-safe error measures
+# A parity check must fail on NaN. Python drops NaN where tensors keep it: ``max(0.0, nan)`` is 0.0
+# and ``max([1e-6, nan])`` is 1e-6 (only a NaN in the first place survives), and ``not err > tol``
+# holds for a NaN ``err``. So each measure below reads any NaN or infinity in its inputs as an
+# infinite error: ``inf`` survives Python's ``max()`` and fails every ``<= tol``.
+
+
+def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest ``|got - want|`` over the elements, as a float; ``inf`` if either holds a NaN or inf.
+
+    Args:
+        got, want: tensors of one shape (or shapes that broadcast, as ``got - want`` does).
+
+    Returns:
+        ``float((got - want).abs().max())`` when both are finite, else ``math.inf``.
+    """
+    got, want = torch.as_tensor(got).detach(), torch.as_tensor(want).detach()
+    diff = got - want
+    if diff.numel() == 0:
+        raise ValueError(
+            f"max_abs_error: got {tuple(got.shape)} and want {tuple(want.shape)} hold no elements; "
+            "compare the tensors that carry the values"
+        )
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return math.inf
+    return float(diff.abs().max())
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, fp32), as a float; ``inf`` if either holds a NaN
+    or inf. A zero ``want`` divides by 1e-30, so any nonzero ``got`` fails."""
+    got, want = torch.as_tensor(got).detach().float(), torch.as_tensor(want).detach().float()
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return math.inf
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def worst_error(errors: Iterable[float]) -> float:
+    """The largest of ``errors`` (floats, or one-element tensors), ``inf`` if any is NaN or inf;
+    Python's ``max()`` would drop a NaN. Raises ``ValueError`` on no errors (nothing compared)."""
+    values = [float(e) for e in errors]
+    if not values:
+        raise ValueError("worst_error: no errors given; a parity check must compare something")
+    if not all(math.isfinite(v) for v in values):
+        return math.inf
+    return max(values)
