@@ -1,23 +1,25 @@
-"""The README's API table: one line per name of ``megatron_tree.__all__``.
+"""The API table of docs/api.md: one line per name of ``megatron_tree.__all__``.
 
-Each line links the name to its source file (relative to the repository root) and gives the
+Each line links the name to its source file (relative to the page's folder) and gives the
 first line of its docstring (continued to the end of the sentence when the line breaks mid-way).
 Every name is imported: a name whose module fails to import, that has no docstring or whose
 module lies outside the repository raises an error naming it; nothing is skipped.
 
-Usage: python scripts/api_table.py [--readme README.md] [--check]
-  (no flag: rewrite the table between the README's markers; --check: exit 1 if it is stale)
+Usage: python scripts/api_table.py [--page docs/api.md] [--check]
+  (no flag: rewrite the table between the page's markers; --check: exit 1 if it is stale)
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "api.md"
 START, END = "<!-- api-table:start -->", "<!-- api-table:end -->"
 
 
@@ -52,22 +54,25 @@ def source_file(name: str, obj) -> str:
         ) from None
 
 
-def render() -> str:
+def render(page: Path = PAGE) -> str:
+    """The table for ``page``: each source link relative to the page's folder."""
     import megatron_tree
 
+    base = os.path.relpath(ROOT, Path(page).resolve().parent)
     rows = ["| name | what |", "|---|---|"]
     for name in sorted(megatron_tree.__all__):
         try:
             obj = getattr(megatron_tree, name)
         except Exception as error:  # an optional package missing: fail loudly, naming the name
             raise RuntimeError(f"cannot import megatron_tree.{name}: {error!r}") from error
-        rows.append(f"| [`{name}`]({source_file(name, obj)}) | {summary(name, obj)} |")
+        link = Path(base, source_file(name, obj)).as_posix()
+        rows.append(f"| [`{name}`]({link}) | {summary(name, obj)} |")
     return "\n".join(rows)
 
 
 def replace(text: str, table: str) -> str:
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"the README needs one {START} ... {END} block")
+        raise ValueError(f"the page needs one {START} ... {END} block")
     head, rest = text.split(START)
     _, tail = rest.split(END)
     return f"{head}{START}\n{table}\n{END}{tail}"
@@ -75,23 +80,21 @@ def replace(text: str, table: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    parser.add_argument(
-        "--check", action="store_true", help="exit 1 if the README's table is stale"
-    )
+    parser.add_argument("--page", type=Path, default=PAGE, help="the page holding the table")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the table is stale")
     args = parser.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
-    new = replace(text, render())
+    text = args.page.read_text(encoding="utf-8")
+    new = replace(text, render(args.page))
     if args.check:
         if new != text:
             print(
-                f"{args.readme}: the API table is stale; run python scripts/api_table.py",
+                f"{args.page}: the API table is stale; run python scripts/api_table.py",
                 file=sys.stderr,
             )
             return 1
         return 0
     if new != text:
-        args.readme.write_text(new, encoding="utf-8")
+        args.page.write_text(new, encoding="utf-8")
     return 0
 
 

@@ -6,11 +6,13 @@ stack. This script groups the lines by model type, engine ("megatron": a bridged
 "hf": HF's own modeling code through ``megatron_tree.integrations.transformers``) and bridge, and
 prints a Markdown table (the stacks and layouts tested, the worst log-prob error over them),
 followed by the families tree training refuses and why, and the HF engine's log-prob and gradient
-errors per family and transformers version. With ``--readme README.md`` it replaces the table
-between the README's markers; ``--update`` keeps the README's rows that the logs do not cover (a
-run of some stacks or tests only).
+errors per family and transformers version. With ``--readme docs/models.md`` it replaces the table
+between that page's markers; ``--update`` keeps the page's rows that the logs do not cover (a run
+of some stacks or tests only); ``--summary README.md`` then writes the README's one-row-per-family
+summary of the page's table between its own markers.
 
-Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...] [--readme README.md [--update]]
+Usage: python3 scripts/models_table.py PARITY_LOG [PARITY_LOG ...]
+    [--readme docs/models.md [--update] [--summary README.md]]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 START, END = "<!-- models-table:start -->", "<!-- models-table:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- models-summary:start -->", "<!-- models-summary:end -->"
 
 # What each HF model type exercises (the tiny checkpoints of megatron_tree.testing.models).
 FAMILY = {
@@ -137,9 +140,46 @@ def render(rows: list[dict], keep: dict[tuple[str, str, str], str] | None = None
     return "\n".join(out)
 
 
+def render_summary(lines: dict[tuple[str, str, str], str]) -> str:
+    """Markdown: one row per model type of the full table (``lines``, :func:`table_rows` of the
+    models page): its family, the Megatron bridges and layouts tested, whether HF's own code runs it
+    (``hf`` engine) and the worst log-prob error over every row of it."""
+    groups: dict[str, dict] = {}
+    for key in sorted(lines, key=_order):
+        cells = [c.strip() for c in lines[key].strip().strip("|").split("|")]
+        model_type, family, engine, bridge, _, layouts, err = cells
+        group = groups.setdefault(
+            key[0], {"family": family, "bridges": [], "layouts": set(), "hf": False, "err": 0.0}
+        )
+        if engine == "hf":
+            group["hf"] = True
+        else:
+            group["bridges"].append(bridge.split(" ")[0])
+            group["layouts"].update(layout.strip() for layout in layouts.split(","))
+        group["err"] = max(group["err"], float(err))
+    out = [
+        "| family | Megatron engine: bridges | layouts | HF engine | max log-prob error vs HF |",
+        "|---|---|---|---|---|",
+    ]
+    for group in groups.values():
+        bridges = ", ".join(group["bridges"]) or "—"
+        layouts = ", ".join(sorted(group["layouts"])) or "—"
+        hf = "yes" if group["hf"] else "—"
+        out.append(f"| {group['family']} | {bridges} | {layouts} | {hf} | {group['err']:.1e} |")
+    return "\n".join(out)
+
+
+def replace_between(text: str, start: str, end: str, block: str, name: Path) -> str:
+    """``text`` with what lies between its one ``start`` ... ``end`` pair replaced by ``block``."""
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise SystemExit(f"{name} needs exactly one {start} ... {end} pair")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    return pattern.sub(lambda _: f"{start}\n{block}\n{end}", text)
+
+
 def render_hf_parity(rows: list[dict]) -> str:
     """Markdown: the HF engine's worst log-prob error and gradient error (relative, per parameter)
-    per family and transformers version, for the README's "Parity and speed"."""
+    per family and transformers version, for docs/huggingface.md's "Parity and speed"."""
     worst: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for row in rows:
         if row.get("engine") == "hf" and "max_grad_rel" in row:
@@ -164,9 +204,14 @@ def main() -> None:
         "--readme", type=Path, help="replace the table between the markers of this file"
     )
     parser.add_argument(
+        "--summary",
+        type=Path,
+        help="write the one-row-per-family summary of the --readme table into this file",
+    )
+    parser.add_argument(
         "--update",
         action="store_true",
-        help="keep the README's rows (model type, engine, bridge) that the logs do not cover",
+        help="keep the page's rows (model type, engine, bridge) that the logs do not cover",
     )
     args = parser.parse_args()
     rows = [
@@ -181,7 +226,9 @@ def main() -> None:
             "MEGATRON_TREE_PARITY_LOG set (scripts/test_matrix.sh does)"
         )
     if args.update and args.readme is None:
-        raise SystemExit("--update keeps rows of a README table: pass --readme README.md too")
+        raise SystemExit("--update keeps rows of a table: pass --readme docs/models.md too")
+    if args.summary and args.readme is None:
+        raise SystemExit("--summary summarizes a table: pass --readme docs/models.md too")
     hf_parity = render_hf_parity(rows)
     if args.readme is None:
         print(render(rows))
@@ -192,9 +239,15 @@ def main() -> None:
     if START not in text or END not in text:
         raise SystemExit(f"{args.readme} has no {START} ... {END} markers")
     table = render(rows, table_rows(text) if args.update else None)
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    args.readme.write_text(pattern.sub(lambda _: f"{START}\n{table}\n{END}", text))
+    text = replace_between(text, START, END, table, args.readme)
+    args.readme.write_text(text)
     print(f"[models_table] {len(rows)} results -> {args.readme}")
+    if args.summary:
+        summary = render_summary(table_rows(text))
+        old = args.summary.read_text()
+        new = replace_between(old, SUMMARY_START, SUMMARY_END, summary, args.summary)
+        args.summary.write_text(new)
+        print(f"[models_table] one row per family -> {args.summary}")
     if hf_parity:
         print(f"HF engine, log-prob and gradient errors:\n\n{hf_parity}")
 

@@ -7,7 +7,7 @@
 #   interpreter with AReaL 1.0.4) runs the AReaL tests, the TRL stack (with TRL 1.16.0) the TRL tests.
 # Each stack has its own venv (scripts/_env.sh); logs go to a temporary folder. Extra arguments go
 # to pytest. Exit status 0 iff every stack passed. The HF parity results of all stacks become the
-# README's supported-models table (scripts/models_table.py).
+# supported-models table of docs/models.md and the README's summary (scripts/models_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_python312.sh
@@ -60,7 +60,7 @@ for row in "${rows[@]}"; do
 done
 if [ -s "$MEGATRON_TREE_PARITY_LOG" ]; then
   python3 scripts/models_table.py "$MEGATRON_TREE_PARITY_LOG" >"$LOGS/models_table.md" \
-    && echo "[matrix] supported-models table: $LOGS/models_table.md (README: python3 scripts/models_table.py" \
-            "$MEGATRON_TREE_PARITY_LOG --readme README.md)"
+    && echo "[matrix] supported-models table: $LOGS/models_table.md (docs/models.md and README.md: python3" \
+            "scripts/models_table.py $MEGATRON_TREE_PARITY_LOG --readme docs/models.md --summary README.md)"
 fi
 exit $status

@@ -1,10 +1,12 @@
-"""The README's and docs/usage.md's Python snippets, run as written.
+"""The Python snippets of README.md and of every docs/*.md page, run as written.
 
 Every ```python block of ``DOCS`` is executed unmodified (compiled with the document's own line
 numbers, so a traceback points at the line of the document). What a snippet leaves to the reader
 (a checkpoint path, a rollout batch, an optimizer, a config) comes from a fixture preamble below,
 one per snippet; a block without one fails :func:`test_every_snippet_has_a_preamble`, so a new
-snippet is tested from the day it is written. A DeprecationWarning raised at a snippet's line is an
+snippet is tested from the day it is written. A sketch that leaves its inputs to the reader (a
+``...`` argument) cannot run; it is listed in ``SKETCHES`` with the reason and compiled only. A
+DeprecationWarning raised at a snippet's line is an
 error: the docs must not teach a name the package deprecated.
 
 A snippet that imports a stack's package (mbridge; Megatron-Bridge, the
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/usage.md")
+DOCS = ("README.md", *sorted(f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")))
 # The packages of the stacks beyond the default one: a snippet importing one runs where it is
 # installed (the stack that installs it, in scripts/_python312.sh's test lists).
 STACK_PACKAGES = {
@@ -138,7 +140,7 @@ def rollout() -> dict:
 
 
 def rl_loop_namespace(checkpoints) -> dict:
-    """The mbridge examples (README's quick start, usage's first): ``hf_path``, the rollout tensors
+    """The mbridge examples (README quick start, usage's first): ``hf_path``, the rollout tensors
     ``ids``, ``mask``, ``loss_mask``, ``advantages``, ``vocab_size``, ``ppo_epochs``,
     ``optimizer``."""
     from megatron_tree.testing.models import VOCAB
@@ -202,7 +204,7 @@ def check_building_blocks(ns: dict) -> None:
 
 
 def hf_namespace(checkpoints) -> dict:
-    """README's HF snippet: ``hf_path``, a list of branching ``sequences``, ``device``."""
+    """docs/huggingface.md's snippet: ``hf_path``, a list of branching ``sequences``, ``device``."""
     from megatron_tree.testing.models import branching_sequences
 
     return dict(hf_path=checkpoints["qwen3"], sequences=branching_sequences(), device="cpu")
@@ -240,6 +242,7 @@ print("MEGATRON_TREE_DOCS_OK")
 AREAL_PREAMBLE = """\
 # Fixture preamble (tests/test_docs.py): AReaL imports on a CPU machine only with the test
 # harness's stand-ins for what it imports but this path never uses (ray, wandb, ...).
+import sys
 from megatron_tree.testing import areal_platform
 areal_platform.setup_cpu()
 """
@@ -255,20 +258,35 @@ print("MEGATRON_TREE_DOCS_OK")
 # check: namespace -> None, or source run after it).
 PREAMBLES = {
     snippet_id("README.md", 0): (rl_loop_namespace, check_rl_loop),
-    snippet_id("README.md", 1): (AREAL_PREAMBLE, AREAL_CHECK),
-    snippet_id("README.md", 2): (hf_namespace, check_hf),
+    snippet_id("docs/areal.md", 0): (AREAL_PREAMBLE, AREAL_CHECK),
+    snippet_id("docs/huggingface.md", 0): (hf_namespace, check_hf),
     snippet_id("docs/usage.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("docs/usage.md", 1): (MEGATRON_BRIDGE_PREAMBLE, MEGATRON_BRIDGE_CHECK),
     snippet_id("docs/usage.md", 2): (megatron_core_namespace, check_megatron_core),
     snippet_id("docs/usage.md", 3): (building_blocks_namespace, check_building_blocks),
 }
+# snippet id -> why it cannot run as written (it is compiled only).
+SKETCHES = {
+    snippet_id("docs/how-it-works.md", 0): "the data-parallel slicing inside a caller's loop "
+    "(global_batch, dp_size, config, dp_rank from the caller)",
+    snippet_id("docs/parallelism.md", 0): "a torchrun script at context_parallel_size=2 "
+    "(TransformerConfig(...) elided)",
+}
 
 
 def test_every_snippet_has_a_preamble():
-    assert set(SNIPPETS) == set(PREAMBLES), (
+    assert not set(PREAMBLES) & set(SKETCHES)
+    assert set(SNIPPETS) == set(PREAMBLES) | set(SKETCHES), (
         "the Python blocks of the docs changed: give each a preamble in tests/test_docs.py "
-        f"(found {sorted(SNIPPETS)}, preambles for {sorted(PREAMBLES)})"
+        f"(found {sorted(SNIPPETS)}, preambles for {sorted(PREAMBLES)}, sketches "
+        f"{sorted(SKETCHES)})"
     )
+
+
+@pytest.mark.parametrize("snippet", sorted(set(SKETCHES) & set(SNIPPETS)))
+def test_sketch_compiles(snippet):
+    doc, line, code = SNIPPETS[snippet]
+    compiled(doc, line, code)  # a SyntaxError names the document's line
 
 
 def run_fresh(doc: str, line: int, code: str, preamble: str, check: str, checkpoint: str) -> None:
@@ -292,7 +310,7 @@ def run_fresh(doc: str, line: int, code: str, preamble: str, check: str, checkpo
     )
 
 
-@pytest.mark.parametrize("snippet", sorted(SNIPPETS))
+@pytest.mark.parametrize("snippet", sorted(set(SNIPPETS) - set(SKETCHES)))
 def test_snippet_runs_as_written(snippet, checkpoints, request):
     doc, line, code = SNIPPETS[snippet]
     if snippet not in PREAMBLES:

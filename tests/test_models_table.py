@@ -80,3 +80,39 @@ def test_hf_engine_rows_and_an_update_keeps_the_rows_the_logs_do_not_cover(tmp_p
         "| `llama` megatron",
     ]
     assert "9.9e-06" not in readme.read_text() and "| 3.3e-06 |" in lines[2]
+
+
+def test_readme_summary_is_docs_models_table_one_row_per_family():
+    """README.md's models table is the summary of docs/models.md's full table."""
+    module, root = _script(), Path(__file__).resolve().parents[1]
+    full = module.table_rows((root / "docs" / "models.md").read_text())
+    readme = (root / "README.md").read_text()
+    current = readme.split(module.SUMMARY_START)[1].split(module.SUMMARY_END)[0].strip()
+    assert current == module.render_summary(full), (
+        "README.md's models summary is stale: run python3 scripts/models_table.py <parity log> "
+        "--readme docs/models.md --summary README.md"
+    )
+    families = {key[0] for key in full}
+    assert len(current.splitlines()) == 2 + len(families)
+
+
+def test_summary_merges_engines_and_bridges_into_one_row(tmp_path, monkeypatch):
+    module = _script()
+    log, page, readme = tmp_path / "parity.jsonl", tmp_path / "models.md", tmp_path / "README.md"
+    monkeypatch.setenv(PARITY_LOG_ENV, str(log))
+    record_parity("qwen3", "mbridge", 1e-6, layout="TP=2")
+    record_parity("qwen3", "megatron-bridge", 4e-6)
+    record_parity("qwen3", "transformers", 2e-6, engine="hf", max_grad_rel=1e-6)
+    record_parity("kimi_k2", "megatron-bridge", 3e-6)
+    page.write_text(f"{module.START}\n{module.END}\n")
+    readme.write_text(f"intro\n{module.SUMMARY_START}\nold\n{module.SUMMARY_END}\noutro\n")
+    argv = ["models_table.py", str(log), "--readme", str(page), "--summary", str(readme)]
+    monkeypatch.setattr("sys.argv", argv)
+    module.main()
+    rows = [line for line in readme.read_text().splitlines() if line.startswith("| ")][1:]
+    assert rows == [
+        "| Qwen3 (dense, q/k norms) | mbridge, megatron-bridge | TP=1, TP=2 | yes | 4.0e-06 |",
+        "| Kimi-K2 (DeepSeek-V3 architecture, its own bridge) | megatron-bridge | TP=1 | — "
+        "| 3.0e-06 |",
+    ]
+    assert "old" not in readme.read_text() and readme.read_text().endswith("outro\n")
