@@ -160,7 +160,9 @@ def fsdp_runs(checkpoint):
 
 
 def _max_err(a: dict, b: dict) -> float:
-    return max(float((a[i] - b[i]).abs().max()) for i in b)
+    from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
+    return worst_error(max_abs_error(a[i], b[i]) for i in b)
 
 
 def test_stock_fsdp_engine_compute_logp_equals_hf(fsdp_runs):

@@ -486,6 +486,9 @@ TP_WORLD = 4
 
 
 def _tp_worker(rank: int) -> dict:
+    from megatron_tree.testing.tolerances import max_abs_error as err
+    from megatron_tree.testing.tolerances import worst_error
+
     groups = {4: dist.group.WORLD}
     for members in ([0, 1], [2, 3]):
         group = dist.new_group(members)  # every rank creates every group
@@ -520,26 +523,22 @@ def _tp_worker(rank: int) -> dict:
         for name, x in (("fp32", logits), ("fp64", logits.double())):
             full = run(x, None)
             part = run(x[:, cols], group)
-            errors[(tp, name, "logprobs")] = (part[0] - full[0]).abs().max().item()
-            errors[(tp, name, "entropy")] = (part[1] - full[1]).abs().max().item()
-            errors[(tp, name, "grad")] = (part[2] - full[2][:, cols]).abs().max().item()
+            errors[(tp, name, "logprobs")] = err(part[0], full[0])
+            errors[(tp, name, "entropy")] = err(part[1], full[1])
+            errors[(tp, name, "grad")] = err(part[2], full[2][:, cols])
             if name == "fp32":  # the compiled kernels on each shard against the eager full vocab
                 part = run(x[:, cols], group, fused=True)
                 for i, quantity in enumerate(("logprobs", "entropy", "grad")):
                     want = full[i][:, cols] if quantity == "grad" else full[i]
-                    errors[(tp, "fp32-fused", quantity)] = (part[i] - want).abs().max().item()
+                    errors[(tp, "fp32-fused", quantity)] = err(part[i], want)
         vmin, vmax = gather_packed_tree_vocab_stats(logits[:, cols], tree, tp_group=group)
         fmin, fmax = gather_packed_tree_vocab_stats(logits, tree)
-        errors[(tp, "fp32", "vocab_stats")] = max(
-            (vmin - fmin).abs().max().item(), (vmax - fmax).abs().max().item()
-        )
+        errors[(tp, "fp32", "vocab_stats")] = worst_error([err(vmin, fmin), err(vmax, fmax)])
         full = run_fused(None, hidden, weight)
         part = run_fused(group, hidden, weight[cols])
-        errors[(tp, "fp64", "fused")] = max(
-            (part[0] - full[0]).abs().max().item(),
-            (part[1] - full[1]).abs().max().item(),
-            (part[2] - full[2]).abs().max().item(),
-            (part[3] - full[3][cols]).abs().max().item(),
+        errors[(tp, "fp64", "fused")] = worst_error(
+            [err(part[0], full[0]), err(part[1], full[1]), err(part[2], full[2])]
+            + [err(part[3], full[3][cols])]
         )
     return errors
 
@@ -547,7 +546,9 @@ def _tp_worker(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def tp_errors():
     per_rank = run_spawned(_tp_worker, TP_WORLD, megatron=False)
-    return {key: max(errs[key] for errs in per_rank) for key in per_rank[0]}
+    from megatron_tree.testing.tolerances import worst_error
+
+    return {key: worst_error(errs[key] for errs in per_rank) for key in per_rank[0]}
 
 
 # TP only changes how the per-shard partial sums are merged; vocab stats are exact.

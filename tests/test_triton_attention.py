@@ -125,8 +125,10 @@ def _fwd_bwd(fn, tensors, grad_out):
 def _errors(got, want):
     out, grads = got
     ref, ref_grads = want
-    fwd = float((out.detach().double() - ref.detach()).abs().max())
-    grad = max(float((a.double() - b).abs().max()) for a, b in zip(grads, ref_grads))
+    from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
+    fwd = max_abs_error(out.double(), ref)
+    grad = worst_error(max_abs_error(a.double(), b) for a, b in zip(grads, ref_grads))
     return fwd, grad
 
 
@@ -517,7 +519,9 @@ def test_model_step_matches_unpacked_reference(interpreter):
         got[i] = logp[idx[:-1], tree.input_ids[idx[1:]]]
         loss = loss + weights[i] * got[i].sum()
     loss.backward()
-    err = max(float((got[i] - want[i]).detach().abs().max()) for i in want)
+    from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
+    err = worst_error(max_abs_error(got[i], want[i]) for i in want)
     rel = gradient_errors(
         parameter_grads(model, require_all=True), parameter_grads(stock, require_all=True)
     )

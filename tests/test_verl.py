@@ -642,18 +642,21 @@ def _check_layout_run(run: dict, reference: dict, hf: dict) -> dict:
     assert (run["log_probs"] is None) == (reference["log_probs"] is None)
     if reference["log_probs"] is not None:
         # The last entry predicts nothing (verl's loss mask excludes it).
-        errors["logp"] = max(
-            float((got[:-1] - want[:-1]).abs().max())
+        from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
+        errors["logp"] = worst_error(
+            max_abs_error(got[:-1], want[:-1])
             for got, want in zip(run["log_probs"], reference["log_probs"])
         )
-        errors["logp_hf"] = max(
-            float((run["log_probs"][i][:-1] - want).abs().max()) for i, want in hf.items()
+        errors["logp_hf"] = worst_error(
+            max_abs_error(run["log_probs"][i][:-1], want) for i, want in hf.items()
         )
-        errors["entropy"] = max(
-            float((got - want).abs().max())
-            for got, want in zip(run["entropy"], reference["entropy"])
+        errors["entropy"] = worst_error(
+            max_abs_error(got, want) for got, want in zip(run["entropy"], reference["entropy"])
         )
-        assert max(errors["logp"], errors["logp_hf"], errors["entropy"]) <= LOGP_TOL, errors
+        assert worst_error([errors["logp"], errors["logp_hf"], errors["entropy"]]) <= LOGP_TOL, (
+            errors
+        )
         errors["loss"] = abs(run["loss"] - reference["loss"]) / abs(reference["loss"])
         assert errors["loss"] <= LOSS_RTOL, errors
     _check_gradients(run["grads"], reference["grads"])
@@ -982,8 +985,10 @@ def test_routing_replay(tmp_path, mode, layout):
             errors = {"grad": max(gradient_errors(run["grads"], stock["grads"]).values())}
             assert (run["loss"] is None) == (not last_stage)
             if last_stage:
-                errors["logp"] = max(
-                    float((got[:-1] - want[:-1]).abs().max())
+                from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
+                errors["logp"] = worst_error(
+                    max_abs_error(got[:-1], want[:-1])
                     for got, want in zip(run["log_probs"], stock["log_probs"])
                 )
                 errors["loss"] = abs(run["loss"] - stock["loss"]) / abs(stock["loss"])
@@ -1096,9 +1101,11 @@ def test_tree_critic_under_pipeline_parallelism(tmp_path):
             assert (run["stats"]["trunk_groups"] > 0) == (name == "trunks"), run["stats"]
             assert (run["values"] is None) == (stock["values"] is None)
             if stock["values"] is not None:
+                from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
                 errors = {
-                    "values": max(
-                        float((got - want).abs().max())
+                    "values": worst_error(
+                        max_abs_error(got, want)
                         for got, want in zip(run["values"], stock["values"])
                     ),
                     "loss": abs(run["loss"] - stock["loss"]) / abs(stock["loss"]),

@@ -233,16 +233,18 @@ def test_tree_actor_equals_verls_fsdp_engine_and_hf(ranks):
         assert (stock["attention"], tree["attention"]) == ("sdpa", "megatron_tree")
         # verl's default: HF recomputes each layer in the backward (the tree mask rides along)
         assert stock["checkpointing"] and tree["checkpointing"]
+        from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
         errors = {"logp": 0.0, "entropy": 0.0, "hf": 0.0}
         for i, (want, got) in enumerate(zip(stock["log_probs"], tree["log_probs"])):
             # The last entry predicts nothing (verl's losses skip it): verl reads the next
-            # sample's first token there, the tree 0.
+            # sample's first token there, the tree 0. (max() keeps max_abs_error's inf on NaN.)
             assert got.shape == want.shape
-            errors["logp"] = max(errors["logp"], float((got[:-1] - want[:-1]).abs().max()))
-            entropy = (tree["entropy"][i] - stock["entropy"][i]).abs().max()
-            errors["entropy"] = max(errors["entropy"], float(entropy))
-            errors["hf"] = max(errors["hf"], float((got[:-1] - out["hf"][i]).abs().max()))
-        assert max(errors.values()) <= LOGP_TOL, errors
+            errors["logp"] = max(errors["logp"], max_abs_error(got[:-1], want[:-1]))
+            entropy = max_abs_error(tree["entropy"][i], stock["entropy"][i])
+            errors["entropy"] = max(errors["entropy"], entropy)
+            errors["hf"] = max(errors["hf"], max_abs_error(got[:-1], out["hf"][i]))
+        assert worst_error(errors.values()) <= LOGP_TOL, errors
         assert tree["loss"] == pytest.approx(stock["loss"], rel=LOSS_RTOL)
         errors["loss"] = abs(tree["loss"] - stock["loss"]) / abs(stock["loss"])
         errors["grad"] = _check_gradients(tree["grads"], stock["grads"])
@@ -260,10 +262,12 @@ def test_tree_critic_equals_verls_fsdp_critic(ranks):
             "FSDPEngineWithValueHead",
             "TreeFSDPEngineWithValueHead",
         )
+        from megatron_tree.testing.tolerances import max_abs_error
+
         errors = {"values": 0.0}
         for want, got in zip(stock["values"], tree["values"]):
             assert got.shape == want.shape
-            errors["values"] = max(errors["values"], float((got - want).abs().max()))
+            errors["values"] = max(errors["values"], max_abs_error(got, want))  # inf on NaN
         assert errors["values"] <= LOGP_TOL, errors
         assert tree["loss"] == pytest.approx(stock["loss"], rel=LOSS_RTOL)
         errors["loss"] = abs(tree["loss"] - stock["loss"]) / abs(stock["loss"])
