@@ -36,11 +36,16 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODEL = dict(
     hidden_size=256,
@@ -56,7 +61,7 @@ def rollout(
     groups: list[tuple[torch.Tensor, list[torch.Tensor]]],
 ) -> tuple[dict, list[torch.Tensor]]:
     """verl's rollout layout for (prompt, responses) groups (the test harness's)."""
-    from megatron_tree.testing.verl import rollout_layout
+    from harness.verl import rollout_layout
 
     return rollout_layout([(p, r) for p, responses in groups for r in responses])
 
@@ -98,9 +103,9 @@ def train_step(engine, padded, seqs, *, thd: bool = False):
     from verl.workers.config.actor import McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    from megatron_tree.integrations import verl as adapter
+    from harness import verl as harness
+    from megatron_tree.integrations import verl_common as adapter
     from megatron_tree.patches._scoped import swapped
-    from megatron_tree.testing import verl as harness
 
     original = adapter.build_packed_tree_batch
 
@@ -189,8 +194,8 @@ def main() -> None:
         "--small", action="store_true", help="4 x 4 GRPO with 128-token prompts (a quick check)"
     )
     args = parser.parse_args()
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness import verl as harness
+    from harness.models import make_hf_checkpoint
 
     if not torch.cuda.is_available():
         harness.setup_cpu()

@@ -41,24 +41,21 @@ Legend: B batch size, L padded length, T a micro-batch's sequence tokens, M micr
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
-import torch
 from areal.engine import megatron_engine
 from areal.engine.megatron_engine import MegatronPPOActor, MegatronPPOCritic
 from areal.utils.data import MicroBatchList
 from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 
-from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
-from ..core.results import gather_packed_tree_vocab_stats
 from ..mcore.schedule import StepContext, run_phases
 from ..mcore.spec import check_tree_model
 from ..mcore.step import PackingConfig, constant_shapes, expert_parallel, split_for_context_parallel
+from ..mcore.token_loss import TreeHead
 from ..patches._scoped import swapped
 from .areal_common import (
     TreeEngineSwitch,
@@ -67,28 +64,11 @@ from .areal_common import (
     check_version,
     report_packing,
     split_inputs,
-    tree_capacity,
     tree_micro_batch_list,
 )
+from .common import tree_capacity
 
 logger = logging.getLogger(__name__)
-
-
-class _AReaLHead:
-    """:class:`~megatron_tree.mcore.schedule.Head`: the package's gather at a micro-batch's rows
-    (``gather``: ``LogProbs`` or ``Values``), with the vocabulary's min / max logit (no grad) for
-    AReaL's loss when ``vocab_stats``."""
-
-    def __init__(self, gather, tp_group, vocab_stats: bool):
-        self.gather, self.tp_group, self.vocab_stats = gather, tp_group, vocab_stats
-
-    def __call__(self, output: torch.Tensor, tree, rows) -> dict:
-        outputs = self.gather.gather(output, tree, self.tp_group, rows)
-        if self.vocab_stats:
-            outputs["vocab_min"], outputs["vocab_max"] = gather_packed_tree_vocab_stats(
-                output, tree, tp_group=self.tp_group, rows=rows
-            )
-        return outputs
 
 
 class _AReaLLoss:
@@ -153,12 +133,7 @@ class _TreeEngine(TreeEngineSwitch):
             # Mamba); trees never use that layout.
             stack.enter_context(swapped(megatron_engine, requires_padded_seq=lambda _: False))
             result = super().initialize(addr, ft_spec, *args, **kwargs)
-        if self.is_vision_model:
-            raise ValueError(
-                f"model_type={self.hf_config.model_type!r} is a vision-language model, which the "
-                "tree engine does not support (its inputs are not token trees): set "
-                "enable_tree_training=False"
-            )
+        self._refuse_vision(self.hf_config.model_type)
         for chunk in self.model:
             check_tree_model(chunk)
         return result
@@ -216,11 +191,12 @@ class _TreeEngine(TreeEngineSwitch):
         return tree_micro_batch_list(input_, packed, per_sequence, self.config.mb_spec, rows)
 
     def _capacity(self, align: int) -> int:
-        unit = math.lcm(self.tree_block_size, align)
-        why = (
-            f"a multiple of the block size {self.tree_block_size} and the CP x SP alignment {align}"
+        return tree_capacity(
+            self.config.mb_spec.max_tokens_per_mb,
+            block_size=self.tree_block_size,
+            align=align,
+            setting="mb_spec.max_tokens_per_mb",
         )
-        return tree_capacity(self.config.mb_spec.max_tokens_per_mb, unit, why)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -235,7 +211,7 @@ class _TreeEngine(TreeEngineSwitch):
             if mpu.get_tensor_model_parallel_world_size() > 1
             else None
         )
-        head = self._head(tp_group)
+        head = TreeHead(self._tree_gather(), tp_group, mb_list.packed.max_token_id)
         loss = _AReaLLoss(mb_list.mbs, process_output_fn, cp, defer=forward_only)
         ctx = StepContext(
             list(self.model),
@@ -246,59 +222,6 @@ class _TreeEngine(TreeEngineSwitch):
         )
         run_phases(ctx, list(mb_list.packed), head, loss, forward_only=forward_only)
         loss.flush()
-
-    def _head(self, tp_group) -> _AReaLHead:
-        if self.config.is_critic:
-            return _AReaLHead(Values(), tp_group, vocab_stats=False)
-        outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
-        gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
-        return _AReaLHead(gather, tp_group, vocab_stats="vocab_min" in outputs)
-
-    @contextmanager
-    def _outputs(self, names: tuple[str, ...]):
-        self._head_outputs = names
-        try:
-            yield
-        finally:
-            self._head_outputs = None
-
-    def forward_batch(self, *args, **kwargs):
-        # AReaL's forward results are log-probs (or values): no entropy or vocab statistics.
-        with self._outputs(("logprobs",)):
-            return super().forward_batch(*args, **kwargs)
-
-    def _compute_logprobs_and_loss(
-        self,
-        output,
-        inputs: dict[str, Any],
-        loss_fn: Callable[..., torch.Tensor],
-        loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor],
-        total_loss_weight: torch.Tensor,
-        loss_multiplier: float = 1.0,
-    ) -> torch.Tensor:
-        if not isinstance(output, TreeHeadOutputs):
-            return super()._compute_logprobs_and_loss(
-                output, inputs, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier
-            )
-        local_weight = loss_weight_fn(inputs)
-        if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
-            return sum(v.sum() for v in output.values() if v.requires_grad) * 0.0
-        if self.config.is_critic:
-            loss = loss_fn(output["values"], inputs)
-        else:
-            loss = loss_fn(
-                output["logprobs"],
-                output["entropy"],
-                inputs,
-                vocab_min_logits=output["vocab_min"],
-                vocab_max_logits=output["vocab_max"],
-            )
-        return loss * (local_weight / total_loss_weight * loss_multiplier)
-
-    def _compute_forward_result(self, output, inputs: dict[str, Any]):
-        if not isinstance(output, TreeHeadOutputs):
-            return super()._compute_forward_result(output, inputs)
-        return output["values" if self.config.is_critic else "logprobs"]
 
 
 class TreeMegatronPPOActor(_TreeEngine, MegatronPPOActor):

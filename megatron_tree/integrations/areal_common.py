@@ -1,10 +1,13 @@
-"""What AReaL's Megatron and FSDP tree engines share, with no Megatron import: the micro-batch
-list AReaL's reordering reads, the head outputs its losses read, a micro-batch in AReaL's packed 1-D
-layout and the version check."""
+"""What AReaL's Megatron and FSDP tree engines share, with no Megatron import: the settings and the
+switch, the refusals, the head (its outputs what AReaL's losses read), AReaL's loss and forward
+result on them, the micro-batch list AReaL's reordering reads, a micro-batch in AReaL's packed 1-D
+layout, the packing report and the version check."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +16,9 @@ from areal.utils import stats_tracker
 from areal.utils.data import MicroBatchList
 
 from ..core.batch import PackedTreeBatch
+from ..core.heads import LogProbs, Values
+from ..core.results import gather_packed_tree_vocab_stats
+from .common import log_packing
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +31,10 @@ class TreeEngineSwitch:
     packing alignment; ``tree_share_prefixes``: False packs every sequence as its own chain, the
     unshared baseline on the same kernels; ``tree_stats``: the last batch's packing), and the
     switch: AReaL's own tree path (its attention patch, packing, gathers and refusals) stays off,
-    ours runs where the config asks for trees (``tree_training``)."""
+    ours runs where the config asks for trees (``tree_training``). Also the engines' one head
+    (:meth:`_tree_gather`), AReaL's loss and forward result on its outputs
+    (``_compute_logprobs_and_loss``, ``_compute_forward_result``; an engine names its loss
+    argument's data in ``_loss_inputs``) and the refusal of vision-language models."""
 
     tree_backend = "auto"
     tree_block_size = 128
@@ -37,6 +46,95 @@ class TreeEngineSwitch:
         self.tree_training = bool(self.enable_tree_training)
         self.enable_tree_training = False
         self._head_outputs: tuple[str, ...] | None = None
+
+    def _refuse_vision(self, model_type: str) -> None:
+        if self.is_vision_model:
+            raise ValueError(
+                f"model_type={model_type!r} is a vision-language model, which the tree engine "
+                "does not support (its inputs are not token trees): set enable_tree_training=False"
+            )
+
+    def _tree_gather(self) -> AReaLGather:
+        """The step's head: values (critic) or log-probs at AReaL's temperature with the entropy
+        and vocabulary statistics AReaL's loss reads (forward results: log-probs only)."""
+        if self.config.is_critic:
+            return AReaLGather(Values(), vocab_stats=False)
+        outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
+        gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
+        return AReaLGather(gather, vocab_stats="vocab_min" in outputs)
+
+    @contextmanager
+    def _outputs(self, names: tuple[str, ...]):
+        self._head_outputs = names
+        try:
+            yield
+        finally:
+            self._head_outputs = None
+
+    def forward_batch(self, *args, **kwargs):
+        # AReaL's forward results are log-probs (or values): no entropy or vocab statistics.
+        with self._outputs(("logprobs",)):
+            return super().forward_batch(*args, **kwargs)
+
+    @staticmethod
+    def _loss_inputs(inputs) -> dict[str, Any]:
+        """A micro-batch's data from the engine's loss argument (Megatron's: the data itself)."""
+        return inputs
+
+    def _compute_logprobs_and_loss(
+        self,
+        output,
+        inputs,
+        loss_fn: Callable[..., torch.Tensor],
+        loss_weight_fn: Callable[[dict[str, Any]], torch.Tensor],
+        total_loss_weight: torch.Tensor,
+        loss_multiplier: float = 1.0,
+    ) -> torch.Tensor:
+        if not isinstance(output, TreeHeadOutputs):
+            return super()._compute_logprobs_and_loss(
+                output, inputs, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier
+            )
+        inputs = self._loss_inputs(inputs)
+        local_weight = loss_weight_fn(inputs)
+        if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
+            return sum(v.sum() for v in output.values() if v.requires_grad) * 0.0
+        if self.config.is_critic:
+            loss = loss_fn(output["values"], inputs)
+        else:
+            loss = loss_fn(
+                output["logprobs"],
+                output["entropy"],
+                inputs,
+                vocab_min_logits=output["vocab_min"],
+                vocab_max_logits=output["vocab_max"],
+            )
+        return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    def _compute_forward_result(self, output, inputs):
+        if not isinstance(output, TreeHeadOutputs):
+            return super()._compute_forward_result(output, inputs)
+        return output["values" if self.config.is_critic else "logprobs"]
+
+
+@dataclass(frozen=True)
+class AReaLGather:
+    """A core head (``gather``: :class:`~megatron_tree.core.heads.LogProbs` or ``Values``) with the
+    vocabulary's min / max logit (no grad) that AReaL's loss reads, when ``vocab_stats``; the
+    core heads' protocol (``check_output``, ``gather``)."""
+
+    base: LogProbs | Values
+    vocab_stats: bool
+
+    def check_output(self, output: torch.Tensor, tp_group, max_token_id: int) -> None:
+        self.base.check_output(output, tp_group, max_token_id)
+
+    def gather(self, output: torch.Tensor, tree, tp_group, rows=None) -> dict:
+        outputs = self.base.gather(output, tree, tp_group, rows)
+        if self.vocab_stats:
+            outputs["vocab_min"], outputs["vocab_max"] = gather_packed_tree_vocab_stats(
+                output, tree, tp_group=tp_group, rows=rows
+            )
+        return outputs
 
 
 @dataclass
@@ -144,24 +242,7 @@ def tree_micro_batch_list(
     )
 
 
-def tree_capacity(tokens: int | None, unit: int, why: str) -> int:
-    """``mb_spec.max_tokens_per_mb`` (a tree's unique tokens) rounded up to a multiple of ``unit``
-    (logged, with ``why`` the unit is what it is)."""
-    if tokens is None:
-        raise ValueError(
-            "tree micro-batches need a token capacity: set mb_spec.max_tokens_per_mb (the "
-            "unique tokens of one tree)"
-        )
-    capacity = -(-int(tokens) // unit) * unit
-    if capacity != tokens:
-        logger.info(
-            "megatron_tree: max_tokens_per_mb=%d rounded up to %d (%s)", tokens, capacity, why
-        )
-    return capacity
-
-
 def report_packing(packed: PackedTreeBatch) -> dict:
     """A packed batch's statistics (logged, and the tree-token ratio to AReaL's stats tracker)."""
     stats_tracker.scalar(tree_token_ratio=packed.tree_token_ratio)
-    logger.info("megatron_tree: %s", packed.summary_line())
-    return packed.summary()
+    return log_packing(packed)

@@ -28,15 +28,11 @@ Refused with the reason: vision-language models, Ulysses sequence parallelism (`
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
 from areal.engine.fsdp_engine import FSDPPPOActor, FSDPPPOCritic, FSDPTrainContext
 
-from ..core.heads import LogProbs, Values
 from ..core.packing import build_packed_tree_batch
-from ..core.results import gather_packed_tree_vocab_stats
 from .areal_common import (
     TreeEngineSwitch,
     TreeHeadOutputs,
@@ -44,12 +40,10 @@ from .areal_common import (
     check_version,
     report_packing,
     split_inputs,
-    tree_capacity,
     tree_micro_batch_list,
 )
-from .transformers import TreeAttentionOptions, prepare_model, tree_forward
-
-logger = logging.getLogger(__name__)
+from .common import refuse_ulysses, tree_capacity
+from .transformers import TreeAttentionOptions, head_forward, prepare_model
 
 
 class _TreeFSDPEngine(TreeEngineSwitch):
@@ -64,17 +58,8 @@ class _TreeFSDPEngine(TreeEngineSwitch):
         if not self.tree_training:
             return super().initialize(addr, ft_spec, *args, **kwargs)
         check_version()
-        if self.is_vision_model:
-            raise ValueError(
-                f"model_type={self.model_config.model_type!r} is a vision-language model, which "
-                "the tree engine does not support (its inputs are not token trees): set "
-                "enable_tree_training=False"
-            )
-        if self.parallel_helper.sp_size > 1:
-            raise ValueError(
-                f"sp_size={self.parallel_helper.sp_size}: the tree engine runs whole trees per "
-                "rank; set the allocation's Ulysses sequence parallel size to 1"
-            )
+        self._refuse_vision(self.model_config.model_type)
+        refuse_ulysses("sp_size (the allocation's Ulysses size)", self.parallel_helper.sp_size)
         return super().initialize(addr, ft_spec, *args, **kwargs)
 
     def _create_device_model(self):
@@ -88,14 +73,15 @@ class _TreeFSDPEngine(TreeEngineSwitch):
         if not self.tree_training:
             return super()._prepare_mb_list(input_)
         per_token, per_sequence = split_inputs(input_)
-        unit = self.tree_block_size
         packed = build_packed_tree_batch(
             {"input_ids": input_["input_ids"], "attention_mask": input_["attention_mask"]}
             | per_token,
             max_tokens_per_mb=tree_capacity(
-                self.config.mb_spec.max_tokens_per_mb, unit, f"a multiple of the block size {unit}"
+                self.config.mb_spec.max_tokens_per_mb,
+                block_size=self.tree_block_size,
+                setting="mb_spec.max_tokens_per_mb",
             ),
-            block_size=unit,
+            block_size=self.tree_block_size,
             dp_group=self.data_parallel_group,
             share_prefixes=self.tree_share_prefixes,
             share_trunks=False,
@@ -109,25 +95,16 @@ class _TreeFSDPEngine(TreeEngineSwitch):
         if not isinstance(mb_list, TreeMicroBatchList):
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
-        outputs = self._head_outputs or ("logprobs", "entropy", "vocab_min", "vocab_max")
-        if self.config.is_critic:
-            gather, outputs = Values(), ("values",)
-        else:
-            gather = LogProbs(temperature=self.config.temperature, entropy="entropy" in outputs)
+        gather = self._tree_gather()
         # A data-parallel fill-in (an all-padding tree, so that every rank runs as many forwards)
         # takes a zero loss; its attention still gives the query / key projections (zero)
         # gradients, so FSDP2 reduce-scatters the same gradients on every rank.
         for mb, data in zip(mb_list.packed, mb_list.mbs):
-            tree = mb.tree
-            logits = tree_forward(self.model, mb, options=options).logits  # [1, n, V]
-            if tree.num_sequences == 0:
+            logits, outputs = head_forward(self.model, mb, gather, options=options)
+            if mb.tree.num_sequences == 0:
                 loss = logits.sum() * 0.0
             else:
-                head = TreeHeadOutputs(gather.gather(logits, tree, None))
-                if "vocab_min" in outputs:
-                    head["vocab_min"], head["vocab_max"] = gather_packed_tree_vocab_stats(
-                        logits, tree
-                    )
+                head = TreeHeadOutputs(outputs)
                 ctx = FSDPTrainContext(
                     model_inputs=data, mb_input=data, pad_length=0, ulysses_pad_size=0
                 )
@@ -135,46 +112,9 @@ class _TreeFSDPEngine(TreeEngineSwitch):
             if not forward_only and loss is not None:
                 loss.backward()
 
-    def forward_batch(self, *args, **kwargs):
-        # AReaL's forward results are log-probs (or values): no entropy or vocab statistics.
-        self._head_outputs = ("logprobs",)
-        try:
-            return super().forward_batch(*args, **kwargs)
-        finally:
-            self._head_outputs = None
-
-    def _compute_logprobs_and_loss(
-        self,
-        logits,
-        ctx: FSDPTrainContext,
-        loss_fn,
-        loss_weight_fn,
-        total_loss_weight: torch.Tensor,
-        loss_multiplier: float = 1.0,
-    ) -> torch.Tensor:
-        if not isinstance(logits, TreeHeadOutputs):
-            return super()._compute_logprobs_and_loss(
-                logits, ctx, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier
-            )
-        local_weight = loss_weight_fn(ctx.mb_input)
-        if local_weight == 0:  # as AReaL: a zero loss that keeps the outputs in the graph
-            return sum(v.sum() for v in logits.values() if v.requires_grad) * 0.0
-        if self.config.is_critic:
-            loss = loss_fn(logits["values"], ctx.mb_input)
-        else:
-            loss = loss_fn(
-                logits["logprobs"],
-                logits["entropy"],
-                ctx.mb_input,
-                vocab_min_logits=logits["vocab_min"],
-                vocab_max_logits=logits["vocab_max"],
-            )
-        return loss * (local_weight / total_loss_weight * loss_multiplier)
-
-    def _compute_forward_result(self, logits, ctx: FSDPTrainContext):
-        if not isinstance(logits, TreeHeadOutputs):
-            return super()._compute_forward_result(logits, ctx)
-        return logits["values" if self.config.is_critic else "logprobs"]
+    @staticmethod
+    def _loss_inputs(ctx: FSDPTrainContext) -> dict[str, Any]:
+        return ctx.mb_input
 
 
 class TreeFSDPPPOActor(_TreeFSDPEngine, FSDPPPOActor):

@@ -25,6 +25,7 @@ from ..core.batch import PackedTreeBatch
 from ..core.flops import GPTShape
 from ..core.packing import build_packed_tree_batch
 from ..core.partition import partition_for_data_parallel
+from .common import refuse_ulysses
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,7 @@ def pack_rank_share(
             "share_trunks=True: the HF engine (packed_logprobs) runs whole trees; trunk reuse runs "
             "on the Megatron path (tree_forward_backward) only. Pass share_trunks=False"
         )
-    if ulysses_sequence_parallel_size != 1:
-        raise ValueError(
-            f"ulysses_sequence_parallel_size={ulysses_sequence_parallel_size}: Ulysses sequence "
-            "parallelism is not supported with trees (a tree's attention is not split across "
-            "ranks). Set it to 1 and give those ranks to data parallelism; for long sequences use "
-            "the Megatron path's context parallelism"
-        )
+    refuse_ulysses("ulysses_sequence_parallel_size", ulysses_sequence_parallel_size)
     rank = dist.get_rank(dp_group)
     size = dist.get_world_size(dp_group)
     ids = data["input_ids"]

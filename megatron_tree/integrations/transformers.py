@@ -14,7 +14,9 @@ transformers' own model code around them. Nothing of transformers is patched:
   :mod:`megatron_tree.core.recurrent`, and refuses families it cannot run by name.
 * :func:`tree_forward` runs one micro-batch (ids [1, n], depth ``position_ids``: HF's rotary reads
   them directly) and returns the model's output; :func:`packed_logprobs` runs a packed batch and
-  gives per-sequence log-probs / entropy / values back in the caller's layout (padded, ragged, THD).
+  gives per-sequence log-probs / entropy / values back in the caller's layout (padded, ragged, THD);
+  :func:`head_forward` (the forward and a core head, :mod:`megatron_tree.core.heads`, on its
+  output) is its step, and the FSDP engines' (verl, AReaL) per micro-batch.
 
 HF's dtype handling, gradient checkpointing and ``torch.compile`` stay as they are. Legend: N a
 tree's packed length, n the rows of a micro-batch here, B batch size, L the longest sequence.
@@ -30,9 +32,9 @@ import torch
 
 from ..core.attention import BACKENDS, tree_attention
 from ..core.batch import MicroBatch, PackedTreeBatch, micro_batch
-from ..core.logprobs import gather_packed_tree_logprobs, gather_packed_tree_logprobs_entropy
+from ..core.heads import LogProbs, Values
 from ..core.mask import TreeMask, tree_attention_mask
-from ..core.results import gather_packed_tree_values, merge_packed_tree_results
+from ..core.results import merge_packed_tree_results
 
 ATTENTION_KEY = "megatron_tree"
 
@@ -271,9 +273,32 @@ def tree_forward(
     )
 
 
-def _logits_of(output) -> torch.Tensor:
-    logits = output.logits if hasattr(output, "logits") else output
-    return logits.reshape(-1, logits.shape[-1])
+def head_forward(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    head,
+    *,
+    options: TreeAttentionOptions | None = None,
+    key: str = ATTENTION_KEY,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch through the model (:func:`tree_forward`) and a core head on its output.
+
+    Args:
+        model: prepared by :func:`prepare_model` (possibly wrapped).
+        mb: a whole-tree micro-batch (ids [1, n]).
+        head: a core head (:class:`~megatron_tree.core.heads.LogProbs`, ``Values``, or one with
+            their ``gather(output, tree, tp_group, rows)``), run without tensor parallelism.
+
+    Returns:
+        (the model's output [n, V] (logits; a value model's [n, 1]), the head's per-token outputs
+        {name: [T]} in tree order). A data-parallel fill-in (an all-padding tree) gives empty
+        outputs [0]; its caller takes ``output.sum() * 0`` as its loss, so that FSDP's collectives
+        and gradient reductions run alike on every rank.
+    """
+    output = tree_forward(model, mb, options=options, key=key)
+    output = output.logits if hasattr(output, "logits") else output
+    output = output.reshape(-1, output.shape[-1])
+    return output, head.gather(output, mb.tree, None)
 
 
 @dataclass
@@ -319,9 +344,8 @@ def packed_logprobs(
     """
     if values and entropy:
         raise ValueError("values=True reads a value model: entropy=True does not apply")
-    if isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    lps, ents, vals = [], [], []
+    head = Values() if values else LogProbs(temperature=temperature, entropy=entropy)
+    merged = {name: [] for name in head.outputs}
     for mb in batch:
         if not mb.rows.is_whole:
             raise ValueError(
@@ -329,26 +353,12 @@ def packed_logprobs(
                 "context parallelism: pack it with share_trunks=False (trunk reuse runs on the "
                 "Megatron path's phase schedule only)"
             )
-        out = _logits_of(tree_forward(model, mb, options=options, key=key))
-        tree = mb.tree
-        if values:
-            vals.append((gather_packed_tree_values(out.float(), tree), tree))
-            continue
-        if entropy:
-            lp, ent = gather_packed_tree_logprobs_entropy(out, tree, temperature=temperature)
-            ents.append((ent, tree))
-        else:
-            lp = gather_packed_tree_logprobs(out, tree, temperature=temperature)
-        lps.append((lp, tree))
-    layout = batch.input_layout
-
-    def merged(pairs):
-        if not pairs:
-            return None
-        return layout.restore(merge_packed_tree_results(pairs, batch.batch_size))
-
+        for name, per_token in head_forward(model, mb, head, options=options, key=key)[1].items():
+            merged[name].append((per_token, mb.tree))
     return PackedOutputs(
-        logprobs=merged(lps),
-        entropy=merged(ents) if entropy else None,
-        values=merged(vals),
+        **{
+            name: batch.input_layout.restore(merge_packed_tree_results(pairs, batch.batch_size))
+            for name, pairs in merged.items()
+            if pairs
+        }
     )

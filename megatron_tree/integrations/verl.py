@@ -81,8 +81,6 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
-import logging
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -98,72 +96,24 @@ from verl.workers.engine.megatron.transformer_impl import (
     MegatronEngineWithValueHead,
 )
 
-from ..core.packing import build_packed_tree_batch
 from ..mcore.moe import check_replaying, replay_routes, replaying
 from ..mcore.schedule import Phases, StepContext, run_phases
 from ..mcore.step import constant_shapes, expert_parallel, split_for_context_parallel
 from ..patches._scoped import swapped
+from .common import log_packing, tree_capacity
 from .verl_balance import (  # noqa: F401  (the balancing names, importable from here too)
     balance_on_trainer_import,
     balance_prompt_groups,
     patch_trainer_balancing,
     tree_balance_batch,
 )
-
-logger = logging.getLogger(__name__)
-VENDOR = "megatron_tree"
-ROUTE_KEY = "routed_experts"  # verl's per-token routes [B, j, layers, topk]
-
-
-def tree_micro_batches(
-    data,
-    *,
-    max_tokens: int,
-    block_size: int,
-    share_trunks: bool = True,
-    dp_group=None,
-    parallel_size: int = 1,
-    pad_to_max: bool = False,
-    routes: torch.Tensor | None = None,
-) -> tuple[list, list[list[int]], object]:
-    """verl's micro-batch preparation with trees.
-
-    Returns: one verl micro-batch per packed micro-batch (the samples whose loss it takes, in the
-    tree's order); the batch indices of each
-    micro-batch that takes a loss, which verl's ``restore_dynamic_batch`` puts back in order; the
-    :class:`~megatron_tree.core.batch.PackedTreeBatch`, for its statistics. With ``share_trunks`` a
-    prompt group larger than ``max_tokens`` runs as trunk parts (computed once) and branches.
-    ``parallel_size``: a factor of every packed length (the CP size, times the TP size under
-    sequence parallelism); ``pad_to_max``: every tree ``max_tokens`` long (constant shapes).
-    ``routes``: per sample, the routes its tokens replay (nested [B, j, layers, topk], -1 where a
-    token routes natively): two samples share a tree position only where their routes agree too
-    (the packer's ``route_key``).
-    """
-    inputs = {"input_ids": data["input_ids"]}
-    if routes is not None:
-        inputs[ROUTE_KEY] = routes
-    packed = build_packed_tree_batch(
-        inputs,
-        route_key=None if routes is None else ROUTE_KEY,
-        max_tokens_per_mb=max_tokens,
-        block_size=block_size,
-        parallel_size=parallel_size,
-        pad_to_max=pad_to_max,
-        share_trunks=share_trunks,
-        dp_group=dp_group,
-    )
-    micro_batches, indices = [], []
-    for mb in packed:
-        ids = [int(i) for i in mb.tree.sequence_ids]
-        # A micro-batch that takes no loss (an all-padding tree matching other data-parallel ranks'
-        # count, a trunk part no sample ends in) carries sample 0 as its verl data (verl cannot hold
-        # an empty jagged micro-batch); it adds no output or loss.
-        micro_batches.append(
-            tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long))
-        )
-        if ids:
-            indices.append(ids)
-    return micro_batches, indices, packed
+from .verl_common import (
+    ROUTE_KEY,
+    VENDOR,
+    nested,
+    sample_temperatures,
+    tree_micro_batches,
+)
 
 
 @contextlib.contextmanager
@@ -289,16 +239,12 @@ class _VerlLoss:
             return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
         data = self.micro_batches[index]
         tu.assign_non_tensor(data, num_micro_batch=num_micro_batches)
-        per_sample = {k: _nested(list(v.split(self.lengths[index]))) for k, v in outputs.items()}
+        per_sample = {k: nested(list(v.split(self.lengths[index]))) for k, v in outputs.items()}
         result = self.postprocess(self.model_output(per_sample), data=data)
         self.outputs[index] = result[-1]
         if len(result) == 3 and self.token_share is not None:
             result = (result[0], self.token_share(data), result[2])
         return result
-
-
-def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
 class _RouteRecorder:
@@ -405,10 +351,10 @@ class _RouteRecorder:
         tree = mb.tree
         lengths = tree.cu_seqlens.diff().tolist()
         if not self.routers:
-            return _nested([torch.zeros((n, 0, self.topk), dtype=torch.int16) for n in lengths])
+            return nested([torch.zeros((n, 0, self.topk), dtype=torch.int16) for n in lengths])
         table = self.tables[self._key(mb.rows)]
         per_token = table[tree.token_index.to(table.device)]
-        return _nested(list(per_token.cpu().split(lengths)))
+        return nested(list(per_token.cpu().split(lengths)))
 
 
 @dataclass(frozen=True)
@@ -459,13 +405,12 @@ class _TreeEngine:
             tokens = tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
             if tokens is not None:
                 tokens = int(tokens) * mpu.get_context_parallel_world_size()
-        if tokens is None:
-            raise ValueError(
-                "tree micro-batches need a token capacity: set max_token_len_per_gpu on the batch "
-                "or tree_max_tokens on the engine"
-            )
-        unit = math.lcm(self.tree_block_size, align)
-        return math.ceil(int(tokens) / unit) * unit
+        return tree_capacity(
+            tokens,
+            block_size=self.tree_block_size,
+            align=align,
+            setting="max_token_len_per_gpu on the batch or tree_max_tokens on the engine",
+        )
 
     def _check_supported(self, data) -> None:
         if getattr(self.engine_config, "dynamic_context_parallel", False):
@@ -524,7 +469,7 @@ class _TreeEngine:
                     f"{self.tf_config.num_layers} layers, {len(layers)} of them MoE layers"
                 )
             per_sample.append(full)
-        return _nested(per_sample)
+        return nested(per_sample)
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self._check_supported(data)
@@ -585,16 +530,13 @@ class _TreeEngine:
             pad_to_max=constant,
             routes=routes,
         )
-        self.tree_stats = packed.summary()
-        logger.info("megatron_tree: %s", packed.summary_line())
+        self.tree_stats = log_packing(packed)
         # Each CP rank computes its share of every micro-batch's rows (split on the host).
         cp_group = (
             mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None
         )
         packed = split_for_context_parallel(packed, cp_group)
-        temperature = data["temperature"]
-        if not isinstance(temperature, torch.Tensor):
-            temperature = torch.full((len(data),), float(temperature))
+        temperature = sample_temperatures(data)
         trees["replay"] = routes is not None
         trees["packed"], trees["token_rows"] = (
             packed,

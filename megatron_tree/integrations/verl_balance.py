@@ -24,10 +24,9 @@ from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
 from ..core.partition import partition_for_data_parallel
 from ..core.trie import unique_tokens
+from .verl_common import VENDOR
 
 logger = logging.getLogger(__name__)
-
-VENDOR = "megatron_tree"
 
 
 def balance_prompt_groups(

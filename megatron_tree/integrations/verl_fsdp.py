@@ -31,8 +31,6 @@ sample; its length is a multiple of the block size).
 
 from __future__ import annotations
 
-import logging
-import math
 from contextlib import nullcontext
 from functools import partial
 
@@ -48,23 +46,22 @@ from verl.workers.engine.fsdp.transformer_impl import (
 )
 from verl.workers.engine.utils import detach_tree
 
-from ..core.logprobs import gather_packed_tree_logprobs, gather_packed_tree_logprobs_entropy
-from ..core.packing import build_packed_tree_batch
-from ..core.results import gather_packed_tree_values
+from ..core.heads import LogProbs, Values
 from ..patches._scoped import swapped
+from .common import log_packing, refuse_ulysses, tree_capacity
 from .transformers import (
     ATTENTION_KEY,
     TreeAttentionOptions,
+    head_forward,
     prepare_model,
     register_tree_attention,
-    tree_forward,
 )
+from .verl_common import VENDOR, nested, sample_temperatures, tree_micro_batches
 
-logger = logging.getLogger(__name__)
-VENDOR = "megatron_tree"
 BACKENDS = ["fsdp", "fsdp2"]
 DEVICES = ["cuda", "npu", "cpu"]  # verl's own FSDP engines: cuda, npu; cpu for tests
 TREE_KEY = "megatron_tree_micro_batch"  # a verl micro-batch's packed tree (non-tensor data)
+_VERL_NAMES = {"logprobs": "log_probs"}  # the core heads' output names -> verl's
 
 # verl's per-micro-batch flags whose outputs the tree step does not compute.
 _UNSUPPORTED_FLAGS = {
@@ -91,14 +88,9 @@ class _TreeFSDPEngine:
 
     def __init__(self, model_config, engine_config, *args, **kwargs):
         # Before verl's own checks and device mesh, which would fail first on some of these.
-        ulysses = engine_config.ulysses_sequence_parallel_size
-        if ulysses > 1:
-            raise ValueError(
-                f"ulysses_sequence_parallel_size={ulysses}: the verl FSDP tree engine does not "
-                "split a tree over Ulysses ranks; set ulysses_sequence_parallel_size=1 (a tree "
-                "holds max_token_len_per_gpu tokens) or use the Megatron tree engine's context "
-                "parallelism (strategy=megatron)"
-            )
+        refuse_ulysses(
+            "ulysses_sequence_parallel_size", engine_config.ulysses_sequence_parallel_size
+        )
         if model_config.use_fused_kernels:
             raise ValueError(
                 "use_fused_kernels=True: the verl FSDP tree engine gathers log-probs from the "
@@ -123,12 +115,12 @@ class _TreeFSDPEngine:
         tokens = self.tree_max_tokens
         if tokens is None:
             tokens = tu.get_non_tensor_data(data, key="max_token_len_per_gpu", default=None)
-        if tokens is None:
-            raise ValueError(
-                "tree micro-batches need a token capacity: set max_token_len_per_gpu on the batch "
-                "(verl's ppo_max_token_len_per_gpu) or tree_max_tokens on the engine"
-            )
-        return math.ceil(int(tokens) / self.tree_block_size) * self.tree_block_size
+        return tree_capacity(
+            tokens,
+            block_size=self.tree_block_size,
+            setting="max_token_len_per_gpu on the batch (verl's ppo_max_token_len_per_gpu) or "
+            "tree_max_tokens on the engine",
+        )
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         for flag, fix in _UNSUPPORTED_FLAGS.items():
@@ -144,25 +136,17 @@ class _TreeFSDPEngine:
         in the tree's order, the tree attached as ``TREE_KEY``) and the batch indices of each that
         holds samples. With ``dp_group`` every rank gets as many micro-batches (all-padding trees
         appended, carrying sample 0 as their verl data: they take no loss and give no output)."""
-        packed = build_packed_tree_batch(
-            {"input_ids": data["input_ids"]},
-            max_tokens_per_mb=capacity,
+        micro_batches, indices, packed = tree_micro_batches(
+            data,
+            max_tokens=capacity,
             block_size=self.tree_block_size,
             share_trunks=False,
             dp_group=dp_group if same_micro_num_in_dp else None,
         )
-        self.tree_stats = packed.summary()
-        logger.info("megatron_tree: %s", packed.summary_line())
-        packed = packed.to(get_device_id())
-        micro_batches, indices = [], []
-        for mb in packed:
-            ids = [int(i) for i in mb.tree.sequence_ids]
-            selected = tu.index_select_tensor_dict(data, torch.tensor(ids or [0], dtype=torch.long))
+        self.tree_stats = log_packing(packed)
+        for selected, mb in zip(micro_batches, packed.to(get_device_id())):
             _temperature(selected)  # one per tree, checked before any forward
             tu.assign_non_tensor(selected, **{TREE_KEY: mb})
-            micro_batches.append(selected)
-            if ids:
-                indices.append(ids)
         return micro_batches, indices
 
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -182,16 +166,15 @@ class _TreeFSDPEngine:
         )
         options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
         with autocast:
-            output = tree_forward(self.module, mb, options=options)
-            logits = output.logits if hasattr(output, "logits") else output
-            logits = logits.reshape(-1, logits.shape[-1])  # [n, V] (a critic's [n, 1])
-            if mb.tree.num_sequences == 0:
-                # An all-padding tree (data-parallel ranks run as many): FSDP's collectives run,
-                # no loss or output.
-                return logits.sum() * 0.0, {}
-            per_token = self._tree_outputs(logits, mb.tree, micro_batch)
+            output, per_token = head_forward(
+                self.module, mb, self._tree_gather(micro_batch), options=options
+            )
+            if mb.tree.num_sequences == 0:  # a data-parallel fill-in: FSDP's collectives run
+                return output.sum() * 0.0, {}
             lengths = mb.tree.cu_seqlens.diff().tolist()
-            model_output = {k: _nested(v, lengths) for k, v in per_token.items()}
+            model_output = {
+                _VERL_NAMES.get(k, k): nested(list(v.split(lengths))) for k, v in per_token.items()
+            }
             if loss_function is not None:
                 loss, metrics = loss_function(
                     model_output=model_output,
@@ -221,17 +204,9 @@ def _load_token_classifier(local_path, torch_dtype, model_config, trust_remote_c
     )
 
 
-def _nested(per_token: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[T] in tree order -> nested [b, j] (verl's no-padding layout)."""
-    return torch.nested.as_nested_tensor(list(per_token.split(lengths)), layout=torch.jagged)
-
-
 def _temperature(micro_batch) -> float:
     """The micro-batch's one temperature (verl gives a float or one per sample)."""
-    temperature = micro_batch["temperature"]
-    if not isinstance(temperature, torch.Tensor):
-        return float(temperature)
-    values = temperature.float().unique()
+    values = sample_temperatures(micro_batch).unique()
     if values.numel() != 1:
         raise ValueError(
             f"temperature: per-sample temperatures {values.tolist()} within one tree; the verl "
@@ -248,15 +223,11 @@ class TreeFSDPEngineWithLMHead(_TreeFSDPEngine, FSDPEngineWithLMHead):
     """verl's ``FSDPEngineWithLMHead`` with tree micro-batches and tree attention (the actor and
     the reference policy)."""
 
-    def _tree_outputs(self, logits, tree, micro_batch) -> dict[str, torch.Tensor]:
-        """logits [n, V] -> {log_probs [T], entropy [T] when verl asks for it} in tree order."""
-        temperature = _temperature(micro_batch)
-        if tu.get_non_tensor_data(micro_batch, key="calculate_entropy", default=False):
-            logprobs, entropy = gather_packed_tree_logprobs_entropy(
-                logits, tree, temperature=temperature
-            )
-            return {"log_probs": logprobs, "entropy": entropy}
-        return {"log_probs": gather_packed_tree_logprobs(logits, tree, temperature=temperature)}
+    def _tree_gather(self, micro_batch) -> LogProbs:
+        """The core head of a micro-batch: log-probs [T] at its one temperature, and entropy [T]
+        when verl asks for it."""
+        entropy = tu.get_non_tensor_data(micro_batch, key="calculate_entropy", default=False)
+        return LogProbs(temperature=_temperature(micro_batch), entropy=bool(entropy))
 
 
 @EngineRegistry.register(model_type="value_model", backend=BACKENDS, device=DEVICES, vendor=VENDOR)
@@ -264,6 +235,6 @@ class TreeFSDPEngineWithValueHead(_TreeFSDPEngine, FSDPEngineWithValueHead):
     """verl's ``FSDPEngineWithValueHead`` with tree micro-batches and tree attention (the critic):
     each sample's values are the critic's output at its own tokens' rows."""
 
-    def _tree_outputs(self, values, tree, micro_batch) -> dict[str, torch.Tensor]:
-        """values [n, 1] -> {values [T]} in tree order."""
-        return {"values": gather_packed_tree_values(values.float(), tree)}
+    def _tree_gather(self, micro_batch) -> Values:
+        """The core head of a critic: values [T] from the value head's [n, 1]."""
+        return Values()
