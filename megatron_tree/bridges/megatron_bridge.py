@@ -56,7 +56,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ..core.attention import BACKENDS
 from ..mcore.model import TreeGPTModel
 from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attention_spec
-from ..patches import megatron_bridge_experts, megatron_bridge_te
+from ..patches import megatron_bridge_experts, megatron_bridge_nemotron_h, megatron_bridge_te
 from ..patches._scoped import swapped
 from ._hook import InitHook, cpu_patch_applied
 from .routing import sigmoid_router_fields
@@ -312,9 +312,11 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     @functools.wraps(original)
     def to_megatron_provider(*args, **kwargs):
         hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
-        return make_tree_provider(
+        provider = make_tree_provider(
             original(*args, **kwargs), backend=backend, block_size=block_size, hf_config=hf_config
         )
+        # Nemotron-H: HF's layer_norm_epsilon in every norm (the gated one included)
+        return megatron_bridge_nemotron_h.bind(provider, hf_config)
 
     bridge.to_megatron_provider = to_megatron_provider
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size})
