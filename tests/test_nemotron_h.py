@@ -239,3 +239,152 @@ def test_flop_model_counts_a_built_nemotron_h(world, case, mamba_checkpoints):
     )
     assert shape.linear_params_per_token == matmul_weights - unused
     assert shape.recurrent_flops_per_token > 0
+
+
+# Issue 42 item 4: Nemotron-H checkpoints as transformers 5.12's save_pretrained writes them from a
+# config that carries a stray rms_norm_eps (HF's Nemotron-H reads only layer_norm_epsilon, default
+# 1e-5; Megatron-Bridge 0.6.2 took rms_norm_eps first) and 8 Mamba heads (d_inner 128 = 2 x hidden).
+# Before megatron_tree.patches.megatron_bridge_nemotron_h: 6.2e-4 (one group), 7.9e-4 (two groups),
+# 4.8e-4 (MoE) off HF, and 3.7e-2 with layer_norm_epsilon=1e-6 (Megatron's gated norm kept 1e-5).
+HF_SAVED_NEMOTRON_H = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    layers_block_type=["mamba", "attention", "mamba", "mlp", "mamba", "mlp"],
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    conv_kernel=4,
+    expand=2,
+    chunk_size=8,
+    mlp_hidden_act="relu2",
+    time_step_limit=(0.0, float("inf")),
+    n_groups=1,
+)
+HF_SAVED_CASES = {
+    "groups1": {},
+    "groups2": {"n_groups": 2},
+    "moe": {
+        "layers_block_type": ["mamba", "moe", "attention", "moe", "mamba", "moe"],
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    },
+    "groups2_eps1e-6": {"n_groups": 2, "layer_norm_epsilon": 1e-6},
+}
+
+
+def save_hf_nemotron_h(path: str, seed: int = 0, **overrides) -> None:
+    """A tiny Nemotron-H written by transformers' own ``save_pretrained``: every weight of rank >= 2
+    drawn N(0, 0.1), the rest (norms, A_log, D, dt_bias, conv bias) as HF initializes them. The
+    embedding is renamed to ``backbone.embeddings.weight``, the name Megatron-Bridge 0.6.2 maps
+    (transformers 5 writes ``backbone.embedding.weight``; issue 42 item 2)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("nemotron_h", **{**HF_SAVED_NEMOTRON_H, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    renamed = {"backbone.embedding.weight": "backbone.embeddings.weight"}
+    save_file({renamed.get(k, k): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
+
+
+def hf_kernel_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """HF fp32 on each sequence alone in one scan chunk, computing what HF's CUDA path computes:
+    its CPU scan (``torch_forward``) also clamps dt from below at ``time_step_min`` (1e-3 in these
+    checkpoints), which its CUDA path (mamba_ssm, ``dt_limit=time_step_limit``), the rollout
+    engines and Megatron do not, so the clamp is lifted (``time_step_min = 0``) for the run."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_tree.testing.reference import one_mamba_chunk
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+    assert mixers and all(m.time_step_min == 1e-3 for m in mixers)
+    for m in mixers:
+        m.time_step_min = 0.0
+    out = {}
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            with one_mamba_chunk(model, len(s)):
+                logits = model(s[None]).logits[0]
+            out[i] = torch.log_softmax(logits, -1)[:-1].gather(1, s[1:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("case", list(HF_SAVED_CASES))
+def test_hf_saved_nemotron_h_matches_hf(world, tmp_path, case):
+    """Issue 42 item 4: each HF-saved checkpoint of ``HF_SAVED_CASES`` through the Megatron-Bridge
+    tree patch gives every sequence of the branching tries HF's log-probs (fp32, within
+    LOGP_TOL; the tree mixer scans chunks of 8, HF one chunk), its norms HF's epsilon."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    overrides = HF_SAVED_CASES[case]
+    save_hf_nemotron_h(str(tmp_path), **overrides)
+    seqs = recurrent_sequences()
+    want = hf_kernel_logprobs(str(tmp_path), seqs)
+    model = megatron_bridge_tree_model(str(tmp_path), backend="sdpa").eval()
+    eps = overrides.get("layer_norm_epsilon", 1e-5)
+    assert model.config.layernorm_epsilon == eps
+    mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
+    assert len(mixers) == 2 + (case != "moe") and all(m.norm.eps == eps for m in mixers)
+    got = tree_logprobs(model, seqs)
+    assert got.keys() == want.keys()
+    for i in want:
+        torch.testing.assert_close(
+            got[i], want[i], rtol=0.0, atol=LOGP_TOL, msg=lambda m, i=i: f"sequence {i}: {m}"
+        )
+    record_parity(f"nemotron_h_hf_saved_{case}", "megatron-bridge", max_err(got, want))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("time_step_limit", (0.0, 0.1)), ("mamba_hidden_act", "gelu"), ("mlp_hidden_act", "silu")],
+)
+def test_hf_saved_nemotron_h_that_megatron_computes_differently_is_refused(
+    world, tmp_path, field, value
+):
+    """A Mamba dt clamp (HF's CUDA scan clamps to time_step_limit), a convolution activation or an
+    MLP activation Megatron does not build: refused at to_megatron_provider, naming the field."""
+    save_hf_nemotron_h(str(tmp_path), **{field: value})
+    with pytest.raises(ValueError, match=f"Nemotron-H {field}="):
+        megatron_bridge_tree_model(str(tmp_path), backend="sdpa")
+
+
+def test_nemotron_h_epsilon_patch_for_plain_bridges(world, tmp_path):
+    """The process-wide form: a plain bridge's Nemotron-H provider takes layer_norm_epsilon while
+    the patch is applied, and the bridge's own mapping (rms_norm_eps first) after undo."""
+    from megatron_tree.patches import megatron_bridge_nemotron_h as patch
+    from megatron_tree.patches import megatron_bridge_te
+
+    megatron_bridge_te.apply()  # Megatron-Bridge imports only with it without transformer-engine
+    from megatron.bridge import AutoBridge
+
+    save_hf_nemotron_h(str(tmp_path))
+    with patch.nemotron_h_epsilon_patch():
+        bridge = AutoBridge.from_hf_pretrained(str(tmp_path), dtype=torch.float32)
+        assert bridge.to_megatron_provider(load_weights=False).layernorm_epsilon == 1e-5
+    assert not patch.is_applied()
+    assert bridge.to_megatron_provider(load_weights=False).layernorm_epsilon == 1e-6
