@@ -26,3 +26,47 @@ AREAL_TESTS=(tests/test_areal.py tests/test_areal_fsdp.py tests/test_docs.py)
 # The tests that run on the TRL stack (default interpreter, MEGATRON_TREE_BRIDGE=trl: TRL's own
 # GRPOTrainer code drives them).
 TRL_TESTS=(tests/test_trl.py)
+# The tests that run on the kernels stack (MEGATRON_TREE_BRIDGE=kernels: mamba-ssm's and fla's own
+# Triton kernels).
+KERNELS_TESTS=(tests/test_recurrent_kernels.py)
+
+# Which tests the Python 3.12 stack (megatron-core 0.19.x, mbridge, transformers 4.57) runs: every
+# file but those that exercise nothing of its own there. The default stack runs them all.
+# Stack-independent: run alone, none of these loads megatron.core or mbridge (tries, packing,
+# masks, partition, log-prob gathers on gloo, the recurrent references, the docs tables), so the 3.12
+# stack would repeat the default's run of the same torch and transformers versions.
+STACK_INDEPENDENT_TESTS=(tests/test_api_table.py tests/test_mask.py tests/test_packing.py tests/test_partition.py tests/test_recurrent.py tests/test_trunk_packing.py tests/test_main_job_report.py tests/test_models_table.py tests/test_quiet.py tests/test_logprobs.py)
+# Run by a Python 3.12 framework stack already, on the same megatron-core 0.19.2 (the Megatron-Bridge
+# and verl lists), or by a framework's own stack where the 3.12 stack only skips them (AReaL, TRL,
+# the kernels). The Megatron-Bridge stack has transformers 5, so the HF tests there run on both
+# transformers lines (4.57 on the default stack). Kept on the 3.12 stack all the same:
+# PY312_ALSO_TESTS, files in those lists with tests that need mbridge with megatron-core 0.19
+# (the docs' mbridge snippets skip on the Megatron-Bridge stack).
+PY312_ALSO_TESTS=(tests/test_docs.py)
+
+# check_test_lists: fail naming any listed test file that does not exist (a renamed file must not
+# drop out of a stack unseen).
+check_test_lists() {
+  local f
+  for f in "${MEGATRON_BRIDGE_TESTS[@]}" "${VERL_TESTS[@]}" "${AREAL_TESTS[@]}" "${TRL_TESTS[@]}" \
+    "${KERNELS_TESTS[@]}" "${STACK_INDEPENDENT_TESTS[@]}" "${PY312_ALSO_TESTS[@]}"; do
+    if [ ! -f "$f" ]; then
+      echo "[ci] $f is in a stack's test list (scripts/_python312.sh) but does not exist: fix the list" >&2
+      return 1
+    fi
+  done
+}
+
+# py312_tests: the test files the Python 3.12 stack runs, one a line (every tests/test_*.py not in
+# the lists above, and PY312_ALSO_TESTS); a new test file runs there until a list names it.
+py312_tests() {
+  local f skip
+  for f in tests/test_*.py; do
+    for skip in "${PY312_ALSO_TESTS[@]}"; do [ "$f" = "$skip" ] && { echo "$f"; continue 2; }; done
+    for skip in "${STACK_INDEPENDENT_TESTS[@]}" "${MEGATRON_BRIDGE_TESTS[@]}" "${VERL_TESTS[@]}" \
+      "${AREAL_TESTS[@]}" "${TRL_TESTS[@]}" "${KERNELS_TESTS[@]}"; do
+      [ "$f" = "$skip" ] && continue 2
+    done
+    echo "$f"
+  done
+}

@@ -19,7 +19,40 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 TORCH_REQ="${MEGATRON_TREE_TORCH:-torch==2.13.0}"
 
-if [ ! -x "$VENV/bin/python" ]; then
+# A framework stack (MEGATRON_TREE_MCORE or MEGATRON_TREE_BRIDGE set) starts as a copy of its
+# interpreter's base stack (.venv, or .venv-<python>), whose site-packages are hard-linked, not
+# installed again: torch (the CUDA build on 3.12 is ~5 GB) and the Megatron stack are unpacked once
+# per interpreter, and the stack's own packages are then installed on top. pip unlinks a file before
+# it writes or removes it, so installing into the copy leaves the base's files as they were.
+# MEGATRON_TREE_BASE_VENV=none installs every stack from scratch instead (the old way).
+BASE_VENV=""
+if [ -z "${MEGATRON_TREE_VENV:-}" ] && { [ -n "$MCORE_REQ" ] || [ -n "$BRIDGE" ]; } \
+  && [ "${MEGATRON_TREE_BASE_VENV:-}" != "none" ]; then
+  if [ -z "${MEGATRON_TREE_PYTHON:-}" ]; then BASE_VENV=.venv; else BASE_VENV=".venv-$(basename "$PYTHON")"; fi
+fi
+layered=0
+if [ ! -x "$VENV/bin/python" ] && [ -n "$BASE_VENV" ]; then
+  MEGATRON_TREE_MCORE="" MEGATRON_TREE_BRIDGE="" bash scripts/setup_env.sh
+  echo "[setup] creating virtual environment $VENV as a hard-linked copy of $BASE_VENV"
+  "$PYTHON" -m venv --without-pip "$VENV"
+  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+  base_site="$("$BASE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+  cp -al "$base_site/." "$site/"
+  # Console scripts name their venv's python in their first line: copied with it rewritten. Other
+  # files there (ruff's binary) are copied as they are.
+  base_abs="$(cd "$BASE_VENV" && pwd)" venv_abs="$(cd "$VENV" && pwd)"
+  for script in "$BASE_VENV"/bin/*; do
+    name="$(basename "$script")"
+    [ -e "$VENV/bin/$name" ] && continue
+    if [ "$(head -c 2 "$script")" = "#!" ]; then
+      sed "1s|^#!$base_abs/bin/|#!$venv_abs/bin/|" "$script" >"$VENV/bin/$name"
+      chmod +x "$VENV/bin/$name"
+    else
+      cp -p "$script" "$VENV/bin/$name"
+    fi
+  done
+  layered=1
+elif [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtual environment $VENV from $PYTHON ($("$PYTHON" --version 2>&1))"
   "$PYTHON" -m venv "$VENV"
 fi
@@ -44,13 +77,30 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import megatr
   exit 0
 fi
 
-pip_install --upgrade pip
-if [ "$TORCH_REQ" != "skip" ]; then
-  echo "[setup] installing $TORCH_REQ"
-  pip_install "$TORCH_REQ"
+# A copy of the base stack already has pip, torch and megatron_tree[megatron,test,examples]
+# (editable, from this checkout); it installs them again only for a megatron-core pin the base's
+# version does not meet.
+satisfied() {
+  "$PY" -c 'import sys
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+r = Requirement(sys.argv[1])
+try:
+    sys.exit(0 if r.specifier.contains(version(r.name), prereleases=True) else 1)
+except PackageNotFoundError:
+    sys.exit(1)' "$1"
+}
+if [ "$layered" = 1 ] && { [ -z "$MCORE_REQ" ] || satisfied "$MCORE_REQ"; }; then
+  echo "[setup] torch, megatron_tree and ${MCORE_REQ:-megatron-core} as in $BASE_VENV"
+else
+  pip_install --upgrade pip
+  if [ "$TORCH_REQ" != "skip" ]; then
+    echo "[setup] installing $TORCH_REQ"
+    pip_install "$TORCH_REQ"
+  fi
+  echo "[setup] installing megatron_tree[megatron,test,examples] (editable) ${MCORE_REQ}"
+  pip_install -e ".[megatron,test,examples]" $MCORE_REQ
 fi
-echo "[setup] installing megatron_tree[megatron,test,examples] (editable) ${MCORE_REQ}"
-pip_install -e ".[megatron,test,examples]" $MCORE_REQ
 install_without_deps() {
   # $1 with --no-deps, then the requirements after it with the installed versions of the packages
   # named by the regex $2 kept (pip must not resolve torch / megatron-core / transformers again).
@@ -85,7 +135,7 @@ install_areal() {
   # declared 5.0-5.3; tests/test_areal_megatron_bridge.py runs its engine there). What
   # they import but never use on that path and is large or GPU-only (ray, numba, datasets, wandb,
   # swanlab, trackio, megatron.bridge, the FP8 Triton kernels) is stood in for by
-  # megatron_tree/testing/areal_platform.py, never installed.
+  # tests/harness/areal_platform.py, never installed.
   echo "[setup] installing areal 1.0.4 (--no-deps) and what its Megatron engine imports"
   install_without_deps "areal==1.0.4" "torch|megatron-core|transformers" \
     "hydra-core==1.4.0.dev1" omegaconf colorlog uvloop lark aiohttp aiofiles httpx flask openai \
@@ -109,6 +159,14 @@ TRITON_REQ="${MEGATRON_TREE_TRITON:-triton==3.7.1}"
 if { [ -z "$BRIDGE" ] || [ "$BRIDGE" = "kernels" ]; } && [ "$TRITON_REQ" != "skip" ] && ! "$PY" -c "import triton" 2>/dev/null; then
   echo "[setup] installing $TRITON_REQ (backend='triton'; its tests use Triton's interpreter)"
   pip_install --no-deps "$TRITON_REQ"
+fi
+# A framework stack copied from a base that got Triton this way (not as a torch dependency) drops
+# it again, as that stack never had it.
+if [ "$layered" = 1 ] && [ -n "$BRIDGE" ] && [ "$BRIDGE" != "kernels" ] \
+  && "$PY" -c "import triton" 2>/dev/null \
+  && ! "$PY" -m pip show torch 2>/dev/null | grep -qE '^Requires:.*\btriton\b'; then
+  echo "[setup] removing triton (copied from $BASE_VENV; not a dependency of this torch)"
+  "$PY" -m pip uninstall --quiet -y triton
 fi
 if [ "$BRIDGE" = "megatron-bridge" ]; then
   install_megatron_bridge

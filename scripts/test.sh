@@ -7,8 +7,11 @@
 # when pytest fails or when it collected no test (pytest exit code 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t_setup=$SECONDS
 bash scripts/setup_env.sh
 source scripts/_env.sh
+t_tests=$SECONDS
+echo "[test] set-up: $((t_tests - t_setup)) s"
 echo "[test] ruff check and ruff format --check (ruff.toml)"
 "$VENV/bin/ruff" check --quiet .
 "$VENV/bin/ruff" format --check --quiet .
@@ -16,6 +19,11 @@ set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
 set -e
+echo "[test] set-up $((t_tests - t_setup)) s, ruff + pytest $((SECONDS - t_tests)) s"
+# .ci/run's per-stack table reads the two numbers from here.
+if [ -n "${MEGATRON_TREE_CI_TIMES:-}" ]; then
+  echo "$((t_tests - t_setup)) $((SECONDS - t_tests))" >"$MEGATRON_TREE_CI_TIMES"
+fi
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
   exit 1
