@@ -51,6 +51,9 @@ from pathlib import Path
 
 import torch
 
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 HERE = Path(__file__).resolve().parent
 PHASES = ("rollout", "pack", "logprobs", "train", "sync")
 RUNS = ("tree", "unshared")
@@ -773,7 +776,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.plot:
         _pyplot()  # fail before training, not after, when matplotlib is missing
-    from megatron_tree.testing.dist import single_process_world
+    from harness.dist import single_process_world
 
     single_process_world(seed=1234)  # a one-process gloo world, Megatron at TP=1, the CPU patch
     wall0 = time.perf_counter()

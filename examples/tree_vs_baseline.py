@@ -63,6 +63,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 HERE = Path(__file__).resolve().parent
 PHASES = 7
 MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron_h_tiny")
@@ -180,7 +183,7 @@ def write_checkpoint(config_dir: str, out_dir: str) -> None:
     """A HuggingFace checkpoint of the bundled config with seeded random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_tree.testing.models import save_checkpoint
+    from harness.models import save_checkpoint
 
     config = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)

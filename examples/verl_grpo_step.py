@@ -13,15 +13,20 @@ stand-ins are applied first (a GPU machine needs none of them).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from functools import partial
+from pathlib import Path
 
 import torch
 
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 
 def main(prompts: int = 4, samples: int = 4) -> dict:
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness import verl as harness
+    from harness.models import make_hf_checkpoint
 
     if not torch.cuda.is_available():
         harness.setup_cpu()

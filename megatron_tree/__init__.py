@@ -8,8 +8,9 @@ Layout, by dependency:
   ``TreeHybridModel``, the recurrent mixers, spec rewrite, value head, the training step). Imports
   Megatron at the top.
 * ``megatron_tree.bridges``: HuggingFace bridges (mbridge).
-* ``megatron_tree.testing``: synthetic batches, small models, the unpacked reference, the spawned
-  world harness; for tests, demos and benchmarks.
+* ``megatron_tree.testing``: the unpacked reference, the tolerances and synthetic batches; for
+  checks, demos and benchmarks (the suite's harness, with the verl / AReaL CPU shims, is the
+  repository's ``tests/harness``, not installed).
 * ``megatron_tree.patches``: explicit runtime patches of code we do not own.
 
 ``import megatron_tree`` imports the core only; the Megatron and bridge names below are imported on

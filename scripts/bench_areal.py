@@ -11,7 +11,7 @@ memory (the process's peak RSS growth over the step, on a CPU; CUDA's peak alloc
 each engine's own. AReaL's tree path builds bf16 parameters when ``dtype="float32"`` without
 gradient checkpointing; here its config is rebuilt in fp32 as for the stock engine, so the three
 compute in the same precision. On a CPU the test harness's stand-ins are applied
-(``megatron_tree.testing.areal_platform``); AReaL's tree attention is FlexAttention, which compiles
+(``harness.areal_platform``); AReaL's tree attention is FlexAttention, which compiles
 on the first step (the warm-up). Medians over the repeats after one warm-up; this machine is
 noisy, read the ratios.
 """
@@ -22,10 +22,15 @@ import argparse
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODEL = dict(
     hidden_size=256,
@@ -67,14 +72,14 @@ def _peak_bytes() -> int:
 
 def _step_worker(rank: int, path: str, engine: str, seqs, prompts, repeats: int, mb_tokens: int):
     """One engine's median ``ppo_update`` seconds, tokens computed and peak memory growth."""
-    from megatron_tree.testing import areal_platform
+    from harness import areal_platform
 
     if not torch.cuda.is_available():
         areal_platform.setup_cpu()
     from areal.utils import stats_tracker
 
+    from harness import areal as harness
     from megatron_tree.integrations.areal import TreeMegatronPPOActor
-    from megatron_tree.testing import areal as harness
 
     if engine == "AReaL tree":
         eng = _areal_tree_fp32(harness, path, mb_tokens)
@@ -170,8 +175,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig
 
-    from megatron_tree.testing.dist import run_spawned
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.dist import run_spawned
+    from harness.models import make_hf_checkpoint
 
     path = os.path.join(tempfile.mkdtemp(prefix="bench_areal_"), "qwen3")
     make_hf_checkpoint("qwen3", path, **MODEL)

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def parse_args():
@@ -77,9 +82,9 @@ def _worker(rank: int, args, batch: dict, cp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from harness.models import build_gpt_model, small_gpt_config
     from megatron_tree import LogProbs, build_packed_tree_batch, tree_forward_backward
     from megatron_tree.core.context_parallel import attention_work, context_parallel_split
-    from megatron_tree.testing.models import build_gpt_model, small_gpt_config
 
     config = small_gpt_config(
         num_layers=args.layers,
@@ -128,7 +133,7 @@ def main() -> None:
     args = parse_args()
     if args.small:
         args.hidden, args.vocab = min(args.hidden, 128), min(args.vocab, 2048)
-    from megatron_tree.testing.dist import run_spawned
+    from harness.dist import run_spawned
 
     batch = agent_tree(args.small, args.vocab)
     lengths = batch["attention_mask"].sum(1)

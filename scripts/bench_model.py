@@ -20,8 +20,12 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def parse_args(argv=None):
@@ -67,9 +71,9 @@ def init_world():
 def build_model(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from harness.models import small_gpt_config
     from megatron_tree.mcore.model import TreeGPTModel
     from megatron_tree.mcore.spec import tree_attention_spec
-    from megatron_tree.testing.models import small_gpt_config
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = small_gpt_config(

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODEL = dict(
     hidden_size=256,
@@ -32,7 +37,7 @@ MODEL = dict(
 def grpo_rows(prompts: int, samples: int, prompt_len: int, seed: int = 0):
     """``prompts`` random prompts of ``prompt_len`` tokens, each with ``samples`` random responses
     of 64-128 tokens: (prompt per row, response per row)."""
-    from megatron_tree.testing.models import VOCAB
+    from harness.models import VOCAB
 
     g = torch.Generator().manual_seed(seed)
     rows_p, rows_c = [], []
@@ -90,10 +95,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     args = parser.parse_args()
 
+    from harness.models import VOCAB, make_hf_checkpoint
+    from harness.trl import grpo_trainer, prompt_completion, trl_inputs
     from megatron_tree import build_packed_tree_batch
     from megatron_tree.integrations.transformers import TreeAttentionOptions
-    from megatron_tree.testing.models import VOCAB, make_hf_checkpoint
-    from megatron_tree.testing.trl import grpo_trainer, prompt_completion, trl_inputs
 
     torch.manual_seed(0)
     prompts, completions = grpo_rows(args.prompts, args.samples, args.prompt_len)

@@ -40,12 +40,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_tree.core.flops import GPTShape
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.testing.synthetic import long_history_sequences, multi_turn_batch, rl_batch
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 BATCH = dict(
     num_tasks=10,
@@ -115,7 +119,7 @@ def pack(batch: dict, capacity: int, mode: str, pad_to_max: bool = False):
 
 
 def config_for(args, **parallel):
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     return small_gpt_config(
         num_layers=args.layers,
@@ -128,8 +132,8 @@ def config_for(args, **parallel):
 
 
 def build_model(args):
-    from megatron_tree.testing.dist import single_process_world
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.dist import single_process_world
+    from harness.models import build_gpt_model
 
     single_process_world()  # applies the CPU patch (megatron_tree.patches.megatron_cpu)
     return build_gpt_model(
@@ -285,7 +289,7 @@ def _layout_worker(rank: int, args, modes: list[str], repeats: int) -> dict:
     the first step (meaningful when ``modes`` holds one mode: a fresh world per mode)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
 
     torch.set_num_threads(args.threads)
     pp, cp = ps.get_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -313,7 +317,7 @@ def _layout_worker(rank: int, args, modes: list[str], repeats: int) -> dict:
 
 def layout_main(args) -> None:
     """Tree packing vs trunk reuse on a 2-process CP or PP world."""
-    from megatron_tree.testing.dist import run_spawned
+    from harness.dist import run_spawned
 
     layout = {"cp2": dict(cp=2, tp=1), "pp2": dict(pp=2, tp=1)}[args.layout]
     modes = ["tree", "trunk"]

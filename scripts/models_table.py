@@ -1,7 +1,7 @@
 """The supported-models table, from the parity tests' results.
 
 The HuggingFace parity tests append one JSON line per result to ``$MEGATRON_TREE_PARITY_LOG``
-(:func:`megatron_tree.testing.models.record_parity`); ``scripts/test_matrix.sh`` sets it for every
+(:func:`harness.models.record_parity`); ``scripts/test_matrix.sh`` sets it for every
 stack. This script groups the lines by model type, engine ("megatron": a bridged Megatron model;
 "hf": HF's own modeling code through ``megatron_tree.integrations.transformers``) and bridge, and
 prints a Markdown table (the stacks and layouts tested, the worst log-prob error over them),
@@ -26,7 +26,7 @@ from pathlib import Path
 START, END = "<!-- models-table:start -->", "<!-- models-table:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- models-summary:start -->", "<!-- models-summary:end -->"
 
-# What each HF model type exercises (the tiny checkpoints of megatron_tree.testing.models).
+# What each HF model type exercises (the tiny checkpoints of harness.models).
 FAMILY = {
     "qwen2": "Qwen2 / Qwen2.5 (dense, QKV bias)",
     "qwen3": "Qwen3 (dense, q/k norms)",

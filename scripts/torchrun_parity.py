@@ -23,9 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 OUTPUT_ATOL = 1e-5  # per-token log-probs / values, fp32
@@ -56,7 +60,7 @@ def parse_args():
 
 
 def config(args, tp: int, pp: int = 1, cp: int = 1, vpp: int | None = None, sp: bool = False):
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     return small_gpt_config(
         num_layers=args.layers,
@@ -75,7 +79,7 @@ def tree_chunks(args, device, state):
     """This rank's model chunks (one per virtual stage) holding their slices of ``state``."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
     from megatron_tree.testing.reference import stage_parameter_name
 
     chunks, names = [], {}
@@ -99,7 +103,7 @@ def tree_chunks(args, device, state):
 
 
 def batch(vocab: int, trunk: bool, chains: bool = False) -> dict:
-    from megatron_tree.testing.models import long_context_sequences, trunk_sequences
+    from harness.models import long_context_sequences, trunk_sequences
     from megatron_tree.testing.synthetic import multi_turn_batch, rl_batch
 
     if chains:
@@ -134,6 +138,7 @@ def main() -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from harness.models import build_gpt_model
     from megatron_tree import (
         LogProbs,
         PackingConfig,
@@ -144,7 +149,6 @@ def main() -> int:
         value_loss,
     )
     from megatron_tree.patches import megatron_cpu
-    from megatron_tree.testing.models import build_gpt_model
     from megatron_tree.testing.reference import gradient_errors, unpacked_reference_step
 
     if device == "cpu":

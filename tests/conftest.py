@@ -50,8 +50,8 @@ def pytest_collection_modifyitems(items):
 def world():
     """Megatron's parallel_state at TP=1 on a one-process gloo world, with the CPU runtime patch
     applied for the module and undone after it."""
+    from harness.dist import single_process_world
     from megatron_tree.patches import megatron_cpu
-    from megatron_tree.testing.dist import single_process_world
 
     single_process_world()
     yield
@@ -61,7 +61,7 @@ def world():
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """{arch: path} of a tiny random checkpoint per architecture in ``ARCHS``."""
-    from megatron_tree.testing.models import make_hf_checkpoints
+    from harness.models import make_hf_checkpoints
 
     return make_hf_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
@@ -70,6 +70,6 @@ def checkpoints(tmp_path_factory):
 def references(checkpoints):
     """HF fp32 (eager attention, CPU) on each branching sequence alone: {arch: {sequence:
     log-probs}}."""
-    from megatron_tree.testing.models import branching_sequences, hf_references
+    from harness.models import branching_sequences, hf_references
 
     return hf_references(checkpoints, branching_sequences())

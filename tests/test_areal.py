@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from megatron_tree.testing.areal import logp_run, train_run
-from megatron_tree.testing.dist import run_spawned
+from harness.areal import logp_run, train_run
+from harness.dist import run_spawned
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
 # ``import areal`` itself needs the fixture's stand-ins (ray, ...), so presence is checked by spec,
@@ -38,7 +38,7 @@ def _critic_run(path: str, seqs: list, state: dict | None = None, **engine) -> d
     """A critic's compute_values, then its ppo_update (AReaL's value loss) on returns drawn with a
     fixed seed, lr 0. ``state``: the model state to load first (the stock critic's, whose value
     head is freshly initialized), returned as ``state``."""
-    from megatron_tree.testing import areal as harness
+    from harness import areal as harness
 
     eng = harness.build_areal_engine(path, critic=True, **(engine or {"fp32_params": True}))
     if state is not None:
@@ -64,8 +64,8 @@ def _critic_run(path: str, seqs: list, state: dict | None = None, **engine) -> d
 
 
 def _areal_worker(rank: int, path: str, seqs: list, trunk_seqs: list) -> dict:
-    from megatron_tree.testing import areal_platform
-    from megatron_tree.testing.models import hf_logprobs
+    from harness import areal_platform
+    from harness.models import hf_logprobs
 
     areal_platform.setup_cpu()  # AReaL imports only with its stand-ins
     from megatron_tree.integrations.areal import TreeMegatronPPOActor, TreeMegatronPPOCritic
@@ -96,8 +96,8 @@ def _areal_worker(rank: int, path: str, seqs: list, trunk_seqs: list) -> dict:
 
 def _parallel_worker(rank: int, path: str, seqs: list) -> dict:
     """The tree engine at CP=2, then at TP=2, in one 2-rank world: log-probs and a PPO update."""
-    from megatron_tree.testing import areal_platform
-    from megatron_tree.testing.models import hf_logprobs
+    from harness import areal_platform
+    from harness.models import hf_logprobs
 
     areal_platform.setup_cpu()
     from megatron_tree.integrations.areal import TreeMegatronPPOActor
@@ -115,7 +115,7 @@ def _parallel_worker(rank: int, path: str, seqs: list) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("areal") / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -127,7 +127,7 @@ def areal_runs(checkpoint):
     """One spawned gloo world for the module: AReaL's stock engine (fp32), its own tree engine,
     ours (TreeMegatronPPOActor / TreeMegatronPPOCritic), a PPO update of each, trunk reuse and the
     critics, on branching_sequences (trunk reuse: trunk_sequences)."""
-    from megatron_tree.testing.models import branching_sequences, trunk_sequences
+    from harness.models import branching_sequences, trunk_sequences
 
     seqs = branching_sequences()
     start = time.perf_counter()
@@ -139,14 +139,14 @@ def areal_runs(checkpoint):
 
 @pytest.fixture(scope="module")
 def parallel_runs(checkpoint):
-    from megatron_tree.testing.models import branching_sequences
+    from harness.models import branching_sequences
 
     return run_spawned(_parallel_worker, 2, checkpoint, branching_sequences(), megatron=False)
 
 
 def test_stock_engine_compute_logp_equals_hf(areal_runs):
     """AReaL's stock (THD-packed, non-tree) forward in fp32 gives each sequence HF's log-probs."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     stock = areal_runs["stock"]
     assert stock["engine"] == "MegatronPPOActor"
@@ -164,7 +164,7 @@ def test_areal_tree_path_is_off_below_the_root(areal_runs):
     root's unbranched trunk its log-probs are far off HF (measured 2.2-3.2 nats, DESIGN.md: RoPE by
     packed index), while the trunk is within bf16 rounding (~0.03, as AReaL's stock engine in
     bf16)."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     tree = areal_runs["tree"]
     assert tree["dtypes"] == {torch.bfloat16}
@@ -209,7 +209,7 @@ def _grad_rel(got: dict, want: dict) -> float:
 def test_tree_engine_compute_logp_equals_hf_at_every_depth(areal_runs):
     """Ours on the batch where AReaL's tree path is off below the root: fp32 parameters as the
     config asks (AReaL's own builds bf16 here) and HF's log-probs at every trie depth."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     ours = areal_runs["ours"]
     assert ours["engine"] == "TreeMegatronPPOActor"
@@ -262,7 +262,7 @@ def test_tree_critic_equals_the_stock_critic(areal_runs):
 def test_tree_engine_context_and_tensor_parallel(areal_runs, parallel_runs, layout):
     """CP=2 (AReaL asserts cp_size == 1 for trees) and TP=2: every rank's log-probs equal HF's and
     its gradients (after Megatron's reduction) the stock engine's at CP=1, TP=1."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     stock = areal_runs["train"]["grads"][0]
     key = "ppo_actor/update/actor_loss/avg"
@@ -303,13 +303,13 @@ def _families_worker(rank: int, paths: dict, seqs: list) -> dict:
     process); aux-loss-free balancing (expert bias) is on as mbridge configures it."""
     from megatron.core.transformer.enums import AttnBackend
 
+    from harness import areal_platform
+    from harness.models import hf_logprobs
     from megatron_tree.patches import mbridge_deepseek
-    from megatron_tree.testing import areal_platform
-    from megatron_tree.testing.models import hf_logprobs
 
     areal_platform.setup_cpu()
+    from harness.areal import unpadded_micro_batches
     from megatron_tree.integrations.areal import TreeMegatronPPOActor
-    from megatron_tree.testing.areal import unpadded_micro_batches
 
     ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
     path = paths["qwen3_moe"]
@@ -341,7 +341,7 @@ def _families_worker(rank: int, paths: dict, seqs: list) -> dict:
 
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory):
-    from megatron_tree.testing.models import branching_sequences, make_hf_checkpoint
+    from harness.models import branching_sequences, make_hf_checkpoint
 
     root = tmp_path_factory.mktemp("areal_families")
     paths = {arch: str(root / arch) for arch in ("qwen3_moe", "deepseek_v3")}
@@ -360,7 +360,7 @@ def test_family_compute_logp_equals_hf(family_runs, family):
     """Qwen3-MoE (routed experts) and DeepSeek-V3 (multi-latent attention with YaRN, routed and
     shared experts, group-limited sigmoid routing) through AReaL's compute_logp: ours equals HF
     at every trie depth, fp32 parameters; the stock reference equals HF too."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     run = family_runs[family]
     errors = error_by_depth(run["ours"]["logp"], run["hf"], family_runs["seqs"])

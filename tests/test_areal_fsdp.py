@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
+from harness.dist import run_spawned
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
 ON_AREAL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "areal"
@@ -37,9 +37,9 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
     the rollout log-probs are HF's; lr 0) with the gradients as the backward left them."""
     from areal.utils import stats_tracker
 
+    from harness.areal import areal_batch, areal_trajectories, per_sequence
+    from harness.areal_fsdp import build_fsdp_engine, captured_grads, packed_sdpa
     from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
-    from megatron_tree.testing.areal import areal_batch, areal_trajectories, per_sequence
-    from megatron_tree.testing.areal_fsdp import build_fsdp_engine, captured_grads, packed_sdpa
 
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -73,9 +73,9 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
 def _critic_run(path: str, seqs: list, tree: bool) -> dict:
     """A critic's compute_values, then its ppo_update (AReaL's value loss) on returns drawn with a
     fixed seed, lr 0; the value head is initialized from seed 0 for both engines."""
+    from harness.areal import areal_trajectories
+    from harness.areal_fsdp import build_fsdp_engine, captured_grads, packed_sdpa
     from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOCritic
-    from megatron_tree.testing.areal import areal_trajectories
-    from megatron_tree.testing.areal_fsdp import build_fsdp_engine, captured_grads, packed_sdpa
 
     with contextlib.ExitStack() as stack:
         torch.manual_seed(0)
@@ -102,8 +102,8 @@ def _critic_run(path: str, seqs: list, tree: bool) -> dict:
 
 
 def _fsdp_worker(rank: int, path: str, seqs: list) -> dict:
-    from megatron_tree.testing.areal_fsdp import setup_fsdp_cpu
-    from megatron_tree.testing.models import hf_logprobs
+    from harness.areal_fsdp import setup_fsdp_cpu
+    from harness.models import hf_logprobs
 
     setup_fsdp_cpu()  # AReaL imports only with its stand-ins
     hf = hf_logprobs(path, seqs)
@@ -126,8 +126,8 @@ def _dp_worker(rank: int, path: str, seqs: list) -> dict:
     checkpointing on in both engines: each rank its share of the sequences (:func:`_dp_shards`);
     ours with 48-token micro-batches of 16-token blocks (rank 0 needs more than rank 1, which gets
     an all-padding fill-in so that both run as many forwards), the stock engine with one."""
-    from megatron_tree.testing.areal_fsdp import setup_fsdp_cpu
-    from megatron_tree.testing.models import hf_logprobs
+    from harness.areal_fsdp import setup_fsdp_cpu
+    from harness.models import hf_logprobs
 
     setup_fsdp_cpu()  # AReaL imports only with its stand-ins
     from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
@@ -142,7 +142,7 @@ def _dp_worker(rank: int, path: str, seqs: list) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("areal_fsdp") / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -151,7 +151,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(checkpoint):
-    from megatron_tree.testing.models import branching_sequences
+    from harness.models import branching_sequences
 
     seqs = branching_sequences()
     out = run_spawned(_fsdp_worker, 1, checkpoint, seqs, megatron=False)[0]
@@ -216,8 +216,8 @@ def test_tree_fsdp_engine_data_parallel(checkpoint):
     """DP=2 with FSDP2 sharding and gradient checkpointing: per rank, log-probs equal HF's and the
     stock engine's; the reduced gradients equal the stock engine's; both ranks ran as many tree
     micro-batches."""
+    from harness.models import branching_sequences
     from megatron_tree import build_packed_tree_batch
-    from megatron_tree.testing.models import branching_sequences
     from megatron_tree.testing.reference import gradient_errors
 
     seqs = branching_sequences()

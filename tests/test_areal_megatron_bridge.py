@@ -33,9 +33,9 @@ import time
 import pytest
 import torch
 
-from megatron_tree.testing.areal import logp_run, train_run
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
+from harness.areal import logp_run, train_run
+from harness.dist import run_spawned
+from harness.marks import MEGATRON_BRIDGE_STACK
 from megatron_tree.testing.tolerances import GRAD_RTOL, HF_HYBRID_LOGP_TOL, LOGP_TOL, LOSS_RTOL
 
 ON_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "megatron-bridge"
@@ -57,12 +57,12 @@ HF_TOL = {"qwen3": LOGP_TOL, "nemotron_h": LOGP_TOL, "qwen3_5_text": HF_HYBRID_L
 
 
 def _worker(rank: int, paths: dict) -> dict:
-    from megatron_tree.testing import areal_platform
-    from megatron_tree.testing.models import branching_sequences, hf_logprobs, recurrent_sequences
+    from harness import areal_platform
+    from harness.models import branching_sequences, hf_logprobs, recurrent_sequences
 
     areal_platform.setup_cpu()
+    from harness.areal import build_areal_engine
     from megatron_tree.integrations.areal import TreeMegatronPPOActor
-    from megatron_tree.testing.areal import build_areal_engine
 
     stock = dict(bridge_type="megatron-bridge")
     ours = dict(tree=True, engine_cls=TreeMegatronPPOActor, **stock)
@@ -100,7 +100,7 @@ def _worker(rank: int, paths: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     root = tmp_path_factory.mktemp("areal_megatron_bridge")
     paths = {arch: str(root / arch) for arch in ("qwen3", *HYBRIDS)}
@@ -128,7 +128,7 @@ def test_areal_refuses_megatron_bridge_trees(runs):
 def test_compute_logp_equals_hf(runs, arch):
     """AReaL's compute_logp through our engine on a Megatron-Bridge model: HF's log-probs at every
     trie depth, fp32 parameters; for Qwen3 AReaL's stock engine equals HF too."""
-    from megatron_tree.testing.areal import error_by_depth
+    from harness.areal import error_by_depth
 
     run = runs[arch]
     ours = run["ours"]

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from harness.models import attention_reference, branching_sequences, pack
 from megatron_tree.core import mask as tree_mask
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
-from megatron_tree.testing.models import attention_reference, branching_sequences, pack
 from megatron_tree.testing.tolerances import FP64_TOL
 
 
@@ -153,8 +153,8 @@ def test_flex_compiles_once_for_many_packed_lengths(with_plan):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from harness.models import attention_reference
     from megatron_tree.core import attention as tree_attn
-    from megatron_tree.testing.models import attention_reference
 
     torch._dynamo.reset()
     tree_attn._COMPILED_FLEX = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.models import (
+from harness.models import (
     RECOMPUTE_MODES,
     VOCAB,
     branching_sequences,
@@ -34,7 +34,7 @@ pytestmark = [
 
 
 def _config(**overrides):
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     return small_gpt_config(add_qkv_bias=True, init_method_std=0.15, **overrides)
 

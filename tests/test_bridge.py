@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.models import (
     ARCHS,
     branching_sequences,
     max_err,
@@ -232,7 +232,7 @@ MOE_CASES = {  # name: (arch, HF config overrides)
 def moe_checkpoints(tmp_path_factory):
     """{case: (path, HF log-probs on each branching sequence alone)} for the tiny MoE
     checkpoints."""
-    from megatron_tree.testing.models import hf_references, make_hf_checkpoints
+    from harness.models import hf_references, make_hf_checkpoints
 
     paths = make_hf_checkpoints(tmp_path_factory.mktemp("cases"), MOE_CASES)
     references = hf_references(paths, branching_sequences())

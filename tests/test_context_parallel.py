@@ -11,6 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.dist import reinitialize_model_parallel, run_spawned
+from harness.models import (
+    VOCAB,
+    attention_reference,
+    branching_sequences,
+    long_context_sequences,
+    pack,
+    recompute_fields,
+)
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.context_parallel import (
     attention_work,
@@ -19,15 +28,6 @@ from megatron_tree.core.context_parallel import (
 )
 from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.core.tree import PackedTree
-from megatron_tree.testing.dist import reinitialize_model_parallel, run_spawned
-from megatron_tree.testing.models import (
-    VOCAB,
-    attention_reference,
-    branching_sequences,
-    long_context_sequences,
-    pack,
-    recompute_fields,
-)
 from megatron_tree.testing.synthetic import rl_batch
 from megatron_tree.testing.tolerances import FP32_ATTN_TOL, GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -144,7 +144,7 @@ def _short_sequences() -> list[torch.Tensor]:
 def _model(tree: bool, critic: bool, cp: int, recompute: dict):
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.testing.models import build_gpt_model, small_gpt_config
+    from harness.models import build_gpt_model, small_gpt_config
 
     config = small_gpt_config(
         num_layers=NUM_LAYERS,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.dist import run_spawned, single_process_world
 from megatron_tree.patches import megatron_cpu
-from megatron_tree.testing.dist import run_spawned, single_process_world
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU patch is a no-op on CUDA machines"
@@ -26,7 +26,7 @@ def _tiny_gpt(tp_size: int = 1, **config_overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     config = small_gpt_config(tensor_model_parallel_size=tp_size, **config_overrides)
     return GPTModel(
@@ -93,7 +93,7 @@ def test_gpt_forward_backward_single_process():
         single_process_world()
         from megatron.core.tensor_parallel import random as mp_random
 
-        from megatron_tree.testing.models import recompute_fields
+        from harness.models import recompute_fields
 
         torch.manual_seed(0)
         model = _tiny_gpt()
@@ -147,7 +147,7 @@ def test_torch_norms_allow_sequence_parallel_and_mark_their_parameters():
     and undo brings the refusal back."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     configs = {
         norm: small_gpt_config(
@@ -190,7 +190,7 @@ def test_moe_router_and_alltoall_dispatcher_on_cpu():
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from megatron_tree.testing.models import build_gpt_model, small_moe_config
+    from harness.models import build_gpt_model, small_moe_config
 
     had_gemm = hasattr(moe_utils, "te_general_gemm")
     stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream

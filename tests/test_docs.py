@@ -133,7 +133,7 @@ class CountingOptimizer:
 def rollout() -> dict:
     """A right-padded rollout batch of the tiny checkpoints' vocabulary: a shared prompt with six
     responses, a multi-turn chain, a prefix and a duplicate; rolled loss mask, advantages."""
-    from megatron_tree.testing.models import branching_sequences
+    from harness.models import branching_sequences
     from megatron_tree.testing.synthetic import rl_batch
 
     return rl_batch(branching_sequences())
@@ -143,7 +143,7 @@ def rl_loop_namespace(checkpoints) -> dict:
     """The mbridge examples (README quick start, usage's first): ``hf_path``, the rollout tensors
     ``ids``, ``mask``, ``loss_mask``, ``advantages``, ``vocab_size``, ``ppo_epochs``,
     ``optimizer``."""
-    from megatron_tree.testing.models import VOCAB
+    from harness.models import VOCAB
 
     batch = rollout()
     return dict(
@@ -167,7 +167,7 @@ def check_rl_loop(ns: dict) -> None:
 
 def megatron_core_namespace(checkpoints) -> dict:
     """usage's plain Megatron-Core example: ``config``, ``V`` (vocabulary), ``S`` (max length)."""
-    from megatron_tree.testing.models import VOCAB, small_gpt_config
+    from harness.models import VOCAB, small_gpt_config
 
     return dict(config=small_gpt_config(), V=VOCAB, S=512)
 
@@ -183,7 +183,7 @@ def building_blocks_namespace(checkpoints) -> dict:
     its ``tp_group``."""
     from megatron.core import parallel_state
 
-    from megatron_tree.testing.models import VOCAB, build_gpt_model, small_gpt_config
+    from harness.models import VOCAB, build_gpt_model, small_gpt_config
 
     batch = rollout()
     return dict(
@@ -205,14 +205,14 @@ def check_building_blocks(ns: dict) -> None:
 
 def hf_namespace(checkpoints) -> dict:
     """docs/huggingface.md's snippet: ``hf_path``, a list of branching ``sequences``, ``device``."""
-    from megatron_tree.testing.models import branching_sequences
+    from harness.models import branching_sequences
 
     return dict(hf_path=checkpoints["qwen3"], sequences=branching_sequences(), device="cpu")
 
 
 def check_hf(ns: dict) -> None:
     """Each sequence's log-probs equal HF eager's on the sequence alone."""
-    from megatron_tree.testing.models import hf_logprobs
+    from harness.models import hf_logprobs
     from megatron_tree.testing.tolerances import LOGP_TOL
 
     seqs, logprobs = ns["sequences"], ns["logprobs"]
@@ -228,7 +228,8 @@ MEGATRON_BRIDGE_PREAMBLE = """\
 # Fixture preamble (tests/test_docs.py): a one-process world and a tiny checkpoint; nothing of
 # Megatron-Bridge or of megatron_tree's bridges is imported before the snippet.
 import os, sys
-from megatron_tree.testing.dist import single_process_world
+sys.path.insert(0, "tests")  # the test harness (tests/harness), not installed
+from harness.dist import single_process_world
 single_process_world()
 hf_path, tp = os.environ["MEGATRON_TREE_DOCS_CHECKPOINT"], 1
 assert "megatron.bridge" not in sys.modules
@@ -243,7 +244,8 @@ AREAL_PREAMBLE = """\
 # Fixture preamble (tests/test_docs.py): AReaL imports on a CPU machine only with the test
 # harness's stand-ins for what it imports but this path never uses (ray, wandb, ...).
 import sys
-from megatron_tree.testing import areal_platform
+sys.path.insert(0, "tests")  # the test harness (tests/harness), not installed
+from harness import areal_platform
 areal_platform.setup_cpu()
 """
 AREAL_CHECK = """\

@@ -36,7 +36,7 @@ def test_unshared_flops_of_a_causal_chain():
 def test_linear_params_match_a_built_megatron_model(world):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
 
     config = TransformerConfig(
         num_layers=2,
@@ -167,7 +167,7 @@ def test_moe_active_parameters_match_a_built_megatron_model(world):
     """A local-spec MoE GPT (layers 0 and 2 of 3 MoE, 4 experts, top-2, a gated shared expert): the
     active weights are every non-expert matmul weight (router and shared expert included) plus 2/4
     of the expert weights."""
-    from megatron_tree.testing.models import build_gpt_model, small_moe_config
+    from harness.models import build_gpt_model, small_moe_config
 
     config = small_moe_config(
         num_layers=3,
@@ -196,7 +196,7 @@ def test_multi_latent_attention_costs(world, q_lora_rank):
     """DeepSeek-V3's attention: the per-token weights are the built MLA model's matrices (latent
     down / up projections, rope key, output), and a pair costs 2 x heads x (24 query-key + 12 value
     dims), not 4 x heads x the hidden's head dim."""
-    from megatron_tree.testing.models import build_gpt_model, small_mla_config
+    from harness.models import build_gpt_model, small_mla_config
 
     # Without a query rank there is no query latent to norm (megatron-core 0.17+ refuses the norm).
     config = small_mla_config(q_lora_rank=q_lora_rank, qk_layernorm=q_lora_rank is not None)

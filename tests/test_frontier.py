@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.marks import MEGATRON_BRIDGE_STACK
+from harness.models import (
     FRONTIER_ARCHS,
     branching_sequences,
     max_err,
@@ -39,14 +39,14 @@ NO_ROUTER_LOSS = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_co
 
 @pytest.fixture(scope="module")
 def frontier_checkpoints(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoints
+    from harness.models import make_hf_checkpoints
 
     return make_hf_checkpoints(tmp_path_factory.mktemp("frontier"), FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def frontier_references(frontier_checkpoints):
-    from megatron_tree.testing.models import hf_references
+    from harness.models import hf_references
 
     return hf_references(frontier_checkpoints, branching_sequences())
 
@@ -87,8 +87,8 @@ class _OneSequence(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, position_ids, attention_mask=None):
+        from harness.models import pack
         from megatron_tree.core.mask import tree_attention_mask
-        from megatron_tree.testing.models import pack
 
         mb = pack([input_ids[0]])[0]
         out = self.model(
@@ -167,7 +167,7 @@ def test_multi_token_prediction_is_refused_until_switched_off(world, tmp_path, f
     """A DeepSeek-V3 checkpoint with num_nextn_predict_layers=1: the bridge turns MTP on, the tree
     provider refuses it at provide(); with provider.mtp_num_layers = None it loads and matches HF
     (HF's model has no MTP layers either)."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "deepseek_mtp")
     make_hf_checkpoint("deepseek_v3", path, num_nextn_predict_layers=1)
@@ -218,7 +218,7 @@ def test_flop_model_counts_a_built_frontier_model(world, arch, frontier_checkpoi
 def test_sigmoid_routing_megatron_cannot_reproduce_is_refused(world, tmp_path, overrides, match):
     """HF routing that Megatron's sigmoid router computes differently is refused when the provider
     is made, not loaded with other routing."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "deepseek")
     make_hf_checkpoint("deepseek_v3", path, **overrides)

@@ -25,7 +25,7 @@ def _batch():
     """Two branching batches and one large GRPO group (16 responses to one prompt), shuffled: 5
     prompt groups labelled by their first token; per-sequence weights (advantages); the global
     count of predicted tokens. Balancing alone would cut the large group across the ranks."""
-    from megatron_tree.testing.models import VOCAB, branching_sequences
+    from harness.models import VOCAB, branching_sequences
 
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(1, VOCAB, (24,), generator=g)
@@ -109,8 +109,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_fsdp2_tree_matches_hf_per_sequence(tmp_path):
-    from megatron_tree.testing.dist import run_spawned
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.dist import run_spawned
+    from harness.models import make_hf_checkpoint
 
     ckpt = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", ckpt)
@@ -153,10 +153,10 @@ def test_trunk_reuse_and_ulysses_refused():
     parallel size, are refused with messages that name the argument to change."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from harness.models import branching_sequences
     from megatron_tree import build_packed_tree_batch
     from megatron_tree.integrations.fsdp import pack_rank_share
     from megatron_tree.integrations.transformers import packed_logprobs, prepare_model
-    from megatron_tree.testing.models import branching_sequences
 
     config = AutoConfig.for_model(
         "qwen3",

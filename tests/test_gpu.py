@@ -26,9 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.core.attention import tree_attention
-from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
-from megatron_tree.testing.models import (
+from harness.models import (
     ARCHS,
     RECOMPUTE_MODES,
     VOCAB,
@@ -40,6 +38,8 @@ from megatron_tree.testing.models import (
     recompute_fields,
     small_gpt_config,
 )
+from megatron_tree.core.attention import tree_attention
+from megatron_tree.core.mask import build_attention_mask_from_trie, tree_attention_mask
 from megatron_tree.testing.tolerances import (
     BF16_FACTOR,
     GPU_FP32_KERNEL_TOL,
@@ -225,7 +225,7 @@ def _weighted_loss(logprobs: dict, weights: dict) -> torch.Tensor:
 def test_flex_fp32_grads_packed_vs_unpacked(recompute, record_property):
     """One tree-packed step (flex, fp32) vs the sum of per-sequence steps of Megatron's own GPTModel
     (local spec, causal mask), same per-token loss weights: gradients of every parameter."""
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
 
     seqs = branching_sequences()
     g = torch.Generator().manual_seed(7)
@@ -353,10 +353,10 @@ def test_bf16_step_vs_unpacked(layout, record_property):
     reference's), not gated: bf16 has no bar for them yet."""
     from megatron.core import parallel_state as ps
 
+    from harness.models import build_gpt_model, trunk_sequences
     from megatron_tree.core.heads import LogProbs
     from megatron_tree.core.packing import build_packed_tree_batch
     from megatron_tree.mcore.step import tree_forward_backward
-    from megatron_tree.testing.models import build_gpt_model, trunk_sequences
     from megatron_tree.testing.reference import (
         gradient_errors,
         parameter_grads,
@@ -516,9 +516,9 @@ def ssd_kernel_runs(
     one-token segments) and a 200-token prompt with 150- and 70-token continuations and, after a
     one-token branch point, 90- and 3-token ones: segments over several chunks. (A plain function:
     scripts/check_ssd_interpreter.py-style shims run it on the CPU in Triton's interpreter.)"""
+    from harness.models import recurrent_sequences
     from megatron_tree.core.recurrent import RecurrentPlan
     from megatron_tree.mcore import ssd_kernels
-    from megatron_tree.testing.models import recurrent_sequences
 
     g = torch.Generator().manual_seed(9)
     rand = lambda n: torch.randint(1, VOCAB, (n,), generator=g)  # noqa: E731

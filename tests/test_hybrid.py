@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.marks import MEGATRON_BRIDGE_STACK
+from harness.models import (
     HYBRID_ARCHS,
     RECOMPUTE_MODES,
     max_err,
@@ -49,14 +49,14 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def hybrid_checkpoints(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoints
+    from harness.models import make_hf_checkpoints
 
     return make_hf_checkpoints(tmp_path_factory.mktemp("hybrid"), HYBRID_ARCHS)
 
 
 @pytest.fixture(scope="module")
 def hybrid_references(hybrid_checkpoints):
-    from megatron_tree.testing.models import hf_references
+    from harness.models import hf_references
 
     return hf_references(hybrid_checkpoints, recurrent_sequences())
 

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_tree.core.heads import LogProbs, Values
-from megatron_tree.core.losses import ppo_clipped_loss, value_loss
-from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import tree_forward_backward
-from megatron_tree.testing.models import (
+from harness.models import (
     VOCAB,
     branching_sequences,
     build_gpt_model,
     small_gpt_config,
     trunk_sequences,
 )
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.reference import parameter_grads
 from megatron_tree.testing.synthetic import rl_batch
 

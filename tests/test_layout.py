@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_tree"
 HEAVY = ("megatron", "mbridge", "transformers", "megatron_tree.patches")
+HARNESS = ROOT / "tests" / "harness"
+# megatron_tree.testing: what a user calls (the unpacked reference, the tolerances, synthetic
+# batches); the suite's harness (models, worlds, engine fixtures, CPU shims) is tests/harness.
+SHIPPED_TESTING = {"__init__", "reference", "synthetic", "tolerances"}
 
 
 def _imported_after(code: str) -> list[str]:
@@ -152,3 +157,42 @@ def test_functions_stay_short():
                 if body and body[-1].end_lineno - body[0].lineno + 1 > 100:
                     long.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert long == []
+
+
+def _setup_keywords(monkeypatch) -> dict:
+    """The keyword arguments setup.py hands to ``setuptools.setup``, run from the repository root
+    (what a wheel built from this checkout packages)."""
+    import setuptools
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **keywords: captured.update(keywords))
+    monkeypatch.chdir(ROOT)
+    runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    return captured
+
+
+def test_the_wheel_ships_no_test_harness(monkeypatch):
+    """setup.py packages ``megatron_tree`` only, whose ``testing`` holds the reference, the
+    tolerances and the synthetic batches; the harness (the verl / AReaL CPU platform shims, engine
+    fixtures, spawned worlds, small models) stays in tests/harness, and no installed module imports
+    it, pytest or Hypothesis."""
+    packages = _setup_keywords(monkeypatch)["packages"]
+    assert "megatron_tree.testing" in packages
+    assert [p for p in packages if p.split(".")[0] != "megatron_tree"] == []
+    shipped = {p.stem for p in (PACKAGE / "testing").glob("*.py")}
+    assert shipped == SHIPPED_TESTING
+    harness = {p.stem for p in HARNESS.glob("*.py")}
+    assert {"verl_platform", "areal_platform", "verl", "areal", "dist", "models"} <= harness
+    forbidden = {"harness", "tests", "pytest", "hypothesis"}
+    leaks = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            where = path.relative_to(ROOT)
+            leaks += [f"{where}: {name}" for name in names if name.split(".")[0] in forbidden]
+    assert leaks == []

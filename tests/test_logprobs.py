@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.dist import run_spawned
 from megatron_tree.core import fused_logprobs
 from megatron_tree.core import logprobs as logprobs_module
 from megatron_tree.core.checks import set_debug_checks
@@ -25,7 +26,6 @@ from megatron_tree.core.results import (
     merge_packed_tree_results,
 )
 from megatron_tree.core.tree import PackedTree
-from megatron_tree.testing.dist import run_spawned
 from megatron_tree.testing.tolerances import FP32_LOGSOFTMAX_TOL, FP32_TP_LOGSOFTMAX_TOL, FP64_TOL
 
 VOCAB = 48  # divisible by 2 and 4 for the TP tests

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.marks import CPU_SUITE
+from harness.models import pack, recurrent_sequences
 from megatron_tree.core.recurrent import ssd_reference
-from megatron_tree.testing.marks import CPU_SUITE
-from megatron_tree.testing.models import pack, recurrent_sequences
 from megatron_tree.testing.tolerances import FP64_MODEL_TOL
 
 mamba = pytest.importorskip("megatron_tree.mcore.mamba")

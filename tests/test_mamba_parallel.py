@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.marks import MEGATRON_BRIDGE_STACK
+from harness.models import (
     RECOMPUTE_MODES,
     hf_logprobs,
     max_err,
@@ -36,7 +36,7 @@ pytestmark = [*MEGATRON_BRIDGE_STACK]
 def nemotron_h(tmp_path_factory):
     """A tiny random Nemotron-H checkpoint (pattern ``M*M-``) and HF's log-probs of every
     sequence of ``recurrent_sequences()`` alone."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("nemotron_h"))
     make_hf_checkpoint("nemotron_h", path)
@@ -151,7 +151,7 @@ def test_nemotron_h_moe_step_gradients_equal_unpacked(world, tmp_path):
     sigmoid router with expert bias, attention). Router losses are as if unpacked over the batch
     (tests/test_moe_aux_loss.py), not per sequence as this reference runs, so they are off here;
     the bridge's seq_aux_loss is refused with trees."""
-    from megatron_tree.testing.models import NEMOTRON_H_MOE, make_hf_checkpoint
+    from harness.models import NEMOTRON_H_MOE, make_hf_checkpoint
 
     make_hf_checkpoint("nemotron_h", str(tmp_path), **NEMOTRON_H_MOE)
     fields = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0}
@@ -276,9 +276,9 @@ def _direct_hybrid(**config_fields):
     list of this rank's chunks under virtual pipeline parallelism."""
     from megatron.core import parallel_state as ps
 
+    from harness.models import small_gpt_config
     from megatron_tree.mcore.hybrid import TreeHybridModel, local_hybrid_stack_spec
     from megatron_tree.mcore.spec import tree_attention_spec
-    from megatron_tree.testing.models import small_gpt_config
 
     config = small_gpt_config(
         num_layers=4,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.models import branching_sequences, max_err, record_parity, tree_logprobs
+from harness.models import branching_sequences, max_err, record_parity, tree_logprobs
 from megatron_tree.testing.tolerances import LOGP_TOL
 
 pytestmark = [
@@ -35,7 +35,7 @@ CASES = {  # name: (arch, HF config overrides)
 @pytest.fixture(scope="module")
 def frontier(tmp_path_factory):
     """{case: (checkpoint path, HF log-probs of each branching sequence alone)}."""
-    from megatron_tree.testing.models import hf_references, make_hf_checkpoints
+    from harness.models import hf_references, make_hf_checkpoints
 
     paths = make_hf_checkpoints(tmp_path_factory.mktemp("cases"), CASES)
     references = hf_references(paths, branching_sequences())

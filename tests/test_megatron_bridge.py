@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.marks import MEGATRON_BRIDGE_STACK
+from harness.models import (
     ARCHS,
     branching_sequences,
     max_err,

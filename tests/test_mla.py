@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.dist import reinitialize_model_parallel, run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import reinitialize_model_parallel, run_spawned
+from harness.models import (
     RECOMPUTE_MODES,
     VOCAB,
     branching_sequences,
@@ -31,14 +31,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def _config(rope_type: str = "yarn", **overrides):
-    from megatron_tree.testing.models import small_mla_config
+    from harness.models import small_mla_config
 
     return small_mla_config(rope_type=rope_type, init_method_std=0.15, **overrides)
 
 
 def _models(config, backend: str = "block_sparse"):
     """(stock reference, tree model with the same weights)."""
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
 
     reference = build_gpt_model(config, tree=False, vocab_size=VOCAB)
     tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend=backend, block_size=16)
@@ -168,7 +168,7 @@ def test_mla_trunk_reuse_gradients_equal_unpacked(world):
 def _parallel_worker(rank: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_tree.testing.models import build_gpt_model, step_logprobs
+    from harness.models import build_gpt_model, step_logprobs
 
     cases = (
         ("branching", branching_sequences(), {}),

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megatron_tree.testing.models import PARITY_LOG_ENV, record_parity
+from harness.models import PARITY_LOG_ENV, record_parity
 
 
 def _script():

@@ -20,9 +20,8 @@ import types
 import pytest
 import torch
 
-from megatron_tree.core.losses import ppo_clipped_loss
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.models import (
     VOCAB,
     branching_sequences,
     build_gpt_model,
@@ -32,6 +31,7 @@ from megatron_tree.testing.models import (
     recompute_fields,
     small_moe_config,
 )
+from megatron_tree.core.losses import ppo_clipped_loss
 from megatron_tree.testing.reference import (
     gradient_errors,
     parameter_grads,

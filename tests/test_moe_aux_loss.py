@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.core.mask import tree_attention_mask
-from megatron_tree.testing.models import (
+from harness.models import (
     VOCAB,
     branching_sequences,
     build_gpt_model,
@@ -21,6 +20,7 @@ from megatron_tree.testing.models import (
     recompute_fields,
     small_moe_config,
 )
+from megatron_tree.core.mask import tree_attention_mask
 from megatron_tree.testing.reference import parameter_grads
 from megatron_tree.testing.synthetic import pad_sequences
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOSS_RTOL

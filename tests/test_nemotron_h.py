@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.marks import MEGATRON_BRIDGE_STACK
-from megatron_tree.testing.models import (
+from harness.marks import MEGATRON_BRIDGE_STACK
+from harness.models import (
     MAMBA_CASES,
     branching_sequences,
     max_err,
@@ -40,14 +40,14 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def mamba_checkpoints(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoints
+    from harness.models import make_hf_checkpoints
 
     return make_hf_checkpoints(tmp_path_factory.mktemp("mamba"), MAMBA_CASES)
 
 
 @pytest.fixture(scope="module")
 def mamba_references(mamba_checkpoints):
-    from megatron_tree.testing.models import hf_references
+    from harness.models import hf_references
 
     return hf_references(mamba_checkpoints, recurrent_sequences())
 
@@ -209,7 +209,7 @@ def test_tree_hybrid_model_refuses_by_name(world, pattern, fields, match, positi
 def test_nemotron_h_with_mtp_is_refused_at_provide(world, tmp_path):
     """A Nemotron-H checkpoint with MTP layers (num_nextn_predict_layers): the bridge's provider
     refuses to build until MTP is switched off."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     make_hf_checkpoint(
         "nemotron_h", str(tmp_path), num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*-"

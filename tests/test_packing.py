@@ -12,10 +12,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from harness.strategies import random_tries
 from megatron_tree.core.flops import GPTShape, attention_pairs, cost_weights, train_flops
 from megatron_tree.core.mask import build_attention_mask_from_trie
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.testing.strategies import random_tries
 from megatron_tree.testing.synthetic import grpo_batch, multi_turn_batch, pad_sequences
 
 
@@ -353,7 +353,7 @@ def _dp_worker(rank: int) -> dict:
 
 
 def test_data_parallel_ranks_get_the_same_number_of_trees():
-    from megatron_tree.testing.dist import run_spawned
+    from harness.dist import run_spawned
 
     r0, r1 = run_spawned(_dp_worker, 2, megatron=False)
     assert r0["num"] == r1["num"] == 3

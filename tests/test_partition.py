@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.strategies import random_tries
 from megatron_tree import partition_for_data_parallel
 from megatron_tree.core.flops import GPTShape, cost_weights, train_flops
 from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.testing.strategies import random_tries
 from megatron_tree.testing.synthetic import agent_batch, grpo_batch, pad_sequences
 
 SHAPE = GPTShape(

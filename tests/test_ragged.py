@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.models import branching_sequences
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.core.ragged import InputLayout, to_padded
-from megatron_tree.testing.models import branching_sequences
 from megatron_tree.testing.synthetic import pad_sequences
 
 PACKING = dict(max_tokens_per_mb=128, block_size=16, pad_to_max=False)
@@ -113,8 +113,8 @@ def test_ragged_input_errors_name_the_fix():
 def test_step_outputs_come_back_in_the_nested_layout(world):
     """A jagged nested batch through tree_forward_backward: merged log-probs are nested again, row b
     equal to the padded batch's row b up to its length."""
+    from harness.models import VOCAB, build_gpt_model, small_gpt_config
     from megatron_tree.mcore.step import tree_forward_backward
-    from megatron_tree.testing.models import VOCAB, build_gpt_model, small_gpt_config
 
     model = build_gpt_model(
         small_gpt_config(), tree=True, vocab_size=VOCAB, backend="block_sparse", block_size=16

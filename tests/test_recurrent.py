@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.models import recurrent_sequences
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.core.recurrent import (
     RecurrentPlan,
@@ -26,7 +27,6 @@ from megatron_tree.core.recurrent import (
     tree_gated_delta_rule,
     tree_ssd,
 )
-from megatron_tree.testing.models import recurrent_sequences
 from megatron_tree.testing.synthetic import grpo_batch, pad_sequences, random_trie_sequences
 from megatron_tree.testing.tolerances import FP64_TOL
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.testing.models import (
+from harness.models import (
     VOCAB,
     max_err,
     small_gpt_config,
@@ -126,6 +126,7 @@ def test_tree_rotary_modules(rope_type):
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from harness.models import build_gpt_model, small_mla_config
     from megatron_tree.mcore.model import TreeGPTModel
     from megatron_tree.mcore.rotary import (
         TreeRotaryEmbedding,
@@ -133,7 +134,6 @@ def test_tree_rotary_modules(rope_type):
         follow_depth,
     )
     from megatron_tree.mcore.spec import check_tree_model
-    from megatron_tree.testing.models import build_gpt_model, small_mla_config
 
     stock_cls, tree_cls = {
         "rope": (RotaryEmbedding, TreeRotaryEmbedding),

@@ -192,9 +192,7 @@ def test_step_replays_recorded_routes_like_the_unpacked_reference(
     micro-batch's routes, although trunk parts run their backward after their branches'."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_tree.core.losses import ppo_clipped_loss
-    from megatron_tree.mcore.step import tree_forward_backward
-    from megatron_tree.testing.models import (
+    from harness.models import (
         VOCAB,
         branching_sequences,
         build_gpt_model,
@@ -202,6 +200,8 @@ def test_step_replays_recorded_routes_like_the_unpacked_reference(
         recompute_fields,
         small_moe_config,
     )
+    from megatron_tree.core.losses import ppo_clipped_loss
+    from megatron_tree.mcore.step import tree_forward_backward
     from megatron_tree.testing.reference import (
         gradient_errors,
         parameter_grads,

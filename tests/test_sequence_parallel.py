@@ -18,18 +18,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.core.heads import LogProbs, Values
-from megatron_tree.core.losses import ppo_clipped_loss, value_loss
-from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import tree_forward_backward
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.models import (
     VOCAB,
     branching_sequences,
     build_gpt_model,
     recompute_fields,
     small_gpt_config,
 )
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.step import tree_forward_backward
 from megatron_tree.testing.reference import (
     finalize_sequence_parallel_grads,
     gradient_errors,

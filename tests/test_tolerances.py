@@ -84,7 +84,7 @@ def test_worst_error_is_inf_on_any_non_finite_error(position, bad):
 def test_gradient_errors_and_max_err_are_inf_on_nan():
     """The shared helpers the parity tests call: one NaN element in any parameter's gradient, or in
     any sequence's log-probs (not only the first), gives an infinite error."""
-    from megatron_tree.testing.models import max_err
+    from harness.models import max_err
     from megatron_tree.testing.reference import gradient_errors
 
     gen = torch.Generator().manual_seed(0)
@@ -104,7 +104,7 @@ def test_gradient_errors_and_max_err_are_inf_on_nan():
 
 def test_error_by_depth_is_inf_at_the_nan_depth():
     """AReaL's per-depth error (it started every depth at 0.0, so ``max(0.0, nan)`` hid a NaN)."""
-    from megatron_tree.testing.areal import error_by_depth, trie_depths
+    from harness.areal import error_by_depth, trie_depths
 
     seqs = [torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5, 6, 7]), torch.tensor([1, 8])]
     gen = torch.Generator().manual_seed(0)

@@ -10,12 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tree.core.heads import LogProbs, Values
-from megatron_tree.core.losses import ppo_clipped_loss, value_loss
-from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.step import PackingConfig, tree_forward_backward
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.models import (
     RECOMPUTE_MODES,
     VOCAB,
     branching_sequences,
@@ -24,6 +20,10 @@ from megatron_tree.testing.models import (
     recompute_fields,
     small_gpt_config,
 )
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.step import PackingConfig, tree_forward_backward
 from megatron_tree.testing.reference import (
     gradient_errors,
     parameter_grads,
@@ -178,9 +178,9 @@ def _dropout_output(rank: int) -> torch.Tensor:
     """Tree core attention with dropout on the same inputs on every TP rank."""
     from megatron.core.transformer.enums import AttnMaskType
 
+    from harness.models import pack
     from megatron_tree.core.mask import tree_attention_mask
     from megatron_tree.mcore.core_attention import TreeCoreAttention
-    from megatron_tree.testing.models import pack
 
     tree = pack(branching_sequences())[0]["tree"]
     g = torch.Generator().manual_seed(0)

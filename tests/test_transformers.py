@@ -17,15 +17,15 @@ import pytest
 import torch
 from packaging.version import Version
 
-from megatron_tree import build_packed_tree_batch
-from megatron_tree.testing.marks import CPU_SUITE
-from megatron_tree.testing.models import (
+from harness.marks import CPU_SUITE
+from harness.models import (
     FRONTIER_TINY,
     branching_sequences,
     make_hf_checkpoint,
     record_parity,
     trunk_sequences,
 )
+from megatron_tree import build_packed_tree_batch
 from megatron_tree.testing.tolerances import BF16_FACTOR, GRAD_RTOL, LOGP_TOL
 
 transformers = pytest.importorskip("transformers")

@@ -21,17 +21,17 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_tree import build_packed_tree_batch
-from megatron_tree.core import mask as mask_module
-from megatron_tree.core.mask import tree_attention_mask
-from megatron_tree.core.recurrent import RecurrentPlan
-from megatron_tree.testing.marks import CPU_SUITE
-from megatron_tree.testing.models import (
+from harness.marks import CPU_SUITE
+from harness.models import (
     MAMBA_CASES,
     make_hf_checkpoint,
     record_parity,
     recurrent_sequences,
 )
+from megatron_tree import build_packed_tree_batch
+from megatron_tree.core import mask as mask_module
+from megatron_tree.core.mask import tree_attention_mask
+from megatron_tree.core.recurrent import RecurrentPlan
 from megatron_tree.testing.reference import one_mamba_chunk
 from megatron_tree.testing.tolerances import GRAD_RTOL, HF_HYBRID_LOGP_TOL, LOGP_TOL
 
@@ -220,7 +220,7 @@ def test_qwen3_5_vision_language_model_on_text(record_property):
     """Qwen3.5's vision-language model (model type ``qwen3_5``: the text model inside
     ``Qwen3_5ForConditionalGeneration``, multimodal rotary over depth positions) on text rollouts:
     log-probs and gradients vs HF as above."""
-    from megatron_tree.testing.models import HYBRID_TINY
+    from harness.models import HYBRID_TINY
 
     text = dict(
         vocab_size=128,

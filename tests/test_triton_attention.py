@@ -26,6 +26,7 @@ import torch
 
 pytest.importorskip("triton", reason="backend='triton' needs the triton package")
 
+from harness.models import VOCAB, branching_sequences, pack, trunk_sequences
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.context_parallel import context_parallel_split
 from megatron_tree.core.mask import (
@@ -35,7 +36,6 @@ from megatron_tree.core.mask import (
 )
 from megatron_tree.core.packing import build_packed_tree_batch
 from megatron_tree.core.rows import KeyValueStore
-from megatron_tree.testing.models import VOCAB, branching_sequences, pack, trunk_sequences
 from megatron_tree.testing.synthetic import pad_sequences, random_trie_sequences
 from megatron_tree.testing.tolerances import BF16_FACTOR, FP32_ATTN_TOL
 
@@ -483,7 +483,7 @@ def test_model_step_matches_unpacked_reference(interpreter):
     GQA 4/2, layer 1 with a depth window of 7, layer 2 full, learnable sinks) against Megatron's
     stock GPTModel on each sequence alone: per-token log-probs and every parameter gradient of a
     weighted log-prob loss."""
-    from megatron_tree.testing.models import build_gpt_model, small_gpt_config
+    from harness.models import build_gpt_model, small_gpt_config
     from megatron_tree.testing.reference import gradient_errors, parameter_grads
     from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL
 

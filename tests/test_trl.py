@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_tree.testing.models import VOCAB, hf_logprobs, make_hf_checkpoint
+from harness.models import VOCAB, hf_logprobs, make_hf_checkpoint
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -49,7 +49,7 @@ def _sequences(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _trl_inputs(prompts: list[torch.Tensor], completions: list[torch.Tensor]) -> dict:
-    from megatron_tree.testing.trl import trl_inputs
+    from harness.trl import trl_inputs
 
     return trl_inputs(prompts, completions, num_generations=NUM_GENERATIONS)
 
@@ -82,7 +82,7 @@ def _reward(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def _trainer(path: str, tmp_path, *, tree: bool, **config):
-    from megatron_tree.testing.trl import grpo_trainer
+    from harness.trl import grpo_trainer
 
     trainer = grpo_trainer(
         path,
@@ -106,7 +106,7 @@ def _options():
 
 
 def _logps(trainer, inputs: dict):
-    from megatron_tree.testing.trl import prompt_completion
+    from harness.trl import prompt_completion
 
     ids, mask, keep = prompt_completion(inputs)
     with torch.no_grad():

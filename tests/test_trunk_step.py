@@ -14,13 +14,8 @@ import types
 import pytest
 import torch
 
-from megatron_tree.core.heads import LogProbs, Values
-from megatron_tree.core.losses import ppo_clipped_loss, value_loss
-from megatron_tree.core.packing import build_packed_tree_batch
-from megatron_tree.mcore.schedule import Phases
-from megatron_tree.mcore.step import _check_dropout, tree_forward_backward
-from megatron_tree.testing.dist import run_spawned
-from megatron_tree.testing.models import (
+from harness.dist import run_spawned
+from harness.models import (
     RECOMPUTE_MODES,
     VOCAB,
     build_gpt_model,
@@ -29,6 +24,11 @@ from megatron_tree.testing.models import (
     small_gpt_config,
     trunk_sequences,
 )
+from megatron_tree.core.heads import LogProbs, Values
+from megatron_tree.core.losses import ppo_clipped_loss, value_loss
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.mcore.schedule import Phases
+from megatron_tree.mcore.step import _check_dropout, tree_forward_backward
 from megatron_tree.testing.reference import (
     finalize_sequence_parallel_grads,
     gradient_errors,

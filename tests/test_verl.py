@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
+from harness.dist import run_spawned
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -55,7 +55,7 @@ def _actor_run(
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     engine, _ = harness.build_engine(path, vendor=vendor, **engine_kwargs)
     data = harness.engine_batch(padded, calculate_entropy=True)
@@ -106,8 +106,8 @@ def _check_actor(tree: dict, stock: dict) -> None:
 
 
 def _engines_worker(rank: int, path: str, vanilla_mbridge: bool = True) -> dict:
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.models import hf_logprobs
+    from harness import verl as harness
+    from harness.models import hf_logprobs
 
     harness.setup_cpu()
     from verl.workers.engine import EngineRegistry
@@ -131,7 +131,7 @@ def _vocab(path: str) -> int:
 
 
 def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -167,7 +167,7 @@ def test_tree_engine_through_megatron_bridge(tmp_path):
     ``AutoBridge.from_hf_pretrained`` + ``to_megatron_provider``): the tree engine builds a
     TreeGPTModel through megatron_tree's Megatron-Bridge patch and equals verl's stock engine (and
     HF) in log-probs, entropy, loss and gradients."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -187,7 +187,7 @@ def test_tree_engine_through_megatron_bridge(tmp_path):
 
 
 def _trunk_worker(rank: int, path: str) -> dict:
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     harness.setup_cpu()
     # 2 prompts of 20-27 tokens x 4 samples, micro-batches of 16 rows: no prompt group fits one, and
@@ -202,7 +202,7 @@ def _trunk_worker(rank: int, path: str) -> dict:
 def test_tree_engine_with_trunk_reuse_equals_verls_engine(tmp_path):
     """Prompt groups larger than the tree engine's micro-batch: trunk reuse inside verl (the prompt
     computed once across micro-batches, its gradients from every branch) equals verl's engine."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -217,7 +217,7 @@ def test_tree_engine_with_trunk_reuse_equals_verls_engine(tmp_path):
 def _critic_worker(rank: int, path: str, trunks: bool) -> dict:
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     harness.setup_cpu()
     from verl.workers.config.critic import McoreCriticConfig
@@ -267,7 +267,7 @@ def _critic_worker(rank: int, path: str, trunks: bool) -> dict:
 def test_tree_critic_equals_verls_critic(tmp_path, trunks):
     """The value engine: per-sample values, verl's value_loss and its gradients (whole trees, and
     prompt groups larger than a micro-batch with trunk reuse)."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -308,7 +308,7 @@ def test_verl_grpo_example_runs_with_trees():
 def _data_parallel_worker(rank: int, path: str) -> dict:
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     harness.setup_cpu()
     from verl.workers.config.actor import McoreActorConfig
@@ -353,7 +353,7 @@ def _data_parallel_worker(rank: int, path: str) -> dict:
 
 
 def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
@@ -534,8 +534,8 @@ def _layout_worker(
     gradients are compared unclipped."""
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.models import hf_logprobs
+    from harness import verl as harness
+    from harness.models import hf_logprobs
 
     harness.setup_cpu()
     from megatron.core import parallel_state as mpu
@@ -670,7 +670,7 @@ def test_tree_engine_parallel_layouts(tmp_path, layout):
     CP=2 x TP=2), with whole trees and with trunk reuse, against verl's stock engine at the same
     layout (PP) or the tree engine at CP=1 (CP), and HF: log-probs, entropy, loss and every rank's
     gradients. verl's model path: Megatron-Bridge where it is installed, mbridge otherwise."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     world, parallel, reference, layers, overrides = LAYOUTS[layout]
     path = str(tmp_path / "qwen3")
@@ -734,7 +734,7 @@ def test_trainer_balancing_without_a_launcher_edit(vendor):
     if vendor:
         env["VERL_ENGINE_VENDOR"] = vendor
     code = (
-        "import json\nfrom megatron_tree.testing.verl import balance_with_verls_trainer\n"
+        "import json\nfrom harness.verl import balance_with_verls_trainer\n"
         "print('RESULT', json.dumps(balance_with_verls_trainer()))\n"
     )
     run = subprocess.run(
@@ -805,7 +805,7 @@ def _replay_worker(
     disagreeing with the others at one prompt token."""
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     harness.setup_cpu()
     from transformers import AutoConfig
@@ -939,7 +939,7 @@ def test_routing_replay(tmp_path, mode, layout):
     engine and for the stock engine at one sample) or, under R3, refuses ("Router replay tensors
     are not aligned": BSHD pads every sample to the batch's longest). So the reference runs one
     sample per micro-batch, and every sequence of the batch has the same length."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     parallel, data_parallel, reference = REPLAY_LAYOUTS[layout]
     path = str(tmp_path / "qwen3_moe")
@@ -1020,7 +1020,7 @@ def _critic_pipeline_worker(rank: int, path: str, vanilla_mbridge: bool) -> dict
     engine runs both packings on the same weights), gradients unclipped."""
     from functools import partial
 
-    from megatron_tree.testing import verl as harness
+    from harness import verl as harness
 
     harness.setup_cpu()
     from verl.workers.config.critic import McoreCriticConfig
@@ -1084,7 +1084,7 @@ def test_tree_critic_under_pipeline_parallelism(tmp_path):
     """The value engine (verl's critic) at PP=2, whole trees and trunk reuse, against verl's stock
     value engine at PP=2: values and loss on the last stage, both stages' gradients. verl's model
     path: Megatron-Bridge where it is installed, mbridge otherwise."""
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)

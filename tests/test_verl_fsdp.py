@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megatron_tree.testing.dist import run_spawned
+from harness.dist import run_spawned
 from megatron_tree.testing.reference import gradient_errors
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -50,8 +50,8 @@ def _actor_run(path: str, vendor: str | None, padded: dict, **engine_kwargs) -> 
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.verl_fsdp import build_fsdp_engine
+    from harness import verl as harness
+    from harness.verl_fsdp import build_fsdp_engine
 
     size = padded["input_ids"].shape[0] * torch.distributed.get_world_size()
     engine, _ = build_fsdp_engine(path, vendor=vendor, clip_grad=1e9, **engine_kwargs)
@@ -96,8 +96,8 @@ def _critic_run(path: str, vendor: str | None, padded: dict) -> dict:
     from verl.workers.config.critic import FSDPCriticConfig
     from verl.workers.utils.losses import value_loss
 
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.verl_fsdp import build_fsdp_engine
+    from harness import verl as harness
+    from harness.verl_fsdp import build_fsdp_engine
 
     engine, _ = build_fsdp_engine(path, vendor=vendor, model_type="value_model", clip_grad=1e9)
     with engine.eval_mode():
@@ -141,9 +141,9 @@ def _engines_worker(rank: int, path: str) -> dict:
     from transformers import AutoConfig
     from verl.workers.engine import EngineRegistry
 
-    from megatron_tree.testing import verl as harness
-    from megatron_tree.testing.models import hf_logprobs
-    from megatron_tree.testing.verl_fsdp import build_fsdp_engine, setup_fsdp_cpu
+    from harness import verl as harness
+    from harness.models import hf_logprobs
+    from harness.verl_fsdp import build_fsdp_engine, setup_fsdp_cpu
 
     setup_fsdp_cpu()
     out = {"lookup": {}}
@@ -188,7 +188,7 @@ def _engines_worker(rank: int, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from megatron_tree.testing.models import make_hf_checkpoint
+    from harness.models import make_hf_checkpoint
 
     path = str(tmp_path_factory.mktemp("verl_fsdp") / "qwen3")
     make_hf_checkpoint("qwen3", path)

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 
+from harness.models import VOCAB, branching_sequences, pack
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.context_parallel import context_parallel_split
 from megatron_tree.core.mask import (
@@ -28,7 +29,6 @@ from megatron_tree.core.mask import (
     tree_block_layout,
     tree_depth,
 )
-from megatron_tree.testing.models import VOCAB, branching_sequences, pack
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import FP64_TOL, GRAD_RTOL, LOGP_TOL
 
@@ -276,7 +276,7 @@ def test_attention_argument_errors():
 
 
 def _config(softmax_type: str, **overrides):
-    from megatron_tree.testing.models import small_gpt_config
+    from harness.models import small_gpt_config
 
     # Layers 1 and 3 use the window, layer 2 attends fully (Megatron: layer % freq != 0 is local).
     fields = dict(
@@ -286,7 +286,7 @@ def _config(softmax_type: str, **overrides):
 
 
 def _models(softmax_type: str, backend: str):
-    from megatron_tree.testing.models import build_gpt_model
+    from harness.models import build_gpt_model
 
     config = _config(softmax_type)
     tree = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend=backend, block_size=16)

@@ -2,8 +2,8 @@
 fixture: an engine builder through AReaL's own creation path, an AReaL-format batch, and the
 parameter gradients of a ``train_batch``.
 
-Run inside a gloo world (``megatron_tree.testing.dist.run_spawned``), after
-:func:`~megatron_tree.testing.areal_platform.setup_cpu` on a CPU machine.
+Run inside a gloo world (``harness.dist.run_spawned``), after
+:func:`~harness.areal_platform.setup_cpu` on a CPU machine.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def unpadded_micro_batches() -> Iterator[None]:
     unpacked batch: the reference for the tree engine's."""
     from areal.utils import data
 
-    from ..patches._scoped import swapped
+    from megatron_tree.patches._scoped import swapped
 
     with swapped(data, N_TOKENS_PER_PAGE=1):
         yield
@@ -290,7 +290,7 @@ def areal_trajectories(
         prompt_lens: prompt tokens of each sequence (default 1: every later token is a response
             token).
         logprobs: the rollout log-probs of each sequence in HF order (``L_i - 1`` values, of tokens
-            1 .. L_i - 1, e.g. :func:`~megatron_tree.testing.models.hf_logprobs`); default 0.
+            1 .. L_i - 1, e.g. :func:`~harness.models.hf_logprobs`); default 0.
         rewards: one per sequence; default drawn from N(0, 1) with ``seed``.
     """
     g = torch.Generator().manual_seed(seed)
@@ -327,7 +327,7 @@ def areal_batch(seqs: list[torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
 def per_sequence(batch_values: torch.Tensor, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """AReaL's per-token outputs ``[B, L]`` (``compute_logp``: position t holds the log-prob of
     token t + 1) as ``{sequence: L_i - 1 values}``, the order of
-    :func:`~megatron_tree.testing.models.hf_logprobs`."""
+    :func:`~harness.models.hf_logprobs`."""
     return {i: batch_values[i, : len(s) - 1].float() for i, s in enumerate(seqs)}
 
 
@@ -344,7 +344,7 @@ def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
     the builder's lr 0 it leaves the weights unchanged). A critic's value head, which AReaL puts in
     place of the output layer after DDP has laid out its buffers, has no ``main_grad``: its
     ``.grad`` is read."""
-    from .reference import parameter_grads
+    from megatron_tree.testing.reference import parameter_grads
 
     grads: list[dict[str, torch.Tensor]] = []
     step = engine.optimizer_step

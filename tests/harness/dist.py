@@ -30,7 +30,7 @@ def single_process_world(seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 
-    from ..patches import megatron_cpu
+    from megatron_tree.patches import megatron_cpu
 
     megatron_cpu.apply()
     if not dist.is_initialized():
@@ -49,7 +49,7 @@ def reinitialize_model_parallel(*, tp: int = 1, cp: int = 1, seed: int = 1234) -
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 
-    from ..patches import megatron_cpu
+    from megatron_tree.patches import megatron_cpu
 
     megatron_cpu.apply()
     if parallel_state.model_parallel_is_initialized():
@@ -71,7 +71,7 @@ def _worker(rank: int, world_size: int, directory: str, fn, args, layout: dict |
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel import random as mp_random
 
-            from ..patches import megatron_cpu
+            from megatron_tree.patches import megatron_cpu
 
             megatron_cpu.apply()
             parallel_state.initialize_model_parallel(

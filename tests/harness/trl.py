@@ -86,7 +86,7 @@ def grpo_trainer(
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from ..integrations.trl import TreeGRPOTrainer
+    from megatron_tree.integrations.trl import TreeGRPOTrainer
 
     fields = dict(
         output_dir=output_dir,

@@ -1,7 +1,7 @@
 """verl 0.9.1's FSDP engine on a CPU-only machine, for tests: an engine builder (verl's stock engine
 or megatron_tree's, chosen by ``VERL_ENGINE_VENDOR`` as on a GPU node).
 
-The process-wide stand-ins are those of :mod:`megatron_tree.testing.verl` that the FSDP engine needs
+The process-wide stand-ins are those of :mod:`harness.verl` that the FSDP engine needs
 (a one-process gloo world, verl's platform on the CPU with the registry looked up for "cuda"); run
 them in a spawned worker. None is needed by the adapter (:mod:`megatron_tree.integrations.
 verl_fsdp`) on a GPU machine.

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..core.packing import build_packed_tree_batch
-from .synthetic import pad_sequences
+from megatron_tree.core.packing import build_packed_tree_batch
+from megatron_tree.testing.synthetic import pad_sequences
 
 VOCAB = 128
 
@@ -491,8 +491,8 @@ def megatron_bridge_tree_model(
     """The tree model Megatron-Bridge builds from the HF checkpoint at ``path`` under
     ``patch_megatron_bridge_for_tree_training`` (fp32, no DDP; ``provider_fields`` set on the
     provider before it is finalized, e.g. recompute or router settings). Needs parallel_state."""
-    from ..bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
-    from ..patches import megatron_bridge_te
+    from megatron_tree.bridges.megatron_bridge import patch_megatron_bridge_for_tree_training
+    from megatron_tree.patches import megatron_bridge_te
 
     # Megatron-Bridge imports only with it where transformer-engine is missing
     megatron_bridge_te.apply()
@@ -519,8 +519,8 @@ def megatron_bridge_gpt_as_hybrid(path: str, *, tree: bool = True, backend: str 
     fp32, no DDP. Needs parallel_state."""
     import dataclasses
 
-    from ..bridges.megatron_bridge import make_tree_provider
-    from ..mcore.hybrid import local_hybrid_stack_spec
+    from megatron_tree.bridges.megatron_bridge import make_tree_provider
+    from megatron_tree.mcore.hybrid import local_hybrid_stack_spec
 
     gpt = megatron_bridge_tree_model(path, backend=backend)
     # imported here: Megatron-Bridge imports without transformer-engine only once
@@ -584,7 +584,7 @@ def tree_logprobs(
     sequences packed into whole trees, or each packed alone (``alone``), by index in ``seqs``."""
     from megatron.core import tensor_parallel
 
-    from ..core.mask import tree_attention_mask
+    from megatron_tree.core.mask import tree_attention_mask
 
     groups = [[s] for s in seqs] if alone else [seqs]
     out = {}
@@ -607,7 +607,7 @@ def step_logprobs(model, seqs: list[torch.Tensor], **packing) -> dict[int, torch
     context-parallel splits, trunk reuse), by index in ``seqs``."""
     from megatron.core import parallel_state as ps
 
-    from ..mcore.step import PackingConfig, ProcessGroups, tree_forward_backward
+    from megatron_tree.mcore.step import PackingConfig, ProcessGroups, tree_forward_backward
 
     result = tree_forward_backward(
         model,
@@ -690,7 +690,7 @@ def hf_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Reference: HuggingFace on each sequence alone."""
     from transformers import AutoModelForCausalLM
 
-    from .reference import one_mamba_chunk
+    from megatron_tree.testing.reference import one_mamba_chunk
 
     model = AutoModelForCausalLM.from_pretrained(
         path, torch_dtype=torch.float32, attn_implementation="eager"
@@ -792,9 +792,9 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from ..mcore.model import TreeGPTModel
-    from ..mcore.spec import tree_attention_spec
-    from ..mcore.value_head import attach_value_head
+    from megatron_tree.mcore.model import TreeGPTModel
+    from megatron_tree.mcore.spec import tree_attention_spec
+    from megatron_tree.mcore.value_head import attach_value_head
 
     if config.num_moe_experts:  # the block spec: MoE and dense layers as config.moe_layer_freq says
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -813,7 +813,7 @@ def build_gpt_model(
         )
     if config.multi_latent_attention and not tree:
         # Megatron's local core attention cannot run MLA (it is TE-only): the reference's is ours.
-        from .reference import CausalCoreAttention
+        from megatron_tree.testing.reference import CausalCoreAttention
 
         for layer in spec.layer_specs if hasattr(spec, "layer_specs") else [spec]:
             layer.submodules.self_attention.submodules.core_attention = CausalCoreAttention

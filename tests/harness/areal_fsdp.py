@@ -2,8 +2,8 @@
 CPU: an engine builder through AReaL's own creation path, a CPU stand-in for its packed (varlen
 flash-attention) forward, and the parameter gradients of a ``train_batch``.
 
-Run inside a gloo world (``megatron_tree.testing.dist.run_spawned(..., megatron=False)``), after
-:func:`setup_fsdp_cpu`. The batches and configs are :mod:`megatron_tree.testing.areal`'s.
+Run inside a gloo world (``harness.dist.run_spawned(..., megatron=False)``), after
+:func:`setup_fsdp_cpu`. The batches and configs are :mod:`harness.areal`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .areal import MB_TOKENS, make_config
 
 
 def setup_fsdp_cpu() -> None:
-    """The AReaL harness's stand-ins (:func:`~megatron_tree.testing.areal_platform.setup_cpu`),
+    """The AReaL harness's stand-ins (:func:`~harness.areal_platform.setup_cpu`),
     and the FSDP engine's tokenizer made optional: ``_create_device_model`` loads the checkpoint's
     tokenizer (used only to save HF checkpoints); the tiny test checkpoints have none."""
     from .areal_platform import setup_cpu
@@ -112,7 +112,7 @@ def build_fsdp_engine(
         engine_cls: a subclass to build instead of AReaL's class, put in ``areal.engine``'s place
             for the call.
         mb_tokens: ``mb_spec.max_tokens_per_mb``.
-        config: :func:`~megatron_tree.testing.areal.make_config`'s fields (fp32, lr 0, dropout off,
+        config: :func:`~harness.areal.make_config`'s fields (fp32, lr 0, dropout off,
             no gradient checkpointing); ``attn_impl`` defaults to ``"sdpa"`` (flash-attention
             needs CUDA; run AReaL's stock engine inside :func:`packed_sdpa`).
     """

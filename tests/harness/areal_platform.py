@@ -3,8 +3,8 @@
 Everything CPU-specific of the AReaL fixture lives here, never in the library. Each patch below is
 one need, found by removing it and reading the failure; all of them act around AReaL (its imports,
 its device handling, Megatron and mbridge), none inside its tree code. They are process-wide and
-not undone: call :func:`setup_cpu` in a spawned worker (``megatron_tree.testing.dist``). The
-Megatron / mbridge pieces are those of the verl fixture (:mod:`megatron_tree.testing.verl`, which
+not undone: call :func:`setup_cpu` in a spawned worker (``harness.dist``). The
+Megatron / mbridge pieces are those of the verl fixture (:mod:`harness.verl`, which
 imports verl only inside its functions).
 """
 
@@ -22,7 +22,8 @@ from types import ModuleType
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from ..patches._scoped import swapped
+from megatron_tree.patches._scoped import swapped
+
 from .verl import (
     _CUDA_FACTORY_MODULES,
     _installed,
@@ -354,7 +355,7 @@ def local_spec_names_in_stock_mbridge() -> None:
     mbridge's own."""
     from areal.engine import megatron_engine
 
-    from ..bridges.mbridge import (
+    from megatron_tree.bridges.mbridge import (
         _bind_local_moe,
         _extend_weight_maps_for_local_spec,
         is_tree_training_bridge,
@@ -384,7 +385,7 @@ def stock_megatron_bridge_on_cpu() -> Iterator[None]:
     from megatron.bridge.models import gpt_provider
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
 
-    from ..bridges.megatron_bridge import te_layer_specs
+    from megatron_tree.bridges.megatron_bridge import te_layer_specs
 
     original = AutoBridge.to_megatron_provider
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..patches._scoped import swapped
+from megatron_tree.patches._scoped import swapped
 
 
 def apply_megatron_cpu_patch() -> None:
@@ -41,7 +41,7 @@ def init_gloo_world(port: int = 29517) -> None:
 
 def register_cpu_platform() -> None:
     """A verl platform (``verl.plugin.platform``) whose device is "cpu":
-    :class:`~megatron_tree.testing.verl_platform.PlatformCPU`, registered as "cpu" and set as
+    :class:`~harness.verl_platform.PlatformCPU`, registered as "cpu" and set as
     verl's platform. The engine registry has no "cpu" key for megatron, so the lookup is pointed
     at the CUDA registration with ``VERL_ENGINE_DEVICE=cuda`` (base.py reads it on every
     lookup)."""
@@ -466,7 +466,7 @@ def reset_model_parallel() -> None:
 def engine_grads(engine) -> dict[str, torch.Tensor]:
     """This rank's DDP gradient buffers (``main_grad``) of every model chunk, by name (chunk
     ``c`` > 0 of a virtual pipeline prefixed ``chunk{c}.``); read inside ``engine.train_mode()``."""
-    from .reference import parameter_grads
+    from megatron_tree.testing.reference import parameter_grads
 
     grads = {}
     for c, chunk in enumerate(engine.module):
