@@ -113,7 +113,30 @@ def _fsdp_worker(rank: int, path: str, seqs: list) -> dict:
         "ours": _run(path, seqs, hf, True),
         "critic_stock": _critic_run(path, seqs, False),
         "critic_ours": _critic_run(path, seqs, True),
+        "non_finite": _non_finite_run(path, seqs),
     }
+
+
+def _non_finite_run(path: str, seqs: list) -> str:
+    """compute_logp of the tree engine with one embedding row NaN (a token of some sequences):
+    what it raises."""
+    from harness.areal import areal_batch
+    from harness.areal_fsdp import build_fsdp_engine
+    from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
+
+    eng = build_fsdp_engine(path, tree=True, engine_cls=TreeFSDPPPOActor)
+    with torch.no_grad():
+        weight = eng.model.get_input_embeddings().weight
+        (weight.to_local() if hasattr(weight, "to_local") else weight)[int(seqs[0][-1])] = float(
+            "nan"
+        )
+    try:
+        eng.compute_logp([areal_batch(seqs)])
+        return "ran"
+    except FloatingPointError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        eng.destroy()
 
 
 def _dp_shards(seqs: list) -> list[list]:
@@ -232,3 +255,13 @@ def test_tree_fsdp_engine_data_parallel(checkpoint):
         assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
         errors = gradient_errors(r["ours"]["grads"][0], r["stock"]["grads"][0])
         assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_tree_fsdp_engine_raises_on_non_finite_log_probs(fsdp_runs):
+    """One NaN embedding row (the last token of sequence 0): compute_logp raises, naming the
+    micro-batch and sequence 0's row, instead of returning NaN log-probs."""
+    error = fsdp_runs["non_finite"]
+    assert error.startswith("NonFiniteOutputError: AReaL FSDP tree engine"), error
+    assert "logprobs" in error and "batch rows) [" in error
+    rows = {int(r) for r in error.split("batch rows) [")[1].split("]")[0].split(",")}
+    assert 0 in rows, error

@@ -183,6 +183,17 @@ def _engines_worker(rank: int, path: str) -> dict:
         out["sum_pi_squared"] = _refusal(
             lambda: engine.infer_batch(harness.engine_batch(padded, calculate_sum_pi_squared=True))
         )
+    # Every rank's embedding shard NaN (an unloaded parameter): infer_batch raises on each rank,
+    # after all its micro-batches (so no rank leaves FSDP's collectives early).
+    with torch.no_grad():
+        weight = engine.module.get_input_embeddings().weight
+        (weight.to_local() if hasattr(weight, "to_local") else weight).fill_(float("nan"))
+    try:
+        with engine.eval_mode():
+            engine.infer_batch(harness.engine_batch(padded))
+        out["non_finite"] = "ran"
+    except FloatingPointError as error:
+        out["non_finite"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -353,3 +364,14 @@ def test_without_megatron_core_the_fsdp_engines_register_and_other_strategies_re
     assert "HOOK True" in run.stdout, out
     assert "REFUSED megatron VERL_ENGINE_VENDOR=megatron_tree, but" in run.stdout, out
     assert "REFUSED fsdp_turbo VERL_ENGINE_VENDOR=megatron_tree has engines for" in run.stdout, out
+
+
+def test_non_finite_log_probs_raise_naming_the_micro_batch(ranks):
+    """A NaN parameter gives NaN log-probs: the tree engine's infer_batch raises (one flag read
+    with the loss verl reads anyway), naming the micro-batch and its batch rows, on every rank."""
+    for out in ranks:
+        assert out["non_finite"].startswith("NonFiniteOutputError: verl FSDP tree engine: "), out[
+            "non_finite"
+        ]
+        assert "micro-batch 0 has non-finite outputs: logprobs" in out["non_finite"]
+        assert "batch rows) [" in out["non_finite"]

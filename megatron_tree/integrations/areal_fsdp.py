@@ -32,6 +32,7 @@ from typing import Any
 
 from areal.engine.fsdp_engine import FSDPPPOActor, FSDPPPOCritic, FSDPTrainContext
 
+from ..core.finite import FiniteCheck
 from ..core.packing import build_packed_tree_batch
 from .areal_common import (
     TreeEngineSwitch,
@@ -99,8 +100,10 @@ class _TreeFSDPEngine(TreeEngineSwitch):
         # A data-parallel fill-in (an all-padding tree, so that every rank runs as many forwards)
         # takes a zero loss; its attention still gives the query / key projections (zero)
         # gradients, so FSDP2 reduce-scatters the same gradients on every rank.
-        for mb, data in zip(mb_list.packed, mb_list.mbs):
+        finite = FiniteCheck("AReaL FSDP tree engine")
+        for i, (mb, data) in enumerate(zip(mb_list.packed, mb_list.mbs)):
             logits, outputs = head_forward(self.model, mb, gather, options=options)
+            finite.add(i, mb.tree, outputs)
             if mb.tree.num_sequences == 0:
                 loss = logits.sum() * 0.0
             else:
@@ -109,8 +112,11 @@ class _TreeFSDPEngine(TreeEngineSwitch):
                     model_inputs=data, mb_input=data, pad_length=0, ulysses_pad_size=0
                 )
                 loss = process_output_fn(head, ctx.to_dict())
+            if loss is not None:
+                finite.add_loss(i, loss.detach())
             if not forward_only and loss is not None:
                 loss.backward()
+        finite.raise_if_any()  # before AReaL reads the results or steps the optimizer
 
     @staticmethod
     def _loss_inputs(ctx: FSDPTrainContext) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import torch
 
 from ..core.attention import BACKENDS, tree_attention
 from ..core.batch import MicroBatch, PackedTreeBatch, micro_batch
+from ..core.finite import FiniteCheck
 from ..core.heads import LogProbs, Values
 from ..core.mask import TreeMask, tree_attention_mask
 from ..core.results import merge_packed_tree_results
@@ -341,20 +342,28 @@ def packed_logprobs(
         :class:`PackedOutputs`; each field [B, L] or the batch's input layout. Differentiable: a
         loss on them backpropagates through every micro-batch (their graphs are all kept until
         then; call per micro-batch batch for less memory).
+
+    Raises:
+        NonFiniteOutputError: a NaN or inf output, naming the micro-batch and the batch rows (one
+            host read of one flag per micro-batch, after the last forward).
     """
     if values and entropy:
         raise ValueError("values=True reads a value model: entropy=True does not apply")
     head = Values() if values else LogProbs(temperature=temperature, entropy=entropy)
     merged = {name: [] for name in head.outputs}
-    for mb in batch:
+    finite = FiniteCheck("packed_logprobs")
+    for i, mb in enumerate(batch):
         if not mb.rows.is_whole:
             raise ValueError(
                 "the HF engine runs whole trees, but this batch was packed with trunk reuse or "
                 "context parallelism: pack it with share_trunks=False (trunk reuse runs on the "
                 "Megatron path's phase schedule only)"
             )
-        for name, per_token in head_forward(model, mb, head, options=options, key=key)[1].items():
-            merged[name].append((per_token, mb.tree))
+        per_token = head_forward(model, mb, head, options=options, key=key)[1]
+        finite.add(i, mb.tree, per_token)
+        for name, tensor in per_token.items():
+            merged[name].append((tensor, mb.tree))
+    finite.raise_if_any()  # one host read: no NaN / inf is returned
     return PackedOutputs(
         **{
             name: batch.input_layout.restore(merge_packed_tree_results(pairs, batch.batch_size))

@@ -46,6 +46,7 @@ from verl.workers.engine.fsdp.transformer_impl import (
 )
 from verl.workers.engine.utils import detach_tree
 
+from ..core.finite import non_finite, raise_non_finite
 from ..core.heads import LogProbs, Values
 from ..patches._scoped import swapped
 from .common import log_packing, refuse_ulysses, tree_capacity
@@ -61,6 +62,7 @@ from .verl_common import VENDOR, nested, sample_temperatures, tree_micro_batches
 BACKENDS = ["fsdp", "fsdp2"]
 DEVICES = ["cuda", "npu", "cpu"]  # verl's own FSDP engines: cuda, npu; cpu for tests
 TREE_KEY = "megatron_tree_micro_batch"  # a verl micro-batch's packed tree (non-tensor data)
+INDEX_KEY = "megatron_tree_micro_batch_index"  # its position in the step, for errors
 _VERL_NAMES = {"logprobs": "log_probs"}  # the core heads' output names -> verl's
 
 # verl's per-micro-batch flags whose outputs the tree step does not compute.
@@ -128,8 +130,12 @@ class _TreeFSDPEngine:
                 raise ValueError(f"{flag}=True: not run by the verl FSDP tree engine; {fix}")
         prepare = partial(self._prepare_trees, capacity=self._capacity(data))
         tu.assign_non_tensor(data, use_dynamic_bsz=True)  # verl restores the order from our indices
+        self._non_finite = None
         with swapped(transformer_impl, prepare_micro_batches=prepare):
-            return super().forward_backward_batch(data, loss_function, forward_only)
+            result = super().forward_backward_batch(data, loss_function, forward_only)
+        if self._non_finite is not None:  # after every micro-batch, so no rank leaves early
+            raise_non_finite("verl FSDP tree engine", *self._non_finite)
+        return result
 
     def _prepare_trees(self, data, dp_group=None, same_micro_num_in_dp=True, *, capacity, **unused):
         """verl's ``prepare_micro_batches`` with trees: one verl micro-batch per tree (its samples
@@ -144,9 +150,9 @@ class _TreeFSDPEngine:
             dp_group=dp_group if same_micro_num_in_dp else None,
         )
         self.tree_stats = log_packing(packed)
-        for selected, mb in zip(micro_batches, packed.to(get_device_id())):
+        for i, (selected, mb) in enumerate(zip(micro_batches, packed.to(get_device_id()))):
             _temperature(selected)  # one per tree, checked before any forward
-            tu.assign_non_tensor(selected, **{TREE_KEY: mb})
+            tu.assign_non_tensor(selected, **{TREE_KEY: mb, INDEX_KEY: i})
         return micro_batches, indices
 
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -183,9 +189,15 @@ class _TreeFSDPEngine:
                 )
             else:
                 loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        # the loss's host read, which verl makes anyway, carries the outputs' finiteness flag
+        flag = non_finite({**per_token, "loss": loss})
+        loss_value, bad = torch.stack([loss.detach().float().reshape(()), flag.float()]).tolist()
+        if bad and self._non_finite is None:
+            index = tu.get_non_tensor_data(micro_batch, key=INDEX_KEY, default=0)
+            self._non_finite = (index, mb.tree, {**per_token, "loss": loss.detach()})
         return loss, {
             "model_output": detach_tree(model_output),
-            "loss": loss.detach().item(),
+            "loss": loss_value,
             "metrics": metrics,
         }
 

@@ -43,6 +43,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..core.batch import MicroBatch, micro_batch
 from ..core.context_parallel import context_parallel_split
+from ..core.finite import FiniteCheck
 from ..core.mask import tree_attention_mask
 from ..core.rows import KeyValueStore, TreeRows
 from ..core.tree import PackedTree
@@ -297,6 +298,7 @@ class _PhaseRunner:
         self.collecting = False
         self.num_tokens: torch.Tensor | int = 0
         self.pending_tokens: torch.Tensor | int = 0  # reported by held calls, for the last one
+        self.finite = FiniteCheck()
 
     def run(self, phases: Phases) -> PhaseRun:
         counts = _equal_counts(
@@ -320,6 +322,7 @@ class _PhaseRunner:
                 self.pending_tokens, self.num_tokens = self.pending_tokens + self.num_tokens, 0
         for store in self.stores.values():
             store.clear()
+        self.finite.raise_if_any()
         return PhaseRun(logs, self.num_tokens + self.pending_tokens)
 
     def _store(self, rows: TreeRows) -> KeyValueStore | None:
@@ -380,13 +383,21 @@ class _PhaseRunner:
         self.num_tokens = self.num_tokens + num_tokens
         return loss, num_tokens, logs
 
+    def _loss(self, i: int, mb: MicroBatch, outputs: dict, calls: int) -> tuple:
+        """``self.loss`` on a micro-batch's complete outputs, both recorded for the step's one
+        finiteness check (device flags; read once at the end of :meth:`run`)."""
+        self.finite.add(i, mb.tree, outputs)
+        result = self.loss(i, mb, outputs, num_micro_batches=calls)
+        self.finite.add_loss(i, result[0].detach())
+        return result
+
     def _first(self, i: int, mb: MicroBatch, output: torch.Tensor, calls: int) -> tuple:
         rows = mb.rows
         if not rows.records:  # a branch collecting router statistics
             return _no_loss(output)
         self.kept.keep(rows, self.head(output, rows.tree, rows))
         if self.forward_only:
-            return self.loss(i, mb, self.kept.read(rows, rows.index + 1), num_micro_batches=calls)
+            return self._loss(i, mb, self.kept.read(rows, rows.index + 1), calls)
         return _no_loss(output)
 
     def _main(self, i: int, mb: MicroBatch, output: torch.Tensor, calls: int) -> tuple:
@@ -395,7 +406,7 @@ class _PhaseRunner:
         before = None if rows.group is None else self.kept.read(rows, rows.stored_parts)
         if before is not None:
             outputs = {k: v + before[k] for k, v in outputs.items()}
-        return self.loss(i, mb, outputs, num_micro_batches=calls)
+        return self._loss(i, mb, outputs, calls)
 
     def _last(self, i: int, mb: MicroBatch, output: torch.Tensor, calls: int) -> tuple:
         rows = mb.rows
@@ -404,7 +415,7 @@ class _PhaseRunner:
         outputs = {
             k: v[rows.group_tokens] + (0 if before is None else before[k]) for k, v in full.items()
         }
-        loss, *rest = self.loss(i, mb, outputs, num_micro_batches=calls)
+        loss, *rest = self._loss(i, mb, outputs, calls)
         leaves = self.kept.leaves[(rows.group, rows.index)]
         for k, v in full.items():
             if v.requires_grad:
