@@ -16,7 +16,12 @@ norm, and the Mamba mixer's gated norm), and reads no other epsilon. The bridge 
 ``layer_norm_epsilon``, and every Mamba mixer of the models it provides gets its gated norm's
 ``eps`` set to it (after the build: the norm's epsilon is not a config field). A config whose
 Mamba layers Megatron computes differently is refused instead (``check_config``).
-``patch_megatron_bridge_for_tree_training`` binds every Nemotron-H provider of its bridges;
+``bind_embedding_key(model_bridge, hf_keys)`` takes the embedding from the name transformers 5
+writes: its ``save_pretrained`` names it ``backbone.embedding.weight`` (HF reads that and NVIDIA's
+``backbone.embeddings.weight``), the bridge maps only the latter and, without it, logged a warning
+and left Megatron's embedding as allocated (NaN log-probs).
+``patch_megatron_bridge_for_tree_training`` binds every Nemotron-H provider and load of its
+bridges;
 ``apply()`` / ``undo()`` (or ``nemotron_h_epsilon_patch()``) wrap
 ``NemotronHBridge.provider_bridge`` for plain bridges. Other model types pass through untouched.
 
@@ -111,6 +116,36 @@ def bind(provider: Any, hf_config: Any) -> Any:
     provider.provide = provide
     setattr(provider, _BOUND_ATTR, eps)
     return provider
+
+
+EMBEDDING = "backbone.embeddings.weight"  # NVIDIA's checkpoints; Megatron-Bridge's map
+SAVED_EMBEDDING = "backbone.embedding.weight"  # transformers 5's save_pretrained
+_EMBEDDING_ATTR = "_megatron_tree_embedding_key"
+
+
+def bind_embedding_key(model_bridge: Any, hf_keys: set[str]) -> None:
+    """Make a Nemotron-H model bridge read the embedding from ``backbone.embedding.weight`` when
+    the checkpoint (its keys ``hf_keys``) has that name and not the mapped one; any other bridge
+    or checkpoint is left as it is. Idempotent."""
+    if not isinstance(model_bridge, _nemotron_h_bridge()) or getattr(
+        model_bridge, _EMBEDDING_ATTR, False
+    ):
+        return
+    if EMBEDDING in hf_keys or SAVED_EMBEDDING not in hf_keys:
+        return
+    _check_version()
+    original = model_bridge.mapping_registry
+
+    @functools.wraps(original)
+    def mapping_registry():
+        registry = original()
+        for mapping in registry.mappings:
+            if mapping.hf_param == EMBEDDING:
+                mapping.hf_param = SAVED_EMBEDDING
+        return registry
+
+    model_bridge.mapping_registry = mapping_registry
+    setattr(model_bridge, _EMBEDDING_ATTR, True)
 
 
 def _nemotron_h_bridge() -> type:

@@ -17,9 +17,12 @@ find_python312() {
 # The tests that run on the Megatron-Bridge stack (transformers 5: the mbridge tests cannot run
 # there; it carries AReaL 1.0.4 too, for AReaL's engine on Megatron-Bridge models). One list for
 # .ci/run and scripts/test_matrix.sh.
-MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_hybrid.py tests/test_nemotron_h.py tests/test_mamba_parallel.py tests/test_frontier.py tests/test_areal_megatron_bridge.py tests/test_transformers.py tests/test_transformers_recurrent.py tests/test_fsdp2.py tests/test_docs.py)
+MEGATRON_BRIDGE_TESTS=(tests/test_megatron_bridge.py tests/test_checkpoint_load.py tests/test_hybrid.py tests/test_nemotron_h.py tests/test_mamba_parallel.py tests/test_frontier.py tests/test_areal_megatron_bridge.py tests/test_transformers.py tests/test_transformers_recurrent.py tests/test_fsdp2.py tests/test_docs.py)
 # The tests that run on the verl stack (verl's own engine code drives them).
 VERL_TESTS=(tests/test_verl.py tests/test_verl_fsdp.py)
+# The verl + Megatron-Bridge stack runs the Megatron engine's tests only: verl's FSDP engines load
+# HF models (no bridge), so the verl stack's run of them covers both.
+VERL_MEGATRON_BRIDGE_TESTS=(tests/test_verl.py)
 # The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
 # engine code drives them).
 AREAL_TESTS=(tests/test_areal.py tests/test_areal_fsdp.py tests/test_docs.py)

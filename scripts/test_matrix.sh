@@ -34,7 +34,8 @@ for stack in "${stacks[@]}"; do
     bash scripts/test.sh -q "$@" >"$log" 2>&1
   elif [ -n "$bridge" ]; then
     case "$bridge" in
-      verl*) tests=("${VERL_TESTS[@]}") ;;
+      verl-megatron-bridge) tests=("${VERL_MEGATRON_BRIDGE_TESTS[@]}") ;;
+      verl) tests=("${VERL_TESTS[@]}") ;;
       areal) tests=("${AREAL_TESTS[@]}") ;;
       trl) tests=("${TRL_TESTS[@]}") ;;
       *) tests=("${MEGATRON_BRIDGE_TESTS[@]}") ;;

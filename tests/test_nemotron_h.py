@@ -287,12 +287,9 @@ HF_SAVED_CASES = {
 
 def save_hf_nemotron_h(path: str, seed: int = 0, **overrides) -> None:
     """A tiny Nemotron-H written by transformers' own ``save_pretrained``: every weight of rank >= 2
-    drawn N(0, 0.1), the rest (norms, A_log, D, dt_bias, conv bias) as HF initializes them. The
-    embedding is renamed to ``backbone.embeddings.weight``, the name Megatron-Bridge 0.6.2 maps
-    (transformers 5 writes ``backbone.embedding.weight``; issue 42 item 2)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file, save_file
+    drawn N(0, 0.1), the rest (norms, A_log, D, dt_bias, conv bias) as HF initializes them. Its
+    embedding is ``backbone.embedding.weight``, the name transformers 5 writes (issue 42 item 2:
+    Megatron-Bridge 0.6.2 maps only ``backbone.embeddings.weight``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("nemotron_h", **{**HF_SAVED_NEMOTRON_H, **overrides})
@@ -303,10 +300,6 @@ def save_hf_nemotron_h(path: str, seed: int = 0, **overrides) -> None:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
-    file = Path(path) / "model.safetensors"
-    tensors = load_file(file)
-    renamed = {"backbone.embedding.weight": "backbone.embeddings.weight"}
-    save_file({renamed.get(k, k): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
 
 
 def hf_kernel_logprobs(path: str, seqs: list[torch.Tensor]) -> dict[int, torch.Tensor]:

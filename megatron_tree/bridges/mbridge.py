@@ -59,6 +59,7 @@ from ..mcore.spec import tree_attention_spec
 from ..patches import mbridge_compat, mbridge_deepseek
 from ..patches._scoped import swapped
 from ._hook import InitHook, cpu_patch_applied
+from .load_check import raise_unsourced, safetensors_keys
 from .routing import sigmoid_router_fields
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,46 @@ def _provider_modules(bridge: Any) -> list:
     return modules
 
 
+def _unsourced(bridge: Any, models: list, file_keys: set[str]) -> dict:
+    """{global parameter name: the HF keys it needs that the checkpoint lacks (None: no mapping)}
+    over ``models``, by the bridge's own name mappings, as its ``load_weights`` walks them."""
+    unsourced = {}
+    for model in models:
+        state = model.state_dict()
+        for local, name in bridge._weight_name_mapping_mcore_local_to_global(model).items():
+            if "_extra_state" in local:
+                continue
+            try:
+                hf_names = bridge._weight_name_mapping_mcore_to_hf(name)
+            except NotImplementedError:
+                unsourced[name] = None
+                continue
+            missing = [k for k in hf_names if k not in file_keys]
+            value_head = hf_names[0] == "lm_head.weight" and state[local].shape[0] == 1
+            if missing and not value_head:  # (mbridge keeps a value model's head as built)
+                unsourced[name] = missing
+    return unsourced
+
+
+def _bind_load_check(bridge: Any) -> None:
+    """``bridge.load_weights`` first checks that every parameter has its keys in the checkpoint
+    (:func:`~megatron_tree.bridges.load_check.raise_unsourced`), before any weight is read."""
+    original = bridge.load_weights
+
+    @functools.wraps(original)
+    def load_weights(models, weights_path, *args, **kwargs):
+        hf_dir = bridge._get_actual_hf_path(weights_path)
+        keys = safetensors_keys(hf_dir)
+        raise_unsourced(
+            f"mbridge {type(bridge).__name__} loading {hf_dir}",
+            _unsourced(bridge, models, keys),
+            keys,
+        )
+        return original(models, weights_path, *args, **kwargs)
+
+    bridge.load_weights = load_weights
+
+
 def _bind(bridge: Any, backend: str, block_size: int) -> None:
     """Make ``bridge`` build tree-attention models from now on (idempotent)."""
     if getattr(bridge, _BOUND_ATTR, None) is not None:
@@ -319,6 +360,7 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
     bridge._get_transformer_layer_spec = get_transformer_layer_spec
     bridge._model_provider = model_provider
     bridge.get_model = get_model
+    _bind_load_check(bridge)
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size, "use_te": use_te})
 
 

@@ -47,6 +47,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ from ..mcore.spec import check_tree_model, local_hybrid_block_spec, tree_attenti
 from ..patches import megatron_bridge_experts, megatron_bridge_nemotron_h, megatron_bridge_te
 from ..patches._scoped import swapped
 from ._hook import InitHook, cpu_patch_applied
+from .load_check import raise_unsourced
 from .routing import sigmoid_router_fields
 
 _BOUND_ATTR = "_megatron_tree_tree_training"
@@ -304,6 +306,90 @@ def make_tree_provider(
     return provider
 
 
+def _unsourced(model_bridge: Any, hf_pretrained: Any, models: list) -> dict:
+    """{global parameter name: the HF keys it needs that the checkpoint lacks (None: no mapping)}:
+    the parameters and persistent buffers of ``models`` (this rank's) that the bridge's own
+    conversion tasks leave without a task (it logs ``Can't find ... in hf_keys`` and skips them)."""
+    from megatron.bridge.models.conversion import model_bridge as mb
+    from megatron.bridge.models.conversion.utils import persistent_buffers
+
+    models = mb.unwrap_model(models)
+    keys = set(hf_pretrained.state.source.get_all_keys())
+    tasks = model_bridge.build_conversion_tasks(hf_pretrained, models)
+    covered = {(t.vp_stage, t.param_name) for t in tasks if t is not None and t.megatron_module}
+    config = models[0].config
+    tied = model_bridge._share_embeddings_and_output_weights(config)
+    registry = model_bridge.mapping_registry()
+    unsourced = {}
+    for vp_stage, model in enumerate(models):
+        for local, _ in itertools.chain(model.named_parameters(), persistent_buffers(model)):
+            if "_extra_state" in local or model_bridge._is_adapter_param_name(local):
+                continue
+            local = model_bridge._unwrap_name(local)
+            if (vp_stage, local) in covered or (tied and "output_layer" in local):
+                continue
+            name = mb._megatron_local_name_to_global(models, config, local, vp_stage)
+            mapping = registry.megatron_to_hf_lookup(model_bridge._get_lora_unwrapped_name(name))
+            if mapping is None:
+                unsourced[name] = None
+                continue
+            hf = mapping.hf_param
+            hf = [hf] if isinstance(hf, str) else list(hf.values())
+            unsourced[name] = [k for k in hf if k not in keys] or hf
+    return unsourced
+
+
+def _checked_load(model_bridge, hf_pretrained, megatron_model, *args, **kwargs):
+    """Megatron-Bridge's ``load_weights_hf_to_megatron`` after two steps of ours: Nemotron-H's
+    embedding taken under the name the checkpoint has, and no parameter left without a source
+    (:func:`~megatron_tree.bridges.load_check.raise_unsourced`, before any weight is read)."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    keys = set(hf_pretrained.state.source.get_all_keys())
+    megatron_bridge_nemotron_h.bind_embedding_key(model_bridge, keys)
+    where = getattr(hf_pretrained, "model_name_or_path", None) or "the checkpoint"
+    raise_unsourced(
+        f"Megatron-Bridge {type(model_bridge).__name__} loading {where}",
+        _unsourced(model_bridge, hf_pretrained, megatron_model),
+        keys,
+    )
+    load = MegatronModelBridge.__dict__["load_weights_hf_to_megatron"]
+    if getattr(load, "__wrapped__", None) is not None:  # inside load_hf_weights' swap
+        load = load.__wrapped__
+    return load(model_bridge, hf_pretrained, megatron_model, *args, **kwargs)
+
+
+def _bind_load_check(bridge: Any) -> None:
+    """Both of the bridge's load paths check first (:func:`_checked_load`): the load hook
+    ``to_megatron_provider(load_weights=True)`` registers, and ``load_hf_weights``."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    original = bridge.load_hf_weights
+    stock = MegatronModelBridge.load_weights_hf_to_megatron
+
+    @functools.wraps(stock)
+    def checked(self, *args, **kwargs):
+        return _checked_load(self, *args, **kwargs)
+
+    @functools.wraps(original)
+    def load_hf_weights(*args, **kwargs):
+        with swapped(MegatronModelBridge, load_weights_hf_to_megatron=checked):
+            return original(*args, **kwargs)
+
+    bridge.load_hf_weights = load_hf_weights
+
+
+def _check_load_hooks(provider: Any) -> None:
+    """Replace the weight-loading pre-wrap hook ``to_megatron_provider(load_weights=True)``
+    registered (``partial(model_bridge.load_weights_hf_to_megatron, hf_pretrained)``) by
+    :func:`_checked_load` on the same model bridge and checkpoint."""
+    hooks = getattr(provider, "_pre_wrap_hooks", [])
+    for i, hook in enumerate(hooks):
+        func = getattr(hook, "func", None)
+        if getattr(func, "__name__", None) == "load_weights_hf_to_megatron":
+            hooks[i] = functools.partial(_checked_load, func.__self__, *hook.args, **hook.keywords)
+
+
 def _bind(bridge: Any, backend: str, block_size: int) -> None:
     if getattr(bridge, _BOUND_ATTR, None) is not None:
         return
@@ -315,10 +401,12 @@ def _bind(bridge: Any, backend: str, block_size: int) -> None:
         provider = make_tree_provider(
             original(*args, **kwargs), backend=backend, block_size=block_size, hf_config=hf_config
         )
+        _check_load_hooks(provider)
         # Nemotron-H: HF's layer_norm_epsilon in every norm (the gated one included)
         return megatron_bridge_nemotron_h.bind(provider, hf_config)
 
     bridge.to_megatron_provider = to_megatron_provider
+    _bind_load_check(bridge)
     setattr(bridge, _BOUND_ATTR, {"backend": backend, "block_size": block_size})
 
 

@@ -286,24 +286,17 @@ def make_hf_checkpoint(arch: str, path: str, *, seed: int = 0, **overrides) -> N
 
 
 def save_checkpoint(model, path: str) -> None:
-    """``model.save_pretrained(path)`` (safetensors), with two Nemotron-H fixes so that HF is an
-    exact reference and Megatron-Bridge loads every weight: ``time_step_min = 0`` (HF's CPU scan
-    clamps dt from below there, Megatron does not; set after the weights are drawn, as HF's init
-    takes its log) and the embedding saved as ``backbone.embeddings.weight`` (transformers 5 writes
-    ``backbone.embedding.weight``, which Megatron-Bridge's map does not know: it would leave the
-    embedding uninitialized without an error)."""
-    nemotron_h = getattr(model.config, "model_type", None) == "nemotron_h"
-    if nemotron_h:
+    """``model.save_pretrained(path)`` (safetensors), with ``time_step_min = 0`` for Nemotron-H so
+    that HF is an exact reference (HF's CPU scan clamps dt from below there, Megatron does not; set
+    after the weights are drawn, as HF's init takes its log). Its embedding stays as transformers
+    writes it (``backbone.embedding.weight``), which the bridge patches load (issue 42 item 2)."""
+    if getattr(model.config, "model_type", None) == "nemotron_h":
         model.config.time_step_min = 0.0
     model.save_pretrained(path, safe_serialization=True)
-    if nemotron_h:
-        _rename_weights(path, {"backbone.embedding.weight": "backbone.embeddings.weight"})
 
 
-def _rename_weights(path: str, renames: dict[str, str]) -> None:
-    """Rename tensors of the single-file checkpoint at ``path``: transformers 5 saves Nemotron-H's
-    embedding as ``backbone.embedding.weight`` (it reads both), NVIDIA's checkpoints and
-    Megatron-Bridge's weight map name it ``backbone.embeddings.weight``."""
+def rename_weights(path: str, renames: dict[str, str]) -> None:
+    """Rename tensors of the single-file checkpoint at ``path`` (``renames``: {old: new})."""
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
