@@ -733,6 +733,8 @@ def test_trainer_balancing_without_a_launcher_edit(vendor):
     env = {k: v for k, v in os.environ.items() if k != "VERL_ENGINE_VENDOR"}
     if vendor:
         env["VERL_ENGINE_VENDOR"] = vendor
+    tests = os.path.dirname(os.path.abspath(__file__))  # the harness is not installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
     code = (
         "import json\nfrom harness.verl import balance_with_verls_trainer\n"
         "print('RESULT', json.dumps(balance_with_verls_trainer()))\n"
