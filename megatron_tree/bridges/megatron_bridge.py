@@ -306,15 +306,15 @@ def make_tree_provider(
     return provider
 
 
-def _unsourced(model_bridge: Any, hf_pretrained: Any, models: list) -> dict:
+def _unsourced(model_bridge: Any, hf_pretrained: Any, models: list, keys: set[str]) -> dict:
     """{global parameter name: the HF keys it needs that the checkpoint lacks (None: no mapping)}:
     the parameters and persistent buffers of ``models`` (this rank's) that the bridge's own
-    conversion tasks leave without a task (it logs ``Can't find ... in hf_keys`` and skips them)."""
+    conversion tasks leave without a task (it logs ``Can't find ... in hf_keys`` and skips them);
+    ``keys``: the checkpoint's."""
     from megatron.bridge.models.conversion import model_bridge as mb
     from megatron.bridge.models.conversion.utils import persistent_buffers
 
     models = mb.unwrap_model(models)
-    keys = set(hf_pretrained.state.source.get_all_keys())
     tasks = model_bridge.build_conversion_tasks(hf_pretrained, models)
     covered = {(t.vp_stage, t.param_name) for t in tasks if t is not None and t.megatron_module}
     config = models[0].config
@@ -339,23 +339,19 @@ def _unsourced(model_bridge: Any, hf_pretrained: Any, models: list) -> dict:
     return unsourced
 
 
-def _checked_load(model_bridge, hf_pretrained, megatron_model, *args, **kwargs):
-    """Megatron-Bridge's ``load_weights_hf_to_megatron`` after two steps of ours: Nemotron-H's
-    embedding taken under the name the checkpoint has, and no parameter left without a source
-    (:func:`~megatron_tree.bridges.load_check.raise_unsourced`, before any weight is read)."""
-    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-
+def _checked_load(load, model_bridge, hf_pretrained, megatron_model, *args, **kwargs):
+    """Megatron-Bridge's ``load_weights_hf_to_megatron`` (``load``, the stock function) after two
+    steps of ours: Nemotron-H's embedding taken under the name the checkpoint has, and no
+    parameter left without a source (:func:`~megatron_tree.bridges.load_check.raise_unsourced`,
+    before any weight is read)."""
     keys = set(hf_pretrained.state.source.get_all_keys())
     megatron_bridge_nemotron_h.bind_embedding_key(model_bridge, keys)
     where = getattr(hf_pretrained, "model_name_or_path", None) or "the checkpoint"
     raise_unsourced(
         f"Megatron-Bridge {type(model_bridge).__name__} loading {where}",
-        _unsourced(model_bridge, hf_pretrained, megatron_model),
+        _unsourced(model_bridge, hf_pretrained, megatron_model, keys),
         keys,
     )
-    load = MegatronModelBridge.__dict__["load_weights_hf_to_megatron"]
-    if getattr(load, "__wrapped__", None) is not None:  # inside load_hf_weights' swap
-        load = load.__wrapped__
     return load(model_bridge, hf_pretrained, megatron_model, *args, **kwargs)
 
 
@@ -369,7 +365,7 @@ def _bind_load_check(bridge: Any) -> None:
 
     @functools.wraps(stock)
     def checked(self, *args, **kwargs):
-        return _checked_load(self, *args, **kwargs)
+        return _checked_load(stock, self, *args, **kwargs)
 
     @functools.wraps(original)
     def load_hf_weights(*args, **kwargs):
@@ -387,7 +383,9 @@ def _check_load_hooks(provider: Any) -> None:
     for i, hook in enumerate(hooks):
         func = getattr(hook, "func", None)
         if getattr(func, "__name__", None) == "load_weights_hf_to_megatron":
-            hooks[i] = functools.partial(_checked_load, func.__self__, *hook.args, **hook.keywords)
+            hooks[i] = functools.partial(
+                _checked_load, func.__func__, func.__self__, *hook.args, **hook.keywords
+            )
 
 
 def _bind(bridge: Any, backend: str, block_size: int) -> None:
