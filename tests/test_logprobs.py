@@ -26,7 +26,12 @@ from megatron_tree.core.results import (
     merge_packed_tree_results,
 )
 from megatron_tree.core.tree import PackedTree
-from megatron_tree.testing.tolerances import FP32_LOGSOFTMAX_TOL, FP32_TP_LOGSOFTMAX_TOL, FP64_TOL
+from megatron_tree.testing.tolerances import (
+    FP32_LOGSOFTMAX_TOL,
+    FP32_TP_LOGSOFTMAX_TOL,
+    FP32_VOCAB_LOGSOFTMAX_TOL,
+    FP64_TOL,
+)
 
 VOCAB = 48  # divisible by 2 and 4 for the TP tests
 
@@ -794,18 +799,17 @@ def test_fused_masked_vocabulary():
 
 def test_fused_realistic_vocab_as_accurate_as_eager():
     """At V = 32000 fp32 rounding grows with the sums over the vocabulary, on both paths; the
-    compiled kernels sum in another order (per-lane vector accumulators). Measured against fp64:
-    eager 9e-7 / 5e-7 (log-prob / entropy), fused 1.2e-6 / 1.3e-6; the bar is 3x the eager error
-    (a wrong shift, scale or missing term is >= 1e-3)."""
+    compiled kernels sum in another order (per-lane vector accumulators, which follow the CPU's
+    vector width). Both paths are held to the bar measured and justified for this vocabulary
+    (FP32_VOCAB_LOGSOFTMAX_TOL, 2e-5; a wrong shift, scale or missing term is >= 1e-3)."""
     seqs, tree, logits = random_case(1, num_groups=2, vocab=32000)
     logits = logits * 2
     ref = reference(logits, tree, seqs, 0.8)
-    errors = {}
     for fused in (False, True):
         got = gather_packed_tree_logprobs_entropy(logits, tree, temperature=0.8, fused=fused)
-        errors[fused] = [(g.double() - r).abs().max().item() for g, r in zip(got, ref)]
-    for eager, fused in zip(errors[False], errors[True]):
-        assert fused <= max(3 * eager, FP32_LOGSOFTMAX_TOL)
+        for name, g, r in zip(("log-probs", "entropy"), got, ref):
+            err = (g.double() - r).abs().max().item()
+            assert err <= FP32_VOCAB_LOGSOFTMAX_TOL, (fused, name, err)  # NaN fails the <=
 
 
 def test_fused_does_not_recompile_for_other_lengths_or_temperatures():
