@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # Imported once by the fork server; a module missing on a stack is skipped by multiprocessing.
 PRELOAD = (
     "torch",
