@@ -36,9 +36,10 @@ KERNELS_TESTS=(tests/test_recurrent_kernels.py)
 # Which tests the Python 3.12 stack (megatron-core 0.19.x, mbridge, transformers 4.57) runs: every
 # file but those that exercise nothing of its own there. The default stack runs them all.
 # Stack-independent: run alone, none of these loads megatron.core or mbridge (tries, packing,
-# masks, partition, log-prob gathers on gloo, the recurrent references, the docs tables), so the 3.12
+# masks, partition, log-prob gathers on gloo, the recurrent references, the docs tables, our Triton
+# kernels in the interpreter: torch 2.13 brings the same Triton 3.7.1 to both stacks), so the 3.12
 # stack would repeat the default's run of the same torch and transformers versions.
-STACK_INDEPENDENT_TESTS=(tests/test_api_table.py tests/test_mask.py tests/test_packing.py tests/test_partition.py tests/test_recurrent.py tests/test_trunk_packing.py tests/test_main_job_report.py tests/test_models_table.py tests/test_quiet.py tests/test_logprobs.py)
+STACK_INDEPENDENT_TESTS=(tests/test_api_table.py tests/test_triton_attention.py tests/test_mask.py tests/test_packing.py tests/test_partition.py tests/test_recurrent.py tests/test_trunk_packing.py tests/test_main_job_report.py tests/test_models_table.py tests/test_quiet.py tests/test_logprobs.py)
 # Run by a Python 3.12 framework stack already, on the same megatron-core 0.19.2 (the Megatron-Bridge
 # and verl lists), or by a framework's own stack where the 3.12 stack only skips them (AReaL, TRL,
 # the kernels). The Megatron-Bridge stack has transformers 5, so the HF tests there run on both

@@ -1,14 +1,14 @@
 """``backend="triton"``: our Triton tree-attention kernels, run in Triton's interpreter on CPU
 tensors, against an fp64 brute force whose visibility comes from the trie's parent links and depths
-(never from ``subtree_end``), forward and backward; a model step with the kernels against the
-unpacked reference; the kernel's own tile decisions against the host rule; and a kernel broken on
-purpose (one tile short of the diagonal) failing the parity checks.
+(never from ``subtree_end``), forward and backward; the kernel's own tile decisions against the host
+rule; and a kernel broken on purpose (one tile short of the diagonal) failing the parity checks. A
+model step with the kernels is in tests/test_triton_model_step.py.
 
 The interpreter runs every program instance in numpy, so sizes are tiny (<= 128 positions, 16-token
 tiles, 1-2 key/value groups) and the whole file takes about a minute of CPU (two minutes on two
-busy cores); the model step is marked slow. Its kernels must be built with
-``TRITON_INTERPRET=1`` set; the ``interpreter`` fixture imports the kernel module that way (and
-puts back whatever module was imported before, so a GPU run of the suite keeps compiled kernels).
+busy cores). Its kernels must be built with ``TRITON_INTERPRET=1`` set; the ``interpreter``
+fixture imports the kernel module that way (harness/triton.py). Nothing here builds a Megatron
+model, so the file runs on one stack only (STACK_INDEPENDENT_TESTS in scripts/_python312.sh).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("triton", reason="backend='triton' needs the triton package")
 
 from harness.models import VOCAB, branching_sequences, pack, trunk_sequences
+from harness.triton import KERNELS, MODULE, interpreted_kernels
 from megatron_tree.core.attention import tree_attention
 from megatron_tree.core.context_parallel import context_parallel_split
 from megatron_tree.core.mask import (
@@ -39,30 +40,13 @@ from megatron_tree.core.rows import KeyValueStore
 from megatron_tree.testing.synthetic import pad_sequences, random_trie_sequences
 from megatron_tree.testing.tolerances import BF16_FACTOR, FP32_ATTN_TOL
 
-MODULE = "megatron_tree.core.triton_attention"
-KERNELS = "megatron_tree.core.triton_kernels"  # decorated at import: re-imported with MODULE
 TILE = 16  # the kernels' tile in these tests (block_size=16): many tiles on tiny trees
 
 
 @pytest.fixture(scope="module")
 def interpreter():
     """The kernel module with its kernels in Triton's interpreter (for the module's tests)."""
-    before = {name: sys.modules.pop(name, None) for name in (MODULE, KERNELS)}
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
-    try:
-        module = importlib.import_module(MODULE)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    assert module.interpreted()
-    yield module
-    for name, old in before.items():
-        sys.modules.pop(name, None)
-        if old is not None:
-            sys.modules[name] = old
+    yield from interpreted_kernels()
 
 
 # ------------------------------------------------------------------------------ references
@@ -468,68 +452,6 @@ def test_errors_name_the_argument(interpreter, monkeypatch):
         ValueError, match="runs on CUDA tensors, or on CPU tensors in Triton's interp"
     ):
         tree_attention(q, k, v, mask, backend="triton")
-
-
-# ------------------------------------------------------------------------------ model step
-
-
-@pytest.mark.slow  # ~20 s: two layers' kernels forward and backward in the interpreter
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU suite; run with CUDA_VISIBLE_DEVICES= on CUDA machines"
-)
-@pytest.mark.usefixtures("world")
-def test_model_step_matches_unpacked_reference(interpreter):
-    """A tree-packed step of a Megatron GPTModel whose core attention is backend="triton" (fp32,
-    GQA 4/2, layer 1 with a depth window of 7, layer 2 full, learnable sinks) against Megatron's
-    stock GPTModel on each sequence alone: per-token log-probs and every parameter gradient of a
-    weighted log-prob loss."""
-    from harness.models import build_gpt_model, small_gpt_config
-    from megatron_tree.testing.reference import gradient_errors, parameter_grads
-    from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL
-
-    config = small_gpt_config(
-        window_size=(7, 0), window_attn_skip_freq=2, softmax_type="learnable", init_method_std=0.15
-    )
-    model = build_gpt_model(config, tree=True, vocab_size=VOCAB, backend="triton", block_size=16)
-    stock = build_gpt_model(config, tree=False, vocab_size=VOCAB)
-    with torch.no_grad():  # sinks that matter (Megatron initializes them near 0)
-        for i, layer in enumerate(model.decoder.layers):
-            layer.self_attention.core_attention.softmax_offset.copy_(
-                torch.tensor([1.0, -1.0, 0.5, 2.0]) + 0.1 * i
-            )
-    stock.load_state_dict(model.state_dict())
-    seqs = branching_sequences()[:6] + branching_sequences()[6:9]
-    weights = torch.linspace(0.5, 1.5, len(seqs))
-
-    def logprobs(logits, ids):
-        return torch.log_softmax(logits.float(), -1)[:-1].gather(1, ids[1:, None])[:, 0]
-
-    want, loss = {}, 0.0
-    for i, s in enumerate(seqs):
-        want[i] = logprobs(stock(s[None], torch.arange(len(s))[None], attention_mask=None)[0], s)
-        loss = loss + weights[i] * want[i].sum()
-    loss.backward()
-    (mb,) = pack(seqs, max_tokens=1024)
-    tree = mb["tree"]
-    logits = model(mb["input_ids"], mb["position_ids"], attention_mask=tree_attention_mask(tree))
-    logp = torch.log_softmax(logits[0].float(), -1)
-    got, loss = {}, 0.0
-    for j in range(tree.num_sequences):
-        idx, i = tree.sequence_token_index(j), int(tree.sequence_ids[j])
-        got[i] = logp[idx[:-1], tree.input_ids[idx[1:]]]
-        loss = loss + weights[i] * got[i].sum()
-    loss.backward()
-    from megatron_tree.testing.tolerances import max_abs_error, worst_error
-
-    err = worst_error(max_abs_error(got[i], want[i]) for i in want)
-    rel = gradient_errors(
-        parameter_grads(model, require_all=True), parameter_grads(stock, require_all=True)
-    )
-    worst = max(rel.values())
-    print(f"PARITY model step N={tree.padded_length}: logprob {err:.2e} grad_rel {worst:.2e}")
-    assert err <= LOGP_TOL
-    assert max(rel.values()) <= GRAD_RTOL, max(rel.items(), key=lambda kv: kv[1])
-    assert "decoder.layers.0.self_attention.core_attention.softmax_offset" in rel
 
 
 # ------------------------------------------------------------------------------ broken on purpose
