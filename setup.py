@@ -14,7 +14,7 @@ MEGATRON = [
     "einops",
 ]
 # ruff is pinned: a newer release may format or lint differently from what CI checked.
-TEST = ["pytest>=8", "hypothesis>=6.100", "ruff==0.17.6"]
+TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"]
 
 setup(
     name="megatron_tree",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
+import tempfile
 import types
 from contextlib import contextmanager, nullcontext
 
@@ -27,16 +28,18 @@ def apply_megatron_cpu_patch() -> None:
     megatron_cpu.apply()
 
 
-def init_gloo_world(port: int = 29517) -> None:
-    """One-process gloo world (verl's engine expects torch.distributed to be initialized)."""
+def init_gloo_world() -> None:
+    """One-process gloo world (verl's engine expects torch.distributed to be initialized), meeting
+    through a file, not a TCP port that two test processes at once would race for."""
     if torch.distributed.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1
+    )
 
 
 def register_cpu_platform() -> None:
