@@ -83,7 +83,9 @@ ROWS="$OUT/rows.txt"
 : >"$ROWS"
 row() { echo "$1|$2|$3|$4" >>"$ROWS"; }
 # xunit1: the family that keeps record_property's per-test properties (value, bar) without a warning.
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit1)
+# -p no:xdist: one process (the suite's workers are scripts/test.sh's); the bare machine has no
+# pytest-xdist, and the dry run's guard refuses the venv's.
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:xdist -p no:xdist.looponfail -o junit_family=xunit1)
 
 echo "== gpu_check ($MODE run): python $PY, logs in $OUT"
 if ! "$PY" -c "import sys, torch; assert sys.version_info[:2] == (3, 12), sys.version" >"$OUT/python.txt" 2>&1; then

@@ -25,9 +25,15 @@ if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
   echo "[test] MEGATRON_TREE_TEST_WORKERS=$workers: give a whole number >= 1 (1: no worker processes)" >&2
   exit 2
 fi
+# No more workers than the test files named (a one-file stack would only pay a second start-up).
+files=0
+for arg in "$@"; do [[ "$arg" == *.py && -f "$arg" ]] && files=$((files + 1)); done
+if [ "$files" -gt 0 ] && [ "$files" -lt "$workers" ]; then workers=$files; fi
 xdist=()
 if [ "$workers" -gt 1 ]; then
-  xdist=(-n "$workers" --dist load)
+  # loadgroup: tests one by one, except those sharing a module-scoped fixture of their file, which
+  # go to one worker together (tests/conftest.py), so no fixture is built twice.
+  xdist=(-n "$workers" --dist loadgroup)
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cpus / workers > 1 ? cpus / workers : 1))}"
 fi
 echo "[test] pytest in $workers process(es), OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"

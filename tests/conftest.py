@@ -29,13 +29,49 @@ settings.load_profile(PROFILE)
 SLOW_FILES = ("test_grpo_loop.py",)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
-def pytest_collection_modifyitems(items):
-    """Mark the tests of ``SLOW_FILES`` slow; under "wide", scale the max_examples a test names too
-    (it overrides the profile's)."""
+def _own_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture of its own file (a world run once, its results
+    read by the file's tests)."""
+    module = item.nodeid.split("::")[0]
+    infos = getattr(item, "_fixtureinfo", None)
+    defs = infos.name2fixturedefs.values() if infos is not None else ()
+    return any(d.scope == "module" and d.baseid == module for chain in defs for d in chain)
+
+
+@pytest.hookimpl(wrapper=True)  # around the others: before -m deselects and xdist reads groups
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of ``SLOW_FILES`` slow; put the tests that share a module-scoped fixture of
+    their file in one pytest-xdist group (``--dist loadgroup``, scripts/test.sh), so that one
+    worker builds it once instead of every worker; under "wide", scale the max_examples a test
+    names too (it overrides the profile's)."""
+    grouping = getattr(config.option, "loadgroup", False)  # set in an xdist worker
     for item in items:
         if item.path.name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if grouping and _own_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    _scale_wide_examples(items)
+    result = yield
+    if grouping:
+        _xdist_group_ids(items)
+    return result
+
+
+def _xdist_group_ids(items) -> None:
+    """pytest-xdist 3.8 groups a test by suffixing ``@group`` to ``item._nodeid``, which pytest 9
+    no longer reads (its id lives in ``item._id``): without this, ``--dist loadgroup`` spreads a
+    group's tests over every worker and each builds the group's fixture again."""
+    try:
+        from _pytest.nodeid import NodeId  # pytest >= 9
+    except ImportError:
+        return
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{mark.args[0]}")
+
+
+def _scale_wide_examples(items) -> None:
     if PROFILE != "wide":
         return
     functions = (getattr(item.obj, "__func__", item.obj) for item in items if hasattr(item, "obj"))
