@@ -80,7 +80,11 @@ def run(name: str) -> Clock:
     try:
         sys.argv = [str(path), *argv]
         with contextlib.redirect_stdout(sys.stderr):
-            runpy.run_path(str(path), run_name="__main__")
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as done:  # the main job ends with sys.exit(0)
+                if done.code not in (None, 0):
+                    raise
     finally:
         sys.argv = old_argv
         for k, fn in saved_check.items():
