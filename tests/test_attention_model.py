@@ -6,6 +6,8 @@ References are independent of the tree code: Megatron's own GPTModel with the un
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -102,7 +104,7 @@ def test_depth_rope_is_needed_for_branches():
         plain_err = max_err(_tree_logprobs(plain, micro_batches), ref)
         depth_err = max_err(_tree_logprobs(depth, micro_batches), ref)
         dense_err = max_err(_tree_logprobs(depth, micro_batches, "dense"), ref)
-    assert plain_err > 1e-2, plain_err
+    assert 1e-2 < plain_err < math.inf, plain_err  # far off, but not NaN/inf (max_err: inf)
     assert depth_err <= LOGP_TOL, depth_err
     assert dense_err <= LOGP_TOL, dense_err
 

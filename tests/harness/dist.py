@@ -60,6 +60,7 @@ STACK_PRELOAD = {
     "ray": ("ray",),
     "tensordict": ("tensordict",),
     "omegaconf": ("omegaconf",),
+    "mbridge": ("mbridge",),
     "megatron.bridge": (
         "megatron_tree.bridges.megatron_bridge",
         "megatron.bridge.models.conversion.auto_bridge",
