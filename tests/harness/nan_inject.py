@@ -28,7 +28,8 @@ import tempfile
 
 ACTIVE = os.environ.get("NAN_INJECT") == "1"
 MODE = os.environ.get("NAN_INJECT_MODE", "once")  # "once" (default) or "all": every call
-HARNESS = os.environ.get("NAN_INJECT_HARNESS") == "1"  # also the harness's packed_logprobs
+HARNESS = os.environ.get("NAN_INJECT_HARNESS") == "1"
+VERL = os.environ.get("NAN_INJECT_VERL") == "1"  # also verl's Megatron adapter's head
 _count = [0]
 _current = [None]  # nodeid of the running test (pytest process)
 ROOT = os.environ.get("NAN_INJECT_ROOT", os.path.join(tempfile.gettempdir(), "nan_inject"))
@@ -195,6 +196,34 @@ def apply() -> None:
         wrapped = _wrap_harness(fn)
         _originals[id(fn)] = (fn, wrapped)
         models.packed_logprobs = wrapped
+    if VERL:
+        # verl's Megatron adapter takes log-probs through verl's own logits processor at the
+        # tree's rows (TreeMegatronEngineWithLMHead._tree_head), not through the gathers above.
+        # Patched when the harness builds an engine: verl's plugin loading has imported the
+        # adapter by then (importing it here first would register its engines twice).
+        harness_verl = importlib.import_module("harness.verl")
+        build = harness_verl.build_engine
+
+        @functools.wraps(build)
+        def build_engine(*args, **kwargs):
+            adapter = sys.modules.get("megatron_tree.integrations.verl")
+            cls = getattr(adapter, "TreeMegatronEngineWithLMHead", None)
+            if cls is not None and not hasattr(cls._tree_head, "_nan_inject_original"):
+                head = cls._tree_head
+
+                @functools.wraps(head)
+                def tree_head(self, *a, **k):
+                    out = head(self, *a, **k)
+                    if "log_probs" in out:
+                        poisoned = _inject("verl._tree_head", out["log_probs"], None)
+                        out = dict(out, log_probs=poisoned)
+                    return out
+
+                tree_head._nan_inject_original = head
+                cls._tree_head = tree_head
+            return build(*args, **kwargs)
+
+        harness_verl.build_engine = build_engine
     finite._nan_inject_applied = True
     rebind(("megatron_tree", "harness", "test_"))
 
