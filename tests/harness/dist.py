@@ -69,7 +69,8 @@ STACK_PRELOAD = {
 }
 
 
-def _installed(name: str) -> bool:
+def installed(name: str) -> bool:
+    """Whether module ``name`` can be imported here (False where a parent package is missing)."""
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent package is missing
@@ -80,7 +81,7 @@ def _fork_server_context():
     ctx = mp.get_context("forkserver")
     preload = list(PRELOAD)
     for package, modules in STACK_PRELOAD.items():
-        if _installed(package):
+        if installed(package):
             preload += modules
     ctx.set_forkserver_preload(preload)  # read when the server starts, the first time only
     return ctx

@@ -26,6 +26,8 @@ import re
 import sys
 import tempfile
 
+import pytest
+
 ACTIVE = os.environ.get("NAN_INJECT") == "1"
 MODE = os.environ.get("NAN_INJECT_MODE", "once")  # "once" (default) or "all": every call
 HARNESS = os.environ.get("NAN_INJECT_HARNESS") == "1"
@@ -277,91 +279,81 @@ def pytest_configure(config):
         pass
 
 
-def _import_pytest():
-    import pytest
-
-    return pytest
-
-
-try:
-    import pytest as _pytest
-
-    @_pytest.hookimpl(wrapper=True)
-    def pytest_runtest_protocol(item, nextitem):
-        if not ACTIVE:
-            return (yield)
-        rebind(("megatron_tree", "harness", "test_"))
-        directory = os.path.join(ROOT, "runs", _sanitize(item.nodeid))
-        if os.path.isdir(directory):
-            for entry in os.listdir(directory):
-                os.remove(os.path.join(directory, entry))
-        previous = os.environ.get("NAN_INJECT_DIR")
-        os.environ["NAN_INJECT_DIR"] = directory
-        _records[item.nodeid] = {"nodeid": item.nodeid, "outcome": None, "mode": MODE}
-        _current[0] = item.nodeid
-        try:
-            return (yield)
-        finally:
-            if previous is None:
-                os.environ.pop("NAN_INJECT_DIR", None)
-            else:
-                os.environ["NAN_INJECT_DIR"] = previous
-            record = _records[item.nodeid]
-            found = _markers(directory)
-            record["injected_here"] = len(found)
-            record["producers"] = sorted({m["producer"] for m in found})
-            inherited = []
-            for chain in item._fixtureinfo.name2fixturedefs.values():
-                for fd in chain:
-                    src = getattr(fd, "_nan_injected_by", None)
-                    if src and src != item.nodeid:
-                        inherited.append(f"{fd.argname} (set up in {src})")
-            record["inherited_from_fixture"] = sorted(set(inherited))
-            record["injected"] = bool(found) or bool(inherited)
-            record["python"] = sys.executable
-            try:
-                with open(RESULTS) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                data = {}
-            data[item.nodeid] = record
-            with open(RESULTS, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-
-    @_pytest.hookimpl(wrapper=True)
-    def pytest_fixture_setup(fixturedef, request):
-        if not ACTIVE:
-            return (yield)
-        directory = os.environ.get("NAN_INJECT_DIR", "")
-        before = len(_markers(directory)) if directory else 0
-        fixturedef._nan_injected_by = None
-        try:
-            return (yield)
-        finally:
-            if directory and len(_markers(directory)) > before:
-                fixturedef._nan_injected_by = _current[0]
-
-    @_pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(item, call):
-        report = yield
-        if not ACTIVE or item.nodeid not in _records:
-            return report
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not ACTIVE:
+        return (yield)
+    rebind(("megatron_tree", "harness", "test_"))
+    directory = os.path.join(ROOT, "runs", _sanitize(item.nodeid))
+    if os.path.isdir(directory):
+        for entry in os.listdir(directory):
+            os.remove(os.path.join(directory, entry))
+    previous = os.environ.get("NAN_INJECT_DIR")
+    os.environ["NAN_INJECT_DIR"] = directory
+    _records[item.nodeid] = {"nodeid": item.nodeid, "outcome": None, "mode": MODE}
+    _current[0] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        if previous is None:
+            os.environ.pop("NAN_INJECT_DIR", None)
+        else:
+            os.environ["NAN_INJECT_DIR"] = previous
         record = _records[item.nodeid]
-        if call.when == "call" or ((report.failed or report.skipped) and record["outcome"] is None):
-            outcome = report.outcome
-            if call.when != "call" and report.failed:
-                outcome = f"error in {call.when}"
-            if hasattr(report, "wasxfail"):
-                outcome = "xfailed" if report.skipped else "xpassed"
-            record["outcome"] = outcome
-            if call.excinfo is not None and report.failed:
-                text = str(call.excinfo.value)
-                record["exception"] = call.excinfo.typename
-                record["message"] = (text.strip().splitlines() or [""])[0][:300]
-                inner = _inner_exception(text) if call.excinfo.typename == "RuntimeError" else None
-                if inner:
-                    record["inner_exception"] = inner
-        return report
+        found = _markers(directory)
+        record["injected_here"] = len(found)
+        record["producers"] = sorted({m["producer"] for m in found})
+        inherited = []
+        for chain in item._fixtureinfo.name2fixturedefs.values():
+            for fd in chain:
+                src = getattr(fd, "_nan_injected_by", None)
+                if src and src != item.nodeid:
+                    inherited.append(f"{fd.argname} (set up in {src})")
+        record["inherited_from_fixture"] = sorted(set(inherited))
+        record["injected"] = bool(found) or bool(inherited)
+        record["python"] = sys.executable
+        try:
+            with open(RESULTS) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        data[item.nodeid] = record
+        with open(RESULTS, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
 
-except ImportError:  # the fork server without pytest on its path
-    pass
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if not ACTIVE:
+        return (yield)
+    directory = os.environ.get("NAN_INJECT_DIR", "")
+    before = len(_markers(directory)) if directory else 0
+    fixturedef._nan_injected_by = None
+    try:
+        return (yield)
+    finally:
+        if directory and len(_markers(directory)) > before:
+            fixturedef._nan_injected_by = _current[0]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if not ACTIVE or item.nodeid not in _records:
+        return report
+    record = _records[item.nodeid]
+    if call.when == "call" or ((report.failed or report.skipped) and record["outcome"] is None):
+        outcome = report.outcome
+        if call.when != "call" and report.failed:
+            outcome = f"error in {call.when}"
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+        record["outcome"] = outcome
+        if call.excinfo is not None and report.failed:
+            text = str(call.excinfo.value)
+            record["exception"] = call.excinfo.typename
+            record["message"] = (text.strip().splitlines() or [""])[0][:300]
+            inner = _inner_exception(text) if call.excinfo.typename == "RuntimeError" else None
+            if inner:
+                record["inner_exception"] = inner
+    return report

@@ -19,6 +19,8 @@ import torch
 
 from megatron_tree.patches._scoped import swapped
 
+from .dist import installed
+
 
 def apply_megatron_cpu_patch() -> None:
     """megatron_tree's reversible CPU runtime patch: torch.cuda.current_device -> cpu, Megatron's
@@ -82,20 +84,11 @@ def force_fp32(engine_config) -> None:
     object.__setattr__(engine_config, "dtype", "fp32")
 
 
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
-
-
 def apply_mbridge_compat() -> None:
     """Not CPU-specific: mbridge 0.15.1's get_model compares with ModelType.encoder_and_decoder,
     which megatron-core >= 0.17 removed (AttributeError). megatron_tree's version-gated patch puts
     0.16.1's deprecated property back (a no-op where not needed). Skipped without mbridge."""
-    if not _installed("mbridge"):
+    if not installed("mbridge"):
         return
     from megatron_tree.patches import mbridge_compat
 
@@ -133,7 +126,7 @@ def use_local_spec_in_mbridge() -> None:
     'NoneType' object is not callable). Build the local spec instead, and translate the local
     spec's separate norm names to the fused TE names before mbridge maps them to HF (load and
     export). Dense GPT bridges only (Qwen2/Qwen3/Llama). Skipped without mbridge."""
-    if not _installed("mbridge"):
+    if not installed("mbridge"):
         return
 
     from mbridge.core import bridge as bridge_module
@@ -161,7 +154,7 @@ def local_moe_in_stock_mbridge() -> None:
     local-MoE binding (``megatron_tree.bridges.mbridge._bind_local_moe``: SequentialMLP experts,
     their names mapped to the global expert), as the tree engine's bridges get it from the
     package's patch. Skipped without mbridge."""
-    if not _installed("mbridge"):
+    if not installed("mbridge"):
         return
     from mbridge import AutoBridge
 
@@ -307,7 +300,7 @@ def import_megatron_bridge_without_te() -> None:
     (megatron/bridge/peft/lora_layers.py imports it unguarded). megatron_tree's import patch
     (``megatron_tree.patches.megatron_bridge_te``,
     a no-op with transformer-engine) lets it import. Skipped without Megatron-Bridge."""
-    if not _installed("megatron.bridge"):
+    if not installed("megatron.bridge"):
         return
     from megatron_tree.patches import megatron_bridge_te
 
