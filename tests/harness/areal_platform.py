@@ -24,9 +24,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_tree.patches._scoped import swapped
 
+from .dist import installed
 from .verl import (
     _CUDA_FACTORY_MODULES,
-    _installed,
     _TorchOnCpu,
     apply_mbridge_compat,
     apply_megatron_cpu_patch,
@@ -243,7 +243,7 @@ def redirect_cuda_in_optimizer_and_ddp() -> None:
     CUDA streams), for the modules of that list installed here (``megatron.training`` comes with
     Megatron-Bridge only)."""
     for name in _CUDA_FACTORY_MODULES:
-        if _installed(name):
+        if installed(name):
             importlib.import_module(name).torch = _TorchOnCpu()
 
 
@@ -333,7 +333,7 @@ def use_local_spec_in_mbridge() -> None:
     that AReaL's own tree patch, which wraps ``LLMBridge._get_transformer_layer_spec``, wraps it.
     The weight names and MoE options that go with it: :func:`local_spec_names_in_stock_mbridge`.
     Skipped without mbridge."""
-    if not _installed("mbridge"):
+    if not installed("mbridge"):
         return
 
     from mbridge.core import llm_bridge
