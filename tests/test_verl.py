@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from harness.dist import run_spawned
+from harness.dist import installed, run_spawned
 from megatron_tree.testing.reference import gradient_errors, parameter_grads
 from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
 
@@ -150,15 +150,8 @@ def test_tree_engine_equals_verls_engine_and_hf(tmp_path):
     print("tree engine packing:", stats)
 
 
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(
-    not (_has("megatron.bridge") and _has("verl")) and not ON_VERL_MEGATRON_BRIDGE_STACK,
+    not (installed("megatron.bridge") and installed("verl")) and not ON_VERL_MEGATRON_BRIDGE_STACK,
     reason="Megatron-Bridge and verl are not both installed (verl's default model-building path; "
     "the stack: MEGATRON_TREE_BRIDGE=verl-megatron-bridge)",
 )
@@ -369,6 +362,16 @@ def test_tree_engine_on_two_data_parallel_ranks(tmp_path):
         _check_gradients(tree["grads"], stock["grads"])  # averaged over the two ranks by DDP
 
 
+# verl's plugin registration and trainer, in fresh processes (~8 s each): nothing of the model path,
+# so run once, on the verl stack (mbridge), not again on verl + Megatron-Bridge.
+ONE_VERL_STACK = pytest.mark.skipif(
+    installed("megatron.bridge"),
+    reason="independent of the model-building path: runs on the verl stack "
+    "(MEGATRON_TREE_BRIDGE=verl)",
+)
+
+
+@ONE_VERL_STACK
 def test_a_failed_plugin_import_refuses_instead_of_falling_back():
     """verl swallows entry-point import errors and would then run its own engine under
     VERL_ENGINE_VENDOR=megatron_tree; the plugin registers a refusal in the adapter's place."""
@@ -675,7 +678,7 @@ def test_tree_engine_parallel_layouts(tmp_path, layout):
     world, parallel, reference, layers, overrides = LAYOUTS[layout]
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path, num_hidden_layers=layers)
-    vanilla_mbridge = not _has("megatron.bridge")
+    vanilla_mbridge = not installed("megatron.bridge")
     ranks = run_spawned(
         _layout_worker, world, path, parallel, reference, overrides, vanilla_mbridge, megatron=False
     )
@@ -720,6 +723,7 @@ def test_dynamic_context_parallel_is_refused():
         TreeMegatronEngineWithLMHead._check_supported(engine, data)
 
 
+@ONE_VERL_STACK
 @pytest.mark.parametrize("vendor", ["megatron_tree", None])
 def test_trainer_balancing_without_a_launcher_edit(vendor):
     """A fresh process as verl's ``TaskRunner``: ``import verl`` (its plugins), then verl's trainer
@@ -918,9 +922,18 @@ REPLAY_LAYOUTS = {
     "pp2-vpp2": ({"pp": 2, "vpp": 2}, 1, None),
     "tp2-sp": ({"tp": 2, "sp": True}, 1, None),
 }
+# The replay is the tree engine's (the same code on both verl stacks); the bridge only builds the
+# model. So the verl stack (mbridge) runs every layout, and the verl + Megatron-Bridge stack the two
+# whose models the bridge builds differently: experts split over ranks, and one model chunk per
+# virtual stage (saves 6 of its 10 two-rank worlds, ~50 s).
+REPLAY_LAYOUTS_HERE = (
+    ["ep2", "pp2-vpp2"]
+    if installed("megatron.bridge") and installed("verl")
+    else list(REPLAY_LAYOUTS)
+)
 
 
-@pytest.mark.parametrize("layout", list(REPLAY_LAYOUTS))
+@pytest.mark.parametrize("layout", REPLAY_LAYOUTS_HERE)
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_routing_replay(tmp_path, mode, layout):
     """verl's routing replay in the tree engine at EP=2 (two data-parallel ranks, each holding 2 of
@@ -947,7 +960,7 @@ def test_routing_replay(tmp_path, mode, layout):
     path = str(tmp_path / "qwen3_moe")
     layers = 4 if "vpp" in parallel else 2  # one MoE layer per model chunk
     make_hf_checkpoint("qwen3_moe", path, num_hidden_layers=layers)
-    vanilla_mbridge = not _has("megatron.bridge")
+    vanilla_mbridge = not installed("megatron.bridge")
     ranks = run_spawned(
         _replay_worker,
         2,
@@ -1090,7 +1103,7 @@ def test_tree_critic_under_pipeline_parallelism(tmp_path):
 
     path = str(tmp_path / "qwen3")
     make_hf_checkpoint("qwen3", path)
-    vanilla_mbridge = not _has("megatron.bridge")
+    vanilla_mbridge = not installed("megatron.bridge")
     ranks = run_spawned(_critic_pipeline_worker, 2, path, vanilla_mbridge, megatron=False)
     worst = {}
     for rank, out in enumerate(ranks):
