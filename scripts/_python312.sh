@@ -37,9 +37,10 @@ KERNELS_TESTS=(tests/test_recurrent_kernels.py)
 # file but those that exercise nothing of its own there. The default stack runs them all.
 # Stack-independent: run alone, none of these loads megatron.core or mbridge (tries, packing,
 # masks, partition, log-prob gathers on gloo, the recurrent references, the docs tables, our Triton
-# kernels in the interpreter: torch 2.13 brings the same Triton 3.7.1 to both stacks), so the 3.12
-# stack would repeat the default's run of the same torch and transformers versions.
-STACK_INDEPENDENT_TESTS=(tests/test_api_table.py tests/test_triton_attention.py tests/test_mask.py tests/test_packing.py tests/test_partition.py tests/test_recurrent.py tests/test_trunk_packing.py tests/test_main_job_report.py tests/test_models_table.py tests/test_quiet.py tests/test_logprobs.py)
+# kernels in the interpreter and compiled for sm_80 / sm_90: torch 2.13 brings the same Triton 3.7.1
+# to both stacks), so the 3.12 stack would repeat the default's run of the same torch and
+# transformers versions.
+STACK_INDEPENDENT_TESTS=(tests/test_api_table.py tests/test_triton_attention.py tests/test_kernel_compile.py tests/test_mask.py tests/test_packing.py tests/test_partition.py tests/test_recurrent.py tests/test_trunk_packing.py tests/test_main_job_report.py tests/test_models_table.py tests/test_quiet.py tests/test_logprobs.py)
 # Run on the default stack only, though they load megatron.core: they compose product calls that
 # the 3.12 stack tests in files of their own. The examples' variants (MoE, bf16, the HF engine, plain
 # Megatron, the multi-turn read-back: 56 s of that stack's 161 s here) drive the steps, gathers and

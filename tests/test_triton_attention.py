@@ -483,9 +483,9 @@ def _broken_module(tmp_path: Path, old: str, new: str):
     assert kernels.count(old) >= 1, old
     broken_kernels = _load("broken_triton_kernels", kernels.replace(old, new), tmp_path)
     source = Path(importlib.util.find_spec(MODULE).origin).read_text()
-    source = source.replace("from .tree import", "from megatron_tree.core.tree import").replace(
-        "from .triton_kernels import", "from broken_triton_kernels import"
-    )
+    for name in ("tree", "triton_tiles"):
+        source = source.replace(f"from .{name} import", f"from megatron_tree.core.{name} import")
+    source = source.replace("from .triton_kernels import", "from broken_triton_kernels import")
     sys.modules["broken_triton_kernels"] = broken_kernels
     try:
         module = _load("broken_triton_attention", source, tmp_path)

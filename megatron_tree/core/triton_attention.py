@@ -16,11 +16,12 @@ see it (for the dK / dV kernel, which walks query tiles). The kernels classify e
 key tile) pair from them (skipped, full, partial; :mod:`~.triton_kernels`); :func:`tile_kinds` is
 the same rule on the host, for counting and tests.
 
-One configuration, no autotuning (the autotuner's benchmarker does not run in Triton's
-interpreter): square tiles of ``min(block_size, TILE)`` tokens, ``NUM_WARPS`` warps,
-``NUM_STAGES`` stages. Chosen, not measured: no GPU has run these kernels yet (docs/gpu.md). In
-Triton's interpreter (``TRITON_INTERPRET=1`` set before this module, and so the kernels, is first
-imported) everything runs on CPU tensors.
+No autotuning (the autotuner's benchmarker does not run in Triton's interpreter): square tiles
+of ``min(block_size, tile)`` tokens, the tile, warps and stages per architecture and head dim from
+:func:`~.triton_tiles.launch_config`, chosen from the kernels' ahead-of-time compile for sm_80 and
+sm_90, not from timings: no GPU has run these kernels yet (docs/gpu.md). In Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module, and so the kernels, is first imported) everything
+runs on CPU tensors.
 
 Legend: nq query rows, nk keys, b micro-batch rows, r mask rows (1 or b), np / ng query heads /
 key-value groups, hn / hv query-key / value head dims, B tile, nkt = ceil(nk / B) key tiles.
@@ -45,12 +46,11 @@ from .triton_kernels import (
     forward_kernel,
     interpreted,
 )
+from .triton_tiles import LaunchConfig, arch_of, launch_config
 
 __all__ = ["FACTS", "TILE", "interpreted", "tile_facts", "tile_kinds", "triton_tree_attention"]
 
-TILE = 64  # the tile edge on a GPU (tokens); a smaller power-of-two block_size gives smaller tiles
-NUM_WARPS = 8
-NUM_STAGES = 2
+TILE = 64  # the default tile edge (tokens); a smaller power-of-two block_size gives smaller tiles
 LOG2E = 1.4426950408889634
 
 
@@ -163,9 +163,19 @@ def tile_kinds(
 class _Layout:
     """One call's launch facts: the plan's tile facts and the kernels' constants."""
 
-    def __init__(self, facts: dict, *, block: int, window: int | None, scale: float, dtype):
+    def __init__(
+        self,
+        facts: dict,
+        *,
+        block: int,
+        window: int | None,
+        scale: float,
+        dtype,
+        launch: LaunchConfig,
+    ):
         self.facts = facts
         self.block = block
+        self.options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
         self.window = window
         self.scale = scale
         self.dot_fp32 = dtype == torch.bfloat16 and interpreted()
@@ -244,8 +254,7 @@ def _forward(q, k, v, sink, layout: _Layout, counts: torch.Tensor | None = None)
         layout.scale * LOG2E,
         HAS_SINK=sink is not None,
         COUNT=counts is not None,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        **layout.options,
         **layout.constants(head_dim, value_dim),
     )
     return out.to(q.dtype), lse
@@ -292,8 +301,7 @@ def _backward(q, k, v, out, lse, grad_out, layout: _Layout, sink_grad: bool = Fa
         layout.scale * LOG2E,
         layout.scale,
         SINK_GRAD=sink_grad,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        **layout.options,
         **constants,
     )
     dkdv_kernel[(num_key_tiles, b * num_groups)](
@@ -323,8 +331,7 @@ def _backward(q, k, v, out, lse, grad_out, layout: _Layout, sink_grad: bool = Fa
         window,
         layout.scale * LOG2E,
         layout.scale,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        **layout.options,
         **constants,
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsum
@@ -358,8 +365,9 @@ class _TreeAttention(torch.autograd.Function):
         return dq, dk, dv, dsink, None
 
 
-def _check_inputs(query, key, value, block_size: int) -> int:
-    """The tile edge for ``block_size``; ValueErrors for what the kernels do not take."""
+def _check_inputs(query, key, value, block_size: int) -> tuple[int, LaunchConfig]:
+    """The tile edge for ``block_size`` and the launch configuration; ValueErrors for what the
+    kernels do not take."""
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
             f"backend='triton' takes float16, bfloat16 or float32 inputs, got {query.dtype}; "
@@ -382,13 +390,15 @@ def _check_inputs(query, key, value, block_size: int) -> int:
             f"value must hold fewer than 2**31 elements (got {query.numel()}, {key.numel()}, "
             f"{value.numel()}); split the micro-batch (a smaller max_tokens_per_mb)"
         )
-    block = min(block_size, TILE)
+    launch = launch_config(arch_of(query.device), query.shape[-1], value.shape[-1])
+    block = min(block_size, launch.tile)
     if block < 16 or block & (block - 1):
         raise ValueError(
             f"block_size={block_size}: backend='triton' uses square tiles of min(block_size, "
-            f"{TILE}) tokens, which must be a power of two >= 16; pass e.g. block_size=64"
+            f"{launch.tile}) tokens here, which must be a power of two >= 16; pass e.g. "
+            "block_size=64"
         )
-    return block
+    return block, launch
 
 
 def triton_tree_attention(
@@ -420,7 +430,7 @@ def triton_tree_attention(
     Returns:
         [nq, b, np * hv] in the query's dtype.
     """
-    block = _check_inputs(query, key, value, block_size)
+    block, launch = _check_inputs(query, key, value, block_size)
     nq, b, num_heads, _ = query.shape
     device = query.device
 
@@ -430,7 +440,9 @@ def triton_tree_attention(
         return tile_facts(ends, None if queries is None else queries.to(device), block, window)
 
     facts = plan._get(("triton", block, window, device), build)
-    layout = _Layout(facts, block=block, window=window, scale=scale, dtype=query.dtype)
+    layout = _Layout(
+        facts, block=block, window=window, scale=scale, dtype=query.dtype, launch=launch
+    )
     q, k, v = (_last_dim_unit(t) for t in (query, key, value))
     if sink is not None:
         sink = sink.to(device=device, dtype=torch.float32).contiguous()
@@ -442,9 +454,9 @@ def count_tile_kinds(query, key, value, plan, *, block_size: int, window: int | 
     """Run the forward kernel counting the tiles it visits: {"skipped", "full", "partial"} over the
     (query tile, key tile) pairs its loops reach (up to the diagonal), for every (row, head)
     program. For tests: the kernel's own decisions, to compare with :func:`tile_kinds`."""
-    block = _check_inputs(query, key, value, block_size)
+    block, launch = _check_inputs(query, key, value, block_size)
     facts = tile_facts(plan.subtree_end.to(query.device), plan.query_positions, block, window)
-    layout = _Layout(facts, block=block, window=window, scale=1.0, dtype=query.dtype)
+    layout = _Layout(facts, block=block, window=window, scale=1.0, dtype=query.dtype, launch=launch)
     counts = torch.zeros(3, dtype=torch.int32, device=query.device)
     _forward(query, key, value, None, layout, counts)
     return dict(zip(("skipped", "full", "partial"), counts.tolist()))
