@@ -244,6 +244,35 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(rows: list[dict]) -> str:
+    """Per architecture, head dims and kernel: configurations compiled, the launch, the largest
+    registers / spills / shared memory over them, how many spill, and the tensor-core
+    instructions."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        kernel, dims = row["label"].split()[:2]
+        groups.setdefault((row["arch"], dims, kernel), []).append(row)
+    lines = [
+        "| arch | head dims | kernel | tile / warps / stages | compiled | registers (max) | "
+        "spilled B (max; rows spilling) | shared KB (max) / limit | tensor cores |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (arch, dims, kernel), group in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ok = [r for r in group if "error" not in r]
+        spills = [max(r["stack"], r["local"]) for r in ok]
+        launch = group[0]["launch"]
+        lines.append(
+            f"| sm_{arch} | {dims} | {kernel} | {launch.tile} / {launch.num_warps} / "
+            f"{launch.num_stages} | {len(ok)} / {len(group)} | "
+            f"{max((r['regs'] for r in ok), default=0)} | "
+            f"{max(spills, default=0)}; {sum(x > 0 for x in spills)} | "
+            f"{max((r['shared'] for r in ok), default=0) / 1024:.0f} / "
+            f"{SHARED_LIMIT[arch] // 1024} | "
+            f"{', '.join(sorted({t for r in ok for t in r['tensor_core']})) or 'none'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHES), choices=ARCHES)
@@ -281,7 +310,7 @@ def main(argv=None) -> int:
             rows.append(row)
             if i % 40 == 0 or i == len(todo):
                 print(f"[compile] {i}/{len(todo)} ({time.perf_counter() - t:.0f} s)", flush=True)
-    table = markdown(rows)
+    table = markdown(rows) + "\n" + summary(rows)
     print(table)
     if args.markdown:
         with open(args.markdown, "w") as f:
