@@ -281,6 +281,31 @@ if [ "$MODE" = gpu ]; then
   rows_step "attention benchmark (triton)" "$OUT/rows_attention_triton.txt" "$T_TRITON" \
     "$OUT/attention_triton.txt" "$PY" scripts/bench_attention.py "${ATTN_ARGS[@]}" \
     --backend triton --bar 0 --rows "$OUT/rows_attention_triton.txt"
+  # What backend="auto" should try first on this GPU: the faster of flex and triton per useful
+  # pair at each length (docs/gpu.md, "A work model"); reported, not judged.
+  "$PY" - "$OUT/rows_attention.txt" "$OUT/rows_attention_triton.txt" "$ROWS" <<'PYEOF'
+import re
+import sys
+
+def tflops(path):
+    out = {}
+    for line in open(path):
+        check, value = line.split("|")[:2]
+        length = re.search(r"fwd\+bwd (\S+)$", check)
+        rate = re.match(r"([\d.]+) TFLOP/s", value)
+        if length and rate:
+            out[length.group(1)] = float(rate.group(1))
+    return out
+
+flex, triton = tflops(sys.argv[1]), tflops(sys.argv[2])
+both = [n for n in flex if n in triton]
+ratios = ", ".join(f"{n} {triton[n] / flex[n]:.2f}x" for n in both) or "no length measured by both"
+faster = "triton" if both and all(triton[n] > flex[n] for n in both) else "flex"
+with open(sys.argv[3], "a") as rows:
+    rows.write(f"auto's first choice on this GPU|{faster} (triton / flex per useful pair: {ratios})|"
+               f"reported (auto keeps flex until set from a run)|PASS\n")
+print(f"auto's first choice on this GPU: {faster} (triton / flex: {ratios})")
+PYEOF
 fi
 
 LOGP_ARGS=($(bench_args scripts/bench_logprobs.py))

@@ -56,7 +56,7 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda", 0)
-BACKENDS = ("flex", "block_sparse", "sdpa")
+BACKENDS = ("flex", "triton", "block_sparse", "sdpa")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -176,9 +176,9 @@ def _kernel_runner(n: int):
 
 @pytest.fixture(scope="module")
 def flex_kernel():
-    """(out, dq, dk, dv) in fp64 of: the fp64 and bf16 brute force and flex in bf16 and fp32, on the
-    tree of the branching trie taken 3 times (the copies share everything: N = 256, two 128-token
-    blocks), 8 heads, 2 KV groups, head dim 64."""
+    """(out, dq, dk, dv) in fp64 of: the fp64 and bf16 brute force, flex and our Triton kernels in
+    bf16 and fp32, on the tree of the branching trie taken 3 times (the copies share everything:
+    N = 256, two 128-token blocks), 8 heads, 2 KV groups, head dim 64."""
     tree = pack(branching_sequences() * 3, block_size=128, max_tokens=1024)[0]["tree"].to(DEV)
     n = tree.padded_length
     masked, mask = build_attention_mask_from_trie(tree), tree_attention_mask(tree)
@@ -187,24 +187,28 @@ def flex_kernel():
     def brute(q, k, v):
         return attention_reference(q, k, v, masked)
 
-    def flex(q, k, v):
-        return tree_attention(q, k, v, mask, backend="flex")
+    def kernel(backend):
+        return lambda q, k, v: tree_attention(q, k, v, mask, backend=backend)
 
-    return {
+    out = {
         "n": n,
         "fp64": run(brute, torch.float64),
         "naive_bf16": run(brute, torch.bfloat16),
-        "bf16": run(flex, torch.bfloat16),
-        "fp32": run(flex, torch.float32),
     }
+    for backend in ("flex", "triton"):
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            out[backend, name] = run(kernel(backend), dtype)
+    return out
 
 
 @pytest.mark.parametrize("tensor", ["out", "dq", "dk", "dv"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_flex_kernel_vs_fp64(dtype, tensor, flex_kernel, record_property):
+@pytest.mark.parametrize("backend", ["flex", "triton"])
+def test_flex_kernel_vs_fp64(backend, dtype, tensor, flex_kernel, record_property):
+    """Flex and our Triton kernels (compiled with launch_config's tile on this GPU) against fp64."""
     i = ("out", "dq", "dk", "dv").index(tensor)
     ref = flex_kernel["fp64"][i]
-    err = float((flex_kernel[dtype][i] - ref).abs().max())
+    err = float((flex_kernel[backend, dtype][i] - ref).abs().max())
     if dtype == "bf16":
         # bf16 rounding of inputs, probabilities and outputs dominates; the brute force computed in
         # bf16 has that error too, and flex (fp32 accumulation inside) may not be worse than 2x it.
