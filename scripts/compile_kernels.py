@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import re
 import subprocess
@@ -44,7 +45,6 @@ from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from megatron_tree.core import triton_attention as ta
-from megatron_tree.core import triton_kernels
 from megatron_tree.core.triton_tiles import (
     ARCHES,
     SHARED_LIMIT,
@@ -107,6 +107,10 @@ def configs(every: bool) -> list[Config]:
     return out
 
 
+# The launches to compile, (JIT kernel, args, kwargs), filled before the worker processes fork.
+RECORDED: list[tuple] = []
+
+
 class _Recorder:
     """Stands in for a JIT kernel: ``kernel[grid](*args, **kwargs)`` records, launches nothing."""
 
@@ -159,8 +163,8 @@ def _res_usage(cubin: bytes) -> dict[str, int]:
 
 def compile_one(job: tuple) -> dict:
     """Compile one recorded launch for one architecture; the row of the table."""
-    label, launch, arch, name, args, kwargs = job
-    kernel = getattr(triton_kernels, name)
+    label, launch, arch, index = job
+    kernel, args, kwargs = RECORDED[index]
     row = {"label": label, "arch": arch, "launch": launch}
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -187,7 +191,8 @@ def compile_one(job: tuple) -> dict:
     return row
 
 
-def failures(row: dict) -> list[str]:
+def findings(row: dict) -> list[str]:
+    """What a row breaks of the bounds (the module docstring)."""
     arch = row["arch"]
     if "error" in row:
         return [f"compile error: {row['error']}"]
@@ -196,8 +201,18 @@ def failures(row: dict) -> list[str]:
         out.append(f"shared memory {row['shared']} B over sm_{arch}'s {SHARED_LIMIT[arch]} B")
     if max(row["stack"], row["local"]) > SPILL_BOUND:
         out.append(f"spills {max(row['stack'], row['local'])} B over the bound {SPILL_BOUND} B")
-    if not row["tensor_core"]:
+    if not row["tensor_core"] and not row["label"].startswith(THIRD):
         out.append("no tensor-core instruction (wgmma, mma.sync) in the PTX")
+    return out
+
+
+def failures(row: dict) -> list[str]:
+    """The findings that fail the check: all of them for our kernels; for mamba_ssm's and fla's
+    configs only a compile error (their autotuners prune a config over the shared memory and run
+    one that spills; --all checks that each kernel keeps a config within shared memory)."""
+    out = findings(row)
+    if row["label"].startswith(THIRD) and "error" not in row:
+        return []
     return out
 
 
@@ -212,7 +227,99 @@ def jobs(arches, every: bool, only: str | None, launch: LaunchConfig | None) -> 
                 if (label, arch) in seen or (only and not re.search(only, f"{label} sm_{arch}")):
                     continue
                 seen.add((label, arch))
-                out.append((label, picked, arch, kernel.fn.__name__, args, kwargs))
+                RECORDED.append((kernel, args, kwargs))
+                launch_text = f"{picked.tile} / {picked.num_warps} / {picked.num_stages}"
+                out.append((label, launch_text, arch, len(RECORDED) - 1))
+    return out
+
+
+# The recurrent layers' third-party kernels at the shapes our tree wrappers call them: Mamba-2 as in
+# Nemotron-H (head dim 64, 8 groups of state 128) through tree_ssd_mamba_ssm, and the gated delta
+# rule as in Qwen3-Next (key and value head dims 128) through tree_gated_delta_rule_fla, bf16, on a
+# branching tree whose levels run at several chunk lengths (16 to 64); forward and backward.
+RECURRENT_HEADS = 16
+THIRD = ("mamba_ssm ", "fla ")  # their rows' labels; tensor cores are theirs to use or not
+
+
+def record_recurrent(every: bool) -> list[tuple[str, dict, tuple]]:
+    """(package, launch kwargs, (kernel, args, kwargs)) of every launch mamba_ssm's and fla's
+    wrappers make, each autotune config separately (``every``; the autotuner's pick needs a GPU's
+    timings) or the first of each list (CI's set)."""
+    import contextlib
+    import importlib.util
+    import types
+
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    from megatron_tree.core.packing import build_packed_tree_batch
+    from megatron_tree.core.recurrent import RecurrentPlan
+    from megatron_tree.mcore.gdn_kernels import tree_gated_delta_rule_fla
+    from megatron_tree.mcore.ssd_kernels import tree_ssd_mamba_ssm
+    from megatron_tree.testing.synthetic import multi_turn_batch
+
+    calls: list = []
+
+    def jit_run(kernel, *args, grid, warmup, **kwargs):
+        calls.append((package[0], kernel, args, kwargs))
+
+    def autotuned_run(tuner, *args, **kwargs):
+        tuner.best_config = tuner.configs[0]  # read after the launch by mamba's backward
+        for config in tuner.configs if every else tuner.configs[:1]:
+            tuner.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+
+    package = ["mamba_ssm"]
+    batch = multi_turn_batch(num_tasks=2, rollouts_per_task=2, turns=2, system_len=40, task_len=20)
+    packed = build_packed_tree_batch(
+        batch, max_tokens_per_mb=1024, block_size=16, share_trunks=False
+    )
+    tree = packed[0]["tree"]
+    plan, n, heads = RecurrentPlan(tree.subtree_end), tree.padded_length, RECURRENT_HEADS
+    bf16 = torch.bfloat16
+    shims = {"device": lambda *a, **k: contextlib.nullcontext()}  # a CPU tensor has no CUDA device
+    shims["get_device_properties"] = lambda *a, **k: types.SimpleNamespace(
+        multi_processor_count=132
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(swapped(JITFunction, run=jit_run))
+        stack.enter_context(swapped(Autotuner, run=autotuned_run))
+        stack.enter_context(swapped(torch.cuda, **shims))
+        if importlib.util.find_spec("selective_scan_cuda") is None:  # unused by the SSD kernels
+            sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        x = torch.randn(n, heads, 64, dtype=bf16, requires_grad=True)
+        dt = torch.rand(n, heads, requires_grad=True)
+        a = -torch.rand(heads, requires_grad=True)
+        b = torch.randn(n, 8, 128, dtype=bf16, requires_grad=True)
+        c = torch.randn(n, 8, 128, dtype=bf16, requires_grad=True)
+        tree_ssd_mamba_ssm(x, dt, a, b, c, plan).float().sum().backward()
+        package[0] = "fla"
+        q = torch.randn(n, heads, 128, dtype=bf16, requires_grad=True)
+        k = torch.nn.functional.normalize(torch.randn(n, heads, 128), dim=-1).to(bf16)
+        v = torch.randn(n, heads, 128, dtype=bf16, requires_grad=True)
+        g = (-torch.rand(n, heads)).requires_grad_()
+        beta = torch.rand(n, heads, dtype=bf16, requires_grad=True)
+        out = tree_gated_delta_rule_fla(q, k.requires_grad_(), v, g, beta, plan)
+        out.float().sum().backward()
+    return [(pkg, kwargs, (kernel, args, kwargs)) for pkg, kernel, args, kwargs in calls]
+
+
+def recurrent_jobs(arches, every: bool, only: str | None) -> list[tuple]:
+    out, seen = [], set()
+    for pkg, kwargs, call in record_recurrent(every):
+        name = call[0].fn.__name__
+        consts = {k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))}
+        warps, stages = kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)
+        label = f"{pkg} {name} " + " ".join(f"{k}={int(v)}" for k, v in consts.items())
+        # One row per kernel and constants: launches that differ in runtime sizes only (each level's
+        # bucket) compile to the same code but for Triton's divisibility hints.
+        if (label, warps, stages) in seen:
+            continue
+        seen.add((label, warps, stages))
+        for arch in arches:
+            if only and not re.search(only, f"{label} sm_{arch}"):
+                continue
+            RECORDED.append(call)
+            out.append((label, f"{warps} warps / {stages} stages", arch, len(RECORDED) - 1))
     return out
 
 
@@ -223,14 +330,13 @@ def markdown(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        launch = row["launch"]
-        cfg = f"{launch.tile} / {launch.num_warps} / {launch.num_stages}"
-        bad = failures(row)
+        cfg = row["launch"]
+        bad = findings(row)
         if "error" in row:
             cells = ["FAIL: " + row["error"], "-", "-", "-", "-"]
         else:
             cells = [
-                "FAIL: " + "; ".join(bad) if bad else "ok",
+                ("FAIL: " if failures(row) else "note: ") + "; ".join(bad) if bad else "ok",
                 str(row["regs"]),
                 str(max(row["stack"], row["local"])),
                 f"{row['shared'] / 1024:.0f} / {SHARED_LIMIT[row['arch']] // 1024}",
@@ -250,20 +356,22 @@ def summary(rows: list[dict]) -> str:
     instructions."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        kernel, dims = row["label"].split()[:2]
+        first, second = row["label"].split()[
+            :2
+        ]  # ours: "fwd hd128 ..."; theirs: "fla <kernel> ..."
+        kernel, dims = (second, first) if row["label"].startswith(THIRD) else (first, second)
         groups.setdefault((row["arch"], dims, kernel), []).append(row)
     lines = [
-        "| arch | head dims | kernel | tile / warps / stages | compiled | registers (max) | "
+        "| arch | head dims or package | kernel | launch | compiled | registers (max) | "
         "spilled B (max; rows spilling) | shared KB (max) / limit | tensor cores |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (arch, dims, kernel), group in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ok = [r for r in group if "error" not in r]
         spills = [max(r["stack"], r["local"]) for r in ok]
-        launch = group[0]["launch"]
+        launch = "autotuned" if dims in ("mamba_ssm", "fla") else group[0]["launch"]
         lines.append(
-            f"| sm_{arch} | {dims} | {kernel} | {launch.tile} / {launch.num_warps} / "
-            f"{launch.num_stages} | {len(ok)} / {len(group)} | "
+            f"| sm_{arch} | {dims} | {kernel} | {launch} | {len(ok)} / {len(group)} | "
             f"{max((r['regs'] for r in ok), default=0)} | "
             f"{max(spills, default=0)}; {sum(x > 0 for x in spills)} | "
             f"{max((r['shared'] for r in ok), default=0) / 1024:.0f} / "
@@ -284,6 +392,11 @@ def main(argv=None) -> int:
         "--launch",
         help="TILE,WARPS,STAGES for every row instead of launch_config's (to try a config)",
     )
+    parser.add_argument(
+        "--recurrent",
+        action="store_true",
+        help="mamba_ssm's SSD and fla's gated delta-rule kernels (the kernels stack) instead",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
@@ -294,7 +407,10 @@ def main(argv=None) -> int:
             override = LaunchConfig(*(int(x) for x in args.launch.split(",")))
         except TypeError:
             parser.error(f"--launch {args.launch}: give TILE,WARPS,STAGES, e.g. 64,8,2")
-    todo = jobs(args.arch, args.all, args.only, override)
+    if args.recurrent:
+        todo = recurrent_jobs(args.arch, args.all, args.only)
+    else:
+        todo = jobs(args.arch, args.all, args.only, override)
     if not todo:
         parser.error(f"--only {args.only!r} matches no kernel configuration")
     print(
@@ -305,7 +421,8 @@ def main(argv=None) -> int:
     )
     t = time.perf_counter()
     rows = []
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # fork: the workers inherit RECORDED (and, for --recurrent, the recorders' module state)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         for i, row in enumerate(pool.map(compile_one, todo, chunksize=4), 1):
             rows.append(row)
             if i % 40 == 0 or i == len(todo):
@@ -322,6 +439,20 @@ def main(argv=None) -> int:
         f"[compile] {len(rows) - len(bad)} of {len(rows)} ok in {time.perf_counter() - t:.0f} s",
         flush=True,
     )
+    if args.recurrent and args.all:
+        # A kernel fails when none of its configs fits the shared memory (nothing left to run).
+        kernels = {(row["label"].split()[1], row["arch"]) for row in rows}
+        fitting = {
+            (row["label"].split()[1], row["arch"])
+            for row in rows
+            if "error" not in row and row["shared"] <= SHARED_LIMIT[row["arch"]]
+        }
+        for name, arch in sorted(kernels - fitting):
+            print(
+                f"[compile] FAIL {name} sm_{arch}: no config within shared memory", file=sys.stderr
+            )
+        print(f"[compile] {len(fitting)} of {len(kernels)} kernel x arch keep a config that fits")
+        bad += [({}, ["no config fits"])] * len(kernels - fitting)
     return 1 if bad else 0
 
 

@@ -463,3 +463,42 @@ def test_fla_kernel_on_cuda(dtype, record_property):
         err, bar = max_rel(a, b), 2 * max_rel(r, b) + 1e-3
         record_property(f"{name}_rel_err", f"{err:.2e} (bar {bar:.2e})")
         assert err <= bar, (name, err, bar)
+
+
+# ------------------------------------------------------------- compiled for sm_80 and sm_90
+def test_third_party_kernels_compile_for_sm80_and_sm90(tmp_path):
+    """mamba_ssm's SSD and fla's gated delta-rule kernels, at the shapes our tree wrappers call them
+    (Nemotron-H's Mamba-2, Qwen3-Next's gated delta-net; bf16; every level's chunk length), forward
+    and backward, compiled for sm_80 and sm_90 on the CPU by ``scripts/compile_kernels.py
+    --recurrent`` (the first config of each autotune list; ``--all`` compiles every config, 676,
+    docs/gpu.md): each compiles, and the table reports registers, spills and shared memory."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    missing = [m for m in ("triton", "mamba_ssm", "fla") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: {KERNELS_SETUP}")
+    root = Path(__file__).resolve().parents[1]
+    table = tmp_path / "recurrent.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "scripts/compile_kernels.py", "--recurrent", "--markdown", str(table)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=root,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cells = [line.split("|")[1:-1] for line in table.read_text().splitlines()]
+    rows = [c for c in cells if len(c) == 9 and c[1].strip().startswith("sm_")]  # not the summary
+    kernels = {(c[0].split()[1], c[1].strip()) for c in rows}
+    for name in (
+        "_chunk_scan_fwd_kernel",  # mamba_ssm forward
+        "_chunk_scan_chunk_state_bwd_dx_kernel",  # mamba_ssm backward
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",  # fla forward
+        "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",  # fla backward
+    ):
+        assert {(name, "sm_80"), (name, "sm_90")} <= kernels, (name, sorted(kernels)[:5])
+    assert all(c[3].strip() == "ok" or c[3].strip().startswith("note:") for c in rows), rows[:3]
