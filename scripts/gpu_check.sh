@@ -16,7 +16,8 @@
 #       until a first GPU run has measured it (read it against [3]'s flex rows);
 #   [4] log-prob gather bandwidth: scripts/bench_logprobs.py;
 #   [5] the end-to-end GRPO step, examples/tree_vs_baseline.py, tree vs. unshared baseline on
-#       qwen3_small (hidden 1024, 8 layers), bf16, flex, 16K-token trees (bar: >= 85% of the
+#       qwen3_0p5b (Qwen3-0.6B's layers: hidden 1024, 28 layers, head dim 128; a 32K vocabulary:
+#       0.51B parameters, random weights), bf16, flex, 16K-token trees (bar: >= 85% of the
 #       ideal speed-up of the FLOP model);
 # then prints one table (one row per test case from the junit XML files, plus the rows of [0],
 # [3]-[5]) and writes it, with every log, under $OUT (the device tool's output folder; a new
@@ -314,8 +315,8 @@ rows_step "log-prob benchmark" "$OUT/rows_logprobs.txt" "$T_LOGP" "$OUT/logprobs
   "$PY" scripts/bench_logprobs.py "${LOGP_ARGS[@]}" --rows "$OUT/rows_logprobs.txt"
 
 if [ "$MODE" = gpu ]; then
-  echo "== [5] end-to-end GRPO step, tree vs. unshared (qwen3_small, bf16, flex, 16K-token trees)"
-  E2E=(--device cuda --bf16 --backend flex --config examples/configs/qwen3_small --max-tokens 16384
+  echo "== [5] end-to-end GRPO step, tree vs. unshared (qwen3_0p5b, bf16, flex, 16K-token trees)"
+  E2E=(--device cuda --bf16 --backend flex --config examples/configs/qwen3_0p5b --max-tokens 16384
     --prompts 8 --samples 8 --prompt-len 2048 --response-len 256 512 --reps 3 --parity-sequences 2)
 else
   echo "== [5] end-to-end GRPO step, tree vs. unshared (--small, CPU)"
