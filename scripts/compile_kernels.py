@@ -369,7 +369,7 @@ def summary(rows: list[dict]) -> str:
     for (arch, dims, kernel), group in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ok = [r for r in group if "error" not in r]
         spills = [max(r["stack"], r["local"]) for r in ok]
-        launch = "autotuned" if dims in ("mamba_ssm", "fla") else group[0]["launch"]
+        launch = "autotuned" if group[0]["label"].startswith(THIRD) else group[0]["launch"]
         lines.append(
             f"| sm_{arch} | {dims} | {kernel} | {launch} | {len(ok)} / {len(group)} | "
             f"{max((r['regs'] for r in ok), default=0)} | "

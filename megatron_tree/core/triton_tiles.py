@@ -11,6 +11,7 @@ yet; the first GPU run may replace a pick by an autotuned one (docs/gpu.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -51,8 +52,10 @@ _TABLE = {
 INTERPRETER = LaunchConfig(64, 8, 2)
 
 
+@cache
 def arch_of(device: torch.device) -> int | None:
-    """Compute capability x 10 of a CUDA ``device``; None for any other device (the interpreter)."""
+    """Compute capability x 10 of a CUDA ``device``; None for any other device (the interpreter).
+    Cached: every attention call asks."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
