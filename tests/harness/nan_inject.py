@@ -1,4 +1,4 @@
-"""NaN injection audit plugin (kept outside the repo).
+"""NaN injection audit: a pytest plugin, off unless NAN_INJECT=1 (docs/install.md, "The NaN audit").
 
 Use:  NAN_INJECT=1 PYTHONPATH=tests python -m pytest -p harness.nan_inject -p no:xdist ...
 
