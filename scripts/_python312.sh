@@ -25,7 +25,7 @@ VERL_TESTS=(tests/test_verl.py tests/test_verl_fsdp.py)
 VERL_MEGATRON_BRIDGE_TESTS=(tests/test_verl.py)
 # The tests that run on the AReaL stack (default interpreter, MEGATRON_TREE_BRIDGE=areal: AReaL's own
 # engine code drives them).
-AREAL_TESTS=(tests/test_areal.py tests/test_areal_fsdp.py tests/test_docs.py)
+AREAL_TESTS=(tests/test_areal.py tests/test_areal_fsdp.py tests/test_areal_archon.py tests/test_docs.py)
 # The tests that run on the TRL stack (default interpreter, MEGATRON_TREE_BRIDGE=trl: TRL's own
 # GRPOTrainer code drives them).
 TRL_TESTS=(tests/test_trl.py)

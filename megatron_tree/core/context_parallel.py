@@ -35,7 +35,7 @@ from .checks import check_int
 from .rows import TreeRows
 from .tree import PackedTree
 
-__all__ = ["attention_work", "context_parallel_split", "split_positions"]
+__all__ = ["attention_work", "context_parallel_split", "sequence_split", "split_positions"]
 
 DEFAULT_UNIT = 128
 
@@ -115,6 +115,36 @@ def context_parallel_split(
     depth = rows.tree.position_ids[rows.positions.to(rows.tree.position_ids.device)]
     index = split_positions(depth, cp_size, unit=unit)
     return rows.with_cp(rows.positions[index.to(rows.positions.device)], rank, group)
+
+
+def sequence_split(
+    rows: PackedTree | TreeRows, cp_size: int, rank: int, group: dist.ProcessGroup | None = None
+) -> TreeRows:
+    """The rows of rank ``rank`` in a contiguous split: rank r holds rows ``r n : (r + 1) n``.
+
+    This is the split of Ulysses-style sequence parallelism (AReaL's Archon engine), where an
+    all-to-all gives each rank's attention every row, in rank order, for a share of the heads:
+    attention work is balanced by the heads, so the rows need not be. The per-token outputs
+    complete over the CP group as in :func:`context_parallel_split`'s split.
+
+    Args:
+        rows: a whole tree (a :class:`PackedTree` or its whole :class:`TreeRows`); its row count
+            must be a multiple of ``cp_size``.
+        cp_size, rank, group: the group's size, this rank in it, the group.
+    """
+    if isinstance(rows, PackedTree):
+        rows = TreeRows.whole(rows, chains=False)
+    if not rows.is_whole:
+        raise ValueError("sequence_split splits a whole tree's rows (no trunk part, no CP split)")
+    rank = check_int("rank", rank, minimum=0)
+    if rank >= cp_size:
+        raise ValueError(f"rank={rank} must be below cp_size={cp_size}")
+    if rows.num_rows % cp_size:
+        raise ValueError(
+            f"{rows.num_rows} rows do not split into cp_size={cp_size} equal slices: pack with "
+            f"the packed length a multiple of {cp_size} (build_packed_tree_batch's parallel_size)"
+        )
+    return rows.with_cp(rows.positions.reshape(cp_size, -1), rank, group)
 
 
 def attention_work(

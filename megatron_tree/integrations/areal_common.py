@@ -16,8 +16,10 @@ from areal.utils import stats_tracker
 from areal.utils.data import MicroBatchList
 
 from ..core.batch import PackedTreeBatch
+from ..core.finite import FiniteCheck
 from ..core.heads import LogProbs, Values
 from ..core.results import gather_packed_tree_vocab_stats
+from ..core.rows import TreeRows
 from .common import log_packing
 
 logger = logging.getLogger(__name__)
@@ -142,14 +144,69 @@ class TreeMicroBatchList(MicroBatchList):
     """AReaL's ``MicroBatchList`` of a packed batch: ``mbs[i]`` is micro-batch i's sequences in
     AReaL's packed 1-D layout (what its loss functions read), ``packed`` this rank's rows of the
     trees. ``forward_indices`` lists the sequences in micro-batch order, so AReaL's own
-    ``reorder_and_pad_outputs`` gives results back as ``[B, L]``."""
+    ``reorder_and_pad_outputs`` gives results back as ``[B, L]``. ``head_rows``, where set, are
+    this rank's rows of each micro-batch when its attention takes every row of ``packed``
+    (Ulysses: a contiguous slice, :func:`~megatron_tree.core.context_parallel.sequence_split`)."""
 
     packed: PackedTreeBatch | None = None
+    head_rows: list[TreeRows] | None = None
 
     def to(self, *args, **kwargs) -> TreeMicroBatchList:
         moved = super().to(*args, **kwargs)
-        fields = {f: getattr(moved, f) for f in moved.__dataclass_fields__ if f != "packed"}
-        return TreeMicroBatchList(**fields, packed=self.packed.to(*args, **kwargs))
+        fields = {
+            f: getattr(moved, f)
+            for f in moved.__dataclass_fields__
+            if f not in ("packed", "head_rows")
+        }
+        packed = self.packed.to(*args, **kwargs)
+        head_rows = None
+        if self.head_rows is not None:
+            device = packed[0].tree.input_ids.device if len(packed) else None
+            head_rows = [r.to(device, tree=mb.tree) for r, mb in zip(self.head_rows, packed)]
+        return TreeMicroBatchList(**fields, packed=packed, head_rows=head_rows)
+
+
+def run_micro_batches(
+    engine: str,
+    mb_list: TreeMicroBatchList,
+    forward: Callable[[int, Any], tuple[torch.Tensor, dict]],
+    context: Callable[[dict], dict],
+    process_output_fn: Callable,
+    *,
+    forward_only: bool,
+    grad_scale: float = 1.0,
+) -> list[torch.Tensor]:
+    """The step of AReaL's single-stage engines (FSDP, Archon) on a packed batch: each micro-batch
+    through ``forward(i, mb)`` -> (model output, head outputs {name: [T]}), AReaL's
+    ``process_output_fn`` on the head outputs and ``context(mbs[i])`` (the engine's train-context
+    dict), backward unless ``forward_only``; one finiteness check (``engine`` names the engine in
+    its error) before AReaL reads a result or steps. Returns what ``process_output_fn`` returned,
+    detached, forward only (Archon's forward results), else []. ``grad_scale`` multiplies each
+    loss for its backward only (Ulysses: see the Archon engine).
+
+    A data-parallel fill-in (an all-padding tree, so that every rank runs as many forwards) takes
+    a zero loss and gives no result; its attention still gives the query / key projections (zero)
+    gradients, so FSDP2 reduce-scatters the same gradients on every rank.
+    """
+    finite = FiniteCheck(engine)
+    results = []
+    for i, (mb, data) in enumerate(zip(mb_list.packed, mb_list.mbs)):
+        output, outputs = forward(i, mb)
+        finite.add(i, mb.tree, outputs)
+        if mb.tree.num_sequences == 0:
+            if not forward_only:
+                (output.sum() * 0.0).backward()
+            continue
+        loss = process_output_fn(TreeHeadOutputs(outputs), context(data))
+        if loss is None:
+            continue
+        if forward_only:
+            results.append(loss.detach())
+        else:
+            finite.add_loss(i, loss.detach())
+            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+    finite.raise_if_any()
+    return results if forward_only else []
 
 
 class TreeHeadOutputs(dict):
@@ -216,11 +273,17 @@ def split_inputs(input_: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def tree_micro_batch_list(
-    input_: dict[str, Any], packed: PackedTreeBatch, per_sequence: dict, mb_spec, rows=None
+    input_: dict[str, Any],
+    packed: PackedTreeBatch,
+    per_sequence: dict,
+    mb_spec,
+    rows=None,
+    head_rows: list[TreeRows] | None = None,
 ) -> TreeMicroBatchList:
     """The :class:`TreeMicroBatchList` of a packed batch: AReaL's layout of each micro-batch, its
     sequences' order (``forward_indices``) and the rows this rank computes (``rows``: the batch
-    split for context parallelism; default ``packed``)."""
+    split for context parallelism; default ``packed``; ``head_rows``: see
+    :class:`TreeMicroBatchList`)."""
     batch_size = input_["input_ids"].shape[0]
     mbs = [areal_micro_batch(mb, per_sequence, batch_size) for mb in packed]
     order = [int(i) for mb in packed for i in mb.tree.sequence_ids]
@@ -239,6 +302,7 @@ def tree_micro_batch_list(
         padding_lengths=[n - mb.tree.num_tree_tokens for n, mb in zip(lengths, packed)],
         padded_to_lengths=lengths,
         packed=packed if rows is None else rows,
+        head_rows=head_rows,
     )
 
 

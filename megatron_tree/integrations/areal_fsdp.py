@@ -32,14 +32,13 @@ from typing import Any
 
 from areal.engine.fsdp_engine import FSDPPPOActor, FSDPPPOCritic, FSDPTrainContext
 
-from ..core.finite import FiniteCheck
 from ..core.packing import build_packed_tree_batch
 from .areal_common import (
     TreeEngineSwitch,
-    TreeHeadOutputs,
     TreeMicroBatchList,
     check_version,
     report_packing,
+    run_micro_batches,
     split_inputs,
     tree_micro_batch_list,
 )
@@ -97,26 +96,16 @@ class _TreeFSDPEngine(TreeEngineSwitch):
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
         gather = self._tree_gather()
-        # A data-parallel fill-in (an all-padding tree, so that every rank runs as many forwards)
-        # takes a zero loss; its attention still gives the query / key projections (zero)
-        # gradients, so FSDP2 reduce-scatters the same gradients on every rank.
-        finite = FiniteCheck("AReaL FSDP tree engine")
-        for i, (mb, data) in enumerate(zip(mb_list.packed, mb_list.mbs)):
-            logits, outputs = head_forward(self.model, mb, gather, options=options)
-            finite.add(i, mb.tree, outputs)
-            if mb.tree.num_sequences == 0:
-                loss = logits.sum() * 0.0
-            else:
-                head = TreeHeadOutputs(outputs)
-                ctx = FSDPTrainContext(
-                    model_inputs=data, mb_input=data, pad_length=0, ulysses_pad_size=0
-                )
-                loss = process_output_fn(head, ctx.to_dict())
-            if loss is not None:
-                finite.add_loss(i, loss.detach())
-            if not forward_only and loss is not None:
-                loss.backward()
-        finite.raise_if_any()  # before AReaL reads the results or steps the optimizer
+        run_micro_batches(
+            "AReaL FSDP tree engine",
+            mb_list,
+            lambda i, mb: head_forward(self.model, mb, gather, options=options),
+            lambda data: FSDPTrainContext(
+                model_inputs=data, mb_input=data, pad_length=0, ulysses_pad_size=0
+            ).to_dict(),
+            process_output_fn,
+            forward_only=forward_only,
+        )
 
     @staticmethod
     def _loss_inputs(ctx: FSDPTrainContext) -> dict[str, Any]:

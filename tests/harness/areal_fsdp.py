@@ -20,14 +20,20 @@ from .areal import MB_TOKENS, make_config
 
 def setup_fsdp_cpu() -> None:
     """The AReaL harness's stand-ins (:func:`~harness.areal_platform.setup_cpu`),
-    and the FSDP engine's tokenizer made optional: ``_create_device_model`` loads the checkpoint's
-    tokenizer (used only to save HF checkpoints); the tiny test checkpoints have none."""
+    and the FSDP engine's tokenizer made optional (:func:`optional_tokenizer`)."""
     from .areal_platform import setup_cpu
 
     setup_cpu()  # before AReaL's first import
     from areal.engine import fsdp_engine
 
-    original = fsdp_engine.load_hf_tokenizer
+    optional_tokenizer(fsdp_engine)
+
+
+def optional_tokenizer(engine_module) -> None:
+    """An engine module's ``load_hf_tokenizer`` gives None for a checkpoint without tokenizer
+    files: ``_create_device_model`` loads the tokenizer (used only to save HF checkpoints), and
+    the tiny test checkpoints have none."""
+    original = engine_module.load_hf_tokenizer
 
     def load_hf_tokenizer(path, *args, **kwargs):
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -35,7 +41,7 @@ def setup_fsdp_cpu() -> None:
             return None
         return original(path, *args, **kwargs)
 
-    fsdp_engine.load_hf_tokenizer = load_hf_tokenizer
+    engine_module.load_hf_tokenizer = load_hf_tokenizer
 
 
 def _segments(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:

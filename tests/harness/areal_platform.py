@@ -49,6 +49,8 @@ STAND_IN_MODULES = (
     "numba",  # areal/utils/seqpack.py (``@numba.njit`` on one packing helper)
     "megatron.bridge",  # areal/engine/megatron_engine.py (bridge_type="megatron-bridge" only)
     "areal.engine.megatron_utils.fp8.kernels",  # imports triton; FP8 training only
+    # imports triton; Archon's MoE token permutation (its CPU variant is never selected)
+    "areal.experimental.models.archon.moe.kernels",
 )
 
 
@@ -116,6 +118,7 @@ _AREAL_MODULES = (
     "areal.engine.megatron_engine",
     "areal.trainer.ppo.actor",
     "areal.trainer.rl_trainer",
+    "areal.experimental.engine.archon_engine",
 )
 
 
@@ -143,8 +146,8 @@ def stand_in_modules() -> Iterator[list[str]]:
     """The absent :data:`STAND_IN_MODULES` (and any submodule of theirs) importable as stand-ins
     for the block (yields the names stood in for), removed from ``sys.modules`` after it: AReaL's
     modules keep the references they imported, nothing else sees them.
-    ``areal.engine.megatron_utils.fp8.kernels`` exists but imports triton, so it is stood in while
-    triton is absent."""
+    ``areal.engine.megatron_utils.fp8.kernels`` and Archon's MoE ``kernels`` exist but import
+    triton, so they are stood in while triton is absent."""
     roots = [
         n
         for n in STAND_IN_MODULES
@@ -152,7 +155,7 @@ def stand_in_modules() -> Iterator[list[str]]:
         # the fp8 kernels' module is looked at through triton alone: find_spec on it would import
         # AReaL before its stand-ins are in place, and a failed package import leaves submodules
         # in sys.modules that the later import never binds to the package (areal.engine)
-        and (_absent("triton") if n.endswith("fp8.kernels") else _absent(n))
+        and (_absent("triton") if n.endswith(".kernels") else _absent(n))
     ]
     for name in roots:
         sys.modules[name] = _stand_in(name)

@@ -1,0 +1,140 @@
+"""AReaL 1.0.4's Archon engine (``ArchonPPOActor`` / ``ArchonPPOCritic``, its torchtitan-style
+models under FSDP2) as a test fixture on the CPU: an engine builder through AReaL's own creation
+path and the parameter gradients of a ``train_batch``.
+
+Run inside a gloo world (``harness.dist.run_spawned(..., megatron=False)``), after
+:func:`setup_archon_cpu`. The stock engine runs Archon's ``attn_type="sdpa"`` (its varlen default
+calls flash-attention, CUDA only). The batches and configs are :mod:`harness.areal`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+
+from .areal import MB_TOKENS, make_config
+
+# Archon pads a stock micro-batch to a multiple of one 2 MiB page of hidden states
+# (DEFAULT_PAGE_SIZE_BYTES // hidden // dtype bytes: 8192 rows for the tiny models' hidden 64 in
+# fp32). Here a page is 64 such rows, so the stock reference runs 448 rows, not 8192; the padding
+# rows are a sequence of their own, so how many there are changes no real token's result.
+TEST_PAGE_BYTES = 64 * 64 * 4
+
+
+def setup_archon_cpu() -> None:
+    """The AReaL harness's stand-ins (:func:`~harness.areal_platform.setup_cpu`), Archon's
+    tokenizer made optional, and its page padding at :data:`TEST_PAGE_BYTES`."""
+    from .areal_fsdp import optional_tokenizer
+    from .areal_platform import setup_cpu
+
+    setup_cpu()  # before AReaL's first import
+    from areal.experimental.engine import archon_engine
+
+    optional_tokenizer(archon_engine)
+    archon_engine.DEFAULT_PAGE_SIZE_BYTES = TEST_PAGE_BYTES
+
+
+@contextlib.contextmanager
+def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
+    """``PPOTrainer._create_train_engine`` / ``_create_critic`` import ``ArchonPPOActor`` /
+    ``ArchonPPOCritic`` from ``areal.experimental.engine.archon_engine`` at call time;
+    ``engine_cls`` takes its place for the call (the documented switch)."""
+    from areal.experimental.engine import archon_engine
+
+    name = "ArchonPPOCritic" if critic else "ArchonPPOActor"
+    original = getattr(archon_engine, name)
+    if engine_cls is not None:
+        setattr(archon_engine, name, engine_cls)
+    try:
+        yield
+    finally:
+        setattr(archon_engine, name, original)
+
+
+def build_archon_engine(
+    path: str,
+    *,
+    critic: bool = False,
+    tree: bool = False,
+    engine_cls: type | None = None,
+    mb_tokens: int = MB_TOKENS,
+    parallel: dict | None = None,
+    archon: dict | None = None,
+    total_train_steps: int = 10,
+    **config,
+):
+    """AReaL's Archon PPO actor (``critic``: critic) for the HF checkpoint at ``path``, made the
+    way AReaL's trainer makes it (``PPOTrainer._create_train_engine`` / ``_create_critic`` with a
+    ``ModelAllocation("archon", ...)``) and initialized.
+
+    Args:
+        tree: ``enable_tree_training``.
+        engine_cls: a subclass to build instead of AReaL's class, put in ``archon_engine``'s place
+            for the call.
+        mb_tokens: ``mb_spec.max_tokens_per_mb``.
+        parallel: ``ParallelStrategy`` fields (default: data parallel over the world).
+        archon: ``ArchonEngineConfig`` fields (default ``attn_type="sdpa"``).
+        config: :func:`~harness.areal.make_config`'s fields (fp32, lr 0, dropout off, no
+            gradient checkpointing).
+    """
+    import torch.distributed as dist
+    from areal.api import FinetuneSpec
+    from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
+    from areal.api.cli_args import ArchonEngineConfig, SchedulingStrategy
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size())):
+        os.environ[name] = str(value)
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
+    cfg = make_config(
+        path,
+        critic=critic,
+        tree=tree,
+        mb_tokens=mb_tokens,
+        archon=ArchonEngineConfig(**{"attn_type": "sdpa", **(archon or {})}),
+        **config,
+    )
+    alloc = ModelAllocation(
+        backend="archon",
+        name="critic" if critic else "actor",
+        parallel=ParallelStrategy(**(parallel or {"data_parallel_size": dist.get_world_size()})),
+        scheduling_strategy=SchedulingStrategy(),
+    )
+    trainer = SimpleNamespace(scheduler=None)  # read only in single-controller mode
+    create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
+    with _engine_class(critic, engine_cls):
+        engine = create(trainer, cfg, alloc)
+    engine.initialize(
+        None,
+        FinetuneSpec(total_train_epochs=1, dataset_size=total_train_steps, train_batch_size=1),
+    )
+    return engine
+
+
+@contextlib.contextmanager
+def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """The parameter gradients of each ``train_batch`` in the block, as the backward left them
+    (full tensors, by Archon's parameter names), copied before ``optimizer_step`` clips them."""
+    grads: list[dict[str, torch.Tensor]] = []
+    step = engine.optimizer_step
+
+    def optimizer_step():
+        merged = {}
+        for name, param in engine._get_model_name_parameters():
+            if param.grad is None:
+                raise ValueError(f"parameter {name} has no gradient")
+            grad = param.grad
+            merged[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+        grads.append(merged)
+        return step()
+
+    engine.optimizer_step = optimizer_step
+    try:
+        yield grads
+    finally:
+        del engine.optimizer_step  # the class's method again
