@@ -1,10 +1,11 @@
 """AReaL's log-prob pass (``compute_logp``) and one PPO train step (``ppo_update``: one
 ``train_batch`` with AReaL's GRPO loss) on a GRPO batch and on a multi-turn agent batch, three
 engines in the same run: AReaL 1.0.4 without trees, AReaL's own tree path and megatron_tree's
-engine (``TreeMegatronPPOActor``); the speed-ups are printed next to the FLOP-model ideal, with
-the tokens each engine computed and its peak memory.
+engine (``TreeMegatronPPOActor``; ``--archon``: AReaL's Archon engine, its own tree path and
+``TreeArchonPPOActor``); the speed-ups are printed next to the FLOP-model ideal, with the tokens
+each engine computed and its peak memory.
 
-    .venv-python3-areal/bin/python scripts/bench_areal.py [--repeats 3] [--small]
+    .venv-python3-areal/bin/python scripts/bench_areal.py [--repeats 3] [--small] [--archon]
 
 A small random Qwen3 (hidden 256, 4 layers), fp32, one process per (engine, batch) so that peak
 memory (the process's peak RSS growth over the step, on a CPU; CUDA's peak allocation on a GPU) is
@@ -41,6 +42,7 @@ MODEL = dict(
     head_dim=32,
 )
 ENGINES = ("AReaL", "AReaL tree", "megatron_tree")
+ARCHON_ENGINES = ("Archon", "Archon tree", "megatron_tree")
 
 
 def batches(small: bool, vocab: int) -> dict[str, list[torch.Tensor]]:
@@ -70,25 +72,18 @@ def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _step_worker(rank: int, path: str, engine: str, seqs, prompts, repeats: int, mb_tokens: int):
-    """One engine's median ``ppo_update`` seconds, tokens computed and peak memory growth."""
-    from harness import areal_platform
-
-    if not torch.cuda.is_available():
-        areal_platform.setup_cpu()
+def _step_worker(
+    rank: int, path: str, engine: str, archon: bool, seqs, prompts, repeats: int, mb_tokens: int
+):
+    """One engine's median ``compute_logp`` and ``ppo_update`` seconds, tokens computed and peak
+    memory growth."""
+    eng = _build(engine, archon, path, mb_tokens)
     from areal.utils import stats_tracker
 
     from harness import areal as harness
-    from megatron_tree.integrations.areal import TreeMegatronPPOActor
 
-    if engine == "AReaL tree":
-        eng = _areal_tree_fp32(harness, path, mb_tokens)
-    else:
-        ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
-        options = ours if engine == "megatron_tree" else dict(fp32_params=True)
-        eng = harness.build_areal_engine(path, mb_tokens=mb_tokens, **options)
     trajectories = harness.areal_trajectories(seqs, prompt_lens=prompts)
-    out = {"dtypes": harness.parameter_dtypes(eng)}
+    out = {"dtypes": harness.parameter_dtypes(eng) if not archon else None}
     base = _peak_bytes()
     forward, train = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
@@ -100,7 +95,7 @@ def _step_worker(rank: int, path: str, engine: str, seqs, prompts, repeats: int,
     real = sum(len(s) for s in seqs)
     ratio = stats.get("tree_token_ratio", 1.0)  # AReaL's tree path and ours report it
     out["tokens"] = round(real * ratio)
-    if engine == "AReaL tree" and not torch.cuda.is_available():
+    if engine.endswith(" tree") and not torch.cuda.is_available():
         # FlexAttention has no backward on the CPU ("FlexAttention does not support backward on
         # CPU"): AReaL's tree path cannot train here.
         out["train_s"] = None
@@ -115,6 +110,40 @@ def _step_worker(rank: int, path: str, engine: str, seqs, prompts, repeats: int,
     out["peak_mib"] = (_peak_bytes() - base) / 2**20
     eng.destroy()
     return out
+
+
+def _build(engine: str, archon: bool, path: str, mb_tokens: int):
+    """The engine named ``engine`` of AReaL's Megatron engines (``archon``: its Archon engines)."""
+    if archon:
+        from harness import areal_archon
+
+        if not torch.cuda.is_available():
+            areal_archon.setup_archon_cpu()
+        from areal.experimental.engine import archon_engine
+        from areal.utils.constants import DEFAULT_PAGE_SIZE_BYTES
+
+        from megatron_tree.integrations.areal_archon import TreeArchonPPOActor
+
+        archon_engine.DEFAULT_PAGE_SIZE_BYTES = DEFAULT_PAGE_SIZE_BYTES  # Archon's own padding
+        stock_attention = "varlen" if torch.cuda.is_available() else "sdpa"  # flash-attn: CUDA
+        options = {
+            "Archon": dict(archon={"attn_type": stock_attention}),
+            "Archon tree": dict(tree=True),
+            "megatron_tree": dict(tree=True, engine_cls=TreeArchonPPOActor),
+        }[engine]
+        return areal_archon.build_archon_engine(path, mb_tokens=mb_tokens, **options)
+    from harness import areal_platform
+
+    if not torch.cuda.is_available():
+        areal_platform.setup_cpu()
+    from harness import areal as harness
+    from megatron_tree.integrations.areal import TreeMegatronPPOActor
+
+    if engine == "AReaL tree":
+        return _areal_tree_fp32(harness, path, mb_tokens)
+    ours = dict(tree=True, engine_cls=TreeMegatronPPOActor)
+    options = ours if engine == "megatron_tree" else dict(fp32_params=True)
+    return harness.build_areal_engine(path, mb_tokens=mb_tokens, **options)
 
 
 def _areal_tree_fp32(harness, path: str, mb_tokens: int):
@@ -172,7 +201,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="small batches (a quick check)")
     parser.add_argument("--mb-tokens", type=int, default=8192, help="max_tokens_per_mb")
+    parser.add_argument("--archon", action="store_true", help="AReaL's Archon engines")
     args = parser.parse_args()
+    engines = ARCHON_ENGINES if args.archon else ENGINES
     from transformers import AutoConfig
 
     from harness.dist import run_spawned
@@ -184,12 +215,13 @@ def main() -> None:
     rows = []
     for name, (seqs, prompts) in batches(args.small, vocab).items():
         results = {}
-        for engine in ENGINES:
+        for engine in engines:
             results[engine] = run_spawned(
                 _step_worker,
                 1,
                 path,
                 engine,
+                args.archon,
                 seqs,
                 prompts,
                 args.repeats,
@@ -202,11 +234,11 @@ def main() -> None:
         )
     print(
         f"\n{'batch':<18} {'seqs':>5} {'tokens':>7} {'engine':<14} {'computed':>9} "
-        f"{'fwd s':>7} {'vs AReaL':>9} {'train s':>8} {'vs AReaL':>9} {'ideal':>6} {'peak MiB':>9}"
+        f"{'fwd s':>7} {'vs stock':>9} {'train s':>8} {'vs stock':>9} {'ideal':>6} {'peak MiB':>9}"
     )
     for name, n, tokens, results, ideal in rows:
-        base = results["AReaL"]
-        for engine in ENGINES:
+        base = results[engines[0]]
+        for engine in engines:
             r = results[engine]
             train = "n/a" if r["train_s"] is None else f"{r['train_s']:.3f}"
             train_x = "n/a" if r["train_s"] is None else f"{base['train_s'] / r['train_s']:.2f}x"
@@ -216,7 +248,8 @@ def main() -> None:
                 f"{train_x:>9} {ideal:>5.2f}x {r['peak_mib']:>9.0f}"
             )
     print(
-        "n/a: AReaL's tree path trains through FlexAttention, which has no backward on a CPU. "
+        "stock: AReaL's engine without trees (Archon's: packed SDPA on a CPU). n/a: AReaL's tree "
+        "paths train through FlexAttention, which has no backward on a CPU. "
         "ideal: the FLOP model's unpacked / tree FLOPs (training)."
     )
 

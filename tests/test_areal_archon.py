@@ -31,7 +31,9 @@ pytestmark = [
     ),
 ]
 
-ARCHS = ("qwen3", "qwen2")
+ARCHS = ("qwen3", "qwen2", "qwen3_moe")
+# ParallelStrategy fields of the two-rank layouts other than data parallel.
+LAYOUTS = {"cp2": {"context_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
 
 
 def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
@@ -165,9 +167,8 @@ def _parallel_worker(rank: int, path: str, seqs: list, layout: str) -> dict:
         TreeArchonPPOActor.tree_block_size = 16  # this process only
         ours_engine = {"mb_tokens": 48}
     else:
-        mine = seqs
-        engine = {"parallel": {"data_parallel_size": 1, "context_parallel_size": 2}}
-        ours_engine = {}
+        mine, ours_engine = seqs, {}
+        engine = {"parallel": dict(LAYOUTS[layout], data_parallel_size=1)}
     hf = hf_logprobs(path, mine)
     return {
         "hf": hf,
@@ -272,7 +273,7 @@ def test_tree_archon_engine_raises_on_non_finite_log_probs(archon_runs):
     assert 0 in rows, error
 
 
-@pytest.mark.parametrize("layout", ["dp2", "cp2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "tp2"])
 def test_tree_archon_engine_parallel(checkpoints, layout):
     """Data parallel 2 (FSDP2 shards every parameter; ranks with different shares, a fill-in on
     rank 1) and Ulysses context parallel 2 (AReaL's Archon tree path refuses cp > 1): per rank,

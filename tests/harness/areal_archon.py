@@ -36,6 +36,25 @@ def setup_archon_cpu() -> None:
 
     optional_tokenizer(archon_engine)
     archon_engine.DEFAULT_PAGE_SIZE_BYTES = TEST_PAGE_BYTES
+    from areal.experimental.models.archon.moe import router, token_reorderer
+
+    router.torch = token_reorderer.torch = _TorchWithIntegerHistc()
+
+
+class _TorchWithIntegerHistc:
+    """Archon's MoE router and token reorderer count tokens per expert with ``torch.histc`` on
+    int64 expert indices, which CUDA runs and the CPU refuses ("histogram_cpu" not implemented for
+    'Long'): here the counts are taken in float64 (exact for any token count) and given back in
+    the input's dtype, as CUDA does. Everything else is torch itself."""
+
+    @staticmethod
+    def histc(input, *args, **kwargs):
+        if input.is_floating_point():
+            return torch.histc(input, *args, **kwargs)
+        return torch.histc(input.double(), *args, **kwargs).to(input.dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
 
 
 @contextlib.contextmanager
