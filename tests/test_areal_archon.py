@@ -33,12 +33,22 @@ pytestmark = [
 
 ARCHS = ("qwen3", "qwen2", "qwen3_moe")
 # ParallelStrategy fields of the two-rank layouts other than data parallel.
-LAYOUTS = {"cp2": {"context_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
+LAYOUTS = {
+    "cp2": {"context_parallel_size": 2},
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+}
+# Archon's pipeline runner trains neither engine here: torch's schedule calls the last stage's
+# loss function once more than there are micro-batches (3 calls for 2 under 1F1B), and Archon's
+# runner then runs out of contexts (``StopIteration`` in ``archon_runner.pp_loss_fn``; the stock
+# engine's Interleaved1F1B default fails the same way). Forward only, both run.
+FORWARD_ONLY = ("pp2",)
 
 
-def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
-    """compute_logp on the batch, then PPOTrainer's compute_advantages and ppo_update (on-policy:
-    the rollout log-probs are HF's; lr 0) with the gradients as the backward left them."""
+def _run(path: str, seqs: list, hf: dict, tree: bool, train: bool = True, **engine) -> dict:
+    """compute_logp on the batch, then (``train``) PPOTrainer's compute_advantages and ppo_update
+    (on-policy: the rollout log-probs are HF's; lr 0) with the gradients as the backward left
+    them."""
     from areal.utils import stats_tracker
 
     from harness.areal import areal_batch, areal_trajectories, per_sequence
@@ -50,16 +60,22 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, **engine) -> dict:
         eng = build_archon_engine(path, tree=True, engine_cls=TreeArchonPPOActor, **engine)
     else:
         eng = build_archon_engine(path, **engine)
-    (model,) = eng.model_parts
-    slots = {type(m.packed_attn).__name__ for m in model.modules() if hasattr(m, "packed_attn")}
+    slots = {
+        type(m.packed_attn).__name__
+        for part in eng.model_parts
+        for m in part.modules()
+        if hasattr(m, "packed_attn")
+    }
     logp = eng.compute_logp([areal_batch(seqs)])[0]
-    trajectories = areal_trajectories(
-        seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
-    )
-    batch = eng.compute_advantages(trajectories)
-    stats_tracker.export_all()  # drop what compute_logp / advantages logged
-    with captured_grads(eng) as grads:
-        eng.ppo_update(batch)
+    grads = []
+    if train:
+        trajectories = areal_trajectories(
+            seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
+        )
+        batch = eng.compute_advantages(trajectories)
+        stats_tracker.export_all()  # drop what compute_logp / advantages logged
+        with captured_grads(eng) as grads:
+            eng.ppo_update(batch)
     out = {
         "engine": type(eng).__name__,
         "attention": slots,
@@ -170,10 +186,11 @@ def _parallel_worker(rank: int, path: str, seqs: list, layout: str) -> dict:
         mine, ours_engine = seqs, {}
         engine = {"parallel": dict(LAYOUTS[layout], data_parallel_size=1)}
     hf = hf_logprobs(path, mine)
+    train = layout not in FORWARD_ONLY
     return {
         "hf": hf,
-        "stock": _run(path, mine, hf, False, **engine),
-        "ours": _run(path, mine, hf, True, **engine, **ours_engine),
+        "stock": _run(path, mine, hf, False, train, **engine),
+        "ours": _run(path, mine, hf, True, train, **engine, **ours_engine),
     }
 
 
@@ -273,12 +290,13 @@ def test_tree_archon_engine_raises_on_non_finite_log_probs(archon_runs):
     assert 0 in rows, error
 
 
-@pytest.mark.parametrize("layout", ["dp2", "cp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "tp2", "pp2"])
 def test_tree_archon_engine_parallel(checkpoints, layout):
     """Data parallel 2 (FSDP2 shards every parameter; ranks with different shares, a fill-in on
-    rank 1) and Ulysses context parallel 2 (AReaL's Archon tree path refuses cp > 1): per rank,
-    log-probs equal HF's and the stock engine's; the reduced gradients and the loss statistics
-    equal the stock engine's on the same layout."""
+    rank 1), Ulysses context parallel 2 and pipeline parallel 2 (AReaL's Archon tree path refuses
+    both), tensor parallel 2: per rank, log-probs equal HF's and the stock engine's; the reduced
+    gradients and the loss statistics equal the stock engine's on the same layout (pipeline
+    parallel: forward only, see FORWARD_ONLY)."""
     from harness.models import branching_sequences
 
     seqs = branching_sequences()
@@ -289,4 +307,5 @@ def test_tree_archon_engine_parallel(checkpoints, layout):
         assert r["ours"]["tree_attention"]
         assert _max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
         assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
-        _assert_same_update(r["ours"], r["stock"])
+        if layout not in FORWARD_ONLY:
+            _assert_same_update(r["ours"], r["stock"])

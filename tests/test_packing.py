@@ -785,3 +785,24 @@ def test_property_tests_draw_the_same_examples_on_every_run():
         prop()
     assert len(runs[0]) == 20 and runs[0] == runs[1]
     assert settings.get_profile("ci").deadline is None and settings.get_profile("ci").print_blob
+
+
+def test_min_micro_batches_appends_all_padding_fill_ins():
+    """min_micro_batches=4 on a batch that packs into one tree: three all-padding trees follow it
+    (padded like the real one, no sequence, no real row); a bad value is refused by name."""
+    seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 9])]
+    packed = build_packed_tree_batch(
+        {"input_ids": seqs},
+        max_tokens_per_mb=64,
+        block_size=16,
+        pad_to_max=True,
+        min_micro_batches=4,
+    )
+    alone = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=64, block_size=16)
+    assert len(alone) == 1 and len(packed) == 4
+    assert packed.num_dummy_trees == 3
+    for mb in list(packed)[1:]:
+        assert mb.tree.num_sequences == 0 and mb.rows.num_real == 0
+        assert mb.tree.padded_length == packed[0].tree.padded_length == 64
+    with pytest.raises(ValueError, match="min_micro_batches"):
+        build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=64, min_micro_batches=0)

@@ -515,6 +515,7 @@ def build_packed_tree_batch(
     balance_cost: bool = False,
     route_key: str | None = None,
     share_trunks: bool | None = None,
+    min_micro_batches: int = 1,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -572,10 +573,14 @@ def build_packed_tree_batch(
             (``pad_to_max``), and ``tree_forward_backward`` runs them under every parallelism and
             for MoE models (router losses as if each group ran unpacked; routing replay too). The
             statistics count a trunk once. None (default): on (as in ``tree_forward_backward``).
+        min_micro_batches: at least this many micro-batches, all-padding fill-ins appended where
+            the batch packs into fewer (torch's pipeline schedules need as many micro-batches as
+            pipeline stages).
 
     Returns:
         :class:`PackedTreeBatch`.
     """
+    min_micro_batches = check_int("min_micro_batches", min_micro_batches, minimum=1)
     share_trunks = _check_options(
         pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model
     )
@@ -616,8 +621,11 @@ def build_packed_tree_batch(
         share_trunks=share_trunks and share_prefixes,
         pad_to_max=pad_to_max,
     )
-    if dp_group is not None:  # as many micro-batches on every rank: all-padding fill-ins
-        target = _sync_num_micro_batches(len(micro_batches), dp_group)
+    target = len(micro_batches)
+    if dp_group is not None:  # as many micro-batches on every rank
+        target = _sync_num_micro_batches(target, dp_group)
+    target = max(target, min_micro_batches)
+    if target > len(micro_batches):  # all-padding fill-ins
         filler = PackedTree.all_padding(pad_to(1), pad_token_id, keys.device)
         micro_batches += [micro_batch(filler) for _ in range(target - len(micro_batches))]
     result = PackedTreeBatch(

@@ -33,7 +33,6 @@ package's tree modules).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,10 +44,13 @@ from areal.experimental.engine.archon_engine import (
 
 from ..core.attention import tree_attention
 from ..core.context_parallel import sequence_split
+from ..core.finite import FiniteCheck
 from ..core.mask import TreeMask, tree_attention_mask
 from ..core.packing import build_packed_tree_batch
+from ..core.tree import subtree_end_of
 from .areal_common import (
     TreeEngineSwitch,
+    TreeHeadOutputs,
     TreeMicroBatchList,
     check_version,
     report_packing,
@@ -65,18 +67,20 @@ logger = logging.getLogger(__name__)
 _RECURRENT_MARKERS = ("GatedDeltaNet", "Mamba", "LinearAttention")
 
 
-@dataclass(frozen=True)
-class ArchonTreeMeta:
-    """What Archon's model hands every layer as ``tree_attn_meta``: the micro-batch's tree mask
-    (of every row, also under Ulysses, where attention sees them all) and the backend options."""
-
-    mask: TreeMask
-    options: TreeAttentionOptions
-
-
 class TreeArchonAttention(torch.nn.Module):
     """Archon's packed-attention slot (``VarlenAttentionWrapper``'s interface) over the package's
-    tree attention. It has no parameters, so checkpoints and FSDP2 see the same model."""
+    tree attention (``options``: backend and tile size). It has no parameters, so checkpoints and
+    FSDP2 see the same model.
+
+    Archon's model hands every layer its ``tree_attn_meta``: here the micro-batch's
+    :class:`~megatron_tree.core.mask.TreeMask` (of every row, also under Ulysses, where attention
+    sees them all), or under pipeline parallelism its ``subtree_end`` int [1, n] (a tensor, so
+    that torch's pipeline schedule splits it by micro-batch like the other inputs).
+    """
+
+    def __init__(self, options: TreeAttentionOptions):
+        super().__init__()
+        self.options = options
 
     def forward(
         self,
@@ -87,35 +91,37 @@ class TreeArchonAttention(torch.nn.Module):
         scale: float | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-        tree_attn_meta: ArchonTreeMeta | None = None,
+        tree_attn_meta: TreeMask | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [1, np, n, hn], k [1, ng, n, hn], v [1, ng, n, hv] (rotary applied, Ulysses'
         all-to-all done: every row of the micro-batch) -> [1, np, n, hv]. ``cu_seqlens`` and
         ``max_seqlen`` are the varlen interface's, unused."""
-        if not isinstance(tree_attn_meta, ArchonTreeMeta):
+        mask = tree_attn_meta
+        if torch.is_tensor(mask) and not isinstance(mask, TreeMask):
+            mask = mask.reshape(-1)  # a pipeline stage's subtree_end [1, n]
+        elif not isinstance(mask, TreeMask):
             raise ValueError(
-                "TreeArchonAttention needs tree_attn_meta=ArchonTreeMeta(...): run the model "
-                "through TreeArchonPPOActor / TreeArchonPPOCritic (enable_tree_training=True), "
-                f"got {type(tree_attn_meta).__name__}"
+                "TreeArchonAttention needs the micro-batch's tree mask as tree_attn_meta: run the "
+                "model through TreeArchonPPOActor / TreeArchonPPOCritic (enable_tree_training="
+                f"True), got {type(mask).__name__}"
             )
         if q.shape[0] != 1:
             raise ValueError(f"expected one packed row (batch 1), got q of shape {tuple(q.shape)}")
-        options = tree_attn_meta.options
         q, k, v = (t.permute(2, 0, 1, 3) for t in (q, k, v))  # Megatron's [n, 1, h, d]
         out = tree_attention(
             q,
             k,
             v,
-            tree_attn_meta.mask,
-            backend=options.backend,
+            mask,
+            backend=self.options.backend,
             softmax_scale=scale,
-            block_size=options.block_size,
+            block_size=self.options.block_size,
         )
         n, heads = q.shape[0], q.shape[2]
         return out.view(n, 1, heads, v.shape[-1]).permute(1, 2, 0, 3)
 
 
-def install_tree_attention(model: torch.nn.Module) -> int:
+def install_tree_attention(model: torch.nn.Module, options: TreeAttentionOptions) -> int:
     """Put a :class:`TreeArchonAttention` in every ``packed_attn`` slot of an Archon model (on the
     meta device, before parallelism); returns how many.
 
@@ -136,7 +142,7 @@ def install_tree_attention(model: torch.nn.Module) -> int:
     if not slots:
         raise ValueError(f"{type(model).__name__} has no packed_attn slot to run tree attention")
     for module in slots:
-        module.packed_attn = TreeArchonAttention()
+        module.packed_attn = TreeArchonAttention(options)
     return len(slots)
 
 
@@ -184,13 +190,13 @@ class _TreeArchonEngine(TreeEngineSwitch):
     def initialize(self, addr, ft_spec, *args, **kwargs):
         if self.tree_training:
             check_version()
-            if self.parallel_dims.pp_enabled:
+            dims = self.parallel_dims
+            if dims.pp_enabled and dims.cp_enabled:
                 raise ValueError(
-                    f"pipeline_parallel_size={self.parallel_dims.pp}: the Archon tree engine runs "
-                    "without pipeline parallelism (Archon's pipeline schedule splits each "
-                    "micro-batch's inputs by position, not by tree); use data, tensor or Ulysses "
-                    "context parallelism, or the Megatron tree engine (megatron_tree.integrations."
-                    "areal), which pipelines trees"
+                    f"pipeline_parallel_size={dims.pp} with context_parallel_size={dims.cp}: the "
+                    "Archon tree engine runs one or the other (its pipeline stages take whole "
+                    "micro-batches); the Megatron tree engine (megatron_tree.integrations.areal) "
+                    "runs both"
                 )
         return super().initialize(addr, ft_spec, *args, **kwargs)
 
@@ -211,7 +217,7 @@ class _TreeArchonEngine(TreeEngineSwitch):
     def _create_model_structure(self):
         model = super()._create_model_structure()
         if self.tree_training:
-            install_tree_attention(model)
+            install_tree_attention(model, self._attention_options())
         return model
 
     # -- micro-batches ------------------------------------------------------------------------
@@ -235,6 +241,12 @@ class _TreeArchonEngine(TreeEngineSwitch):
             ),
             block_size=self.tree_block_size,
             parallel_size=self._cp_size,
+            # A pipeline's stages exchange fixed shapes, and torch's schedules want a micro-batch
+            # for every stage.
+            pad_to_max=self.parallel_dims.pp_enabled,
+            min_micro_batches=len(self.pp_stages) * self.parallel_dims.pp
+            if self.parallel_dims.pp_enabled
+            else 1,
             dp_group=self.data_parallel_group,
             share_prefixes=self.tree_share_prefixes,
             share_trunks=False,
@@ -252,17 +264,21 @@ class _TreeArchonEngine(TreeEngineSwitch):
 
     # -- the step -----------------------------------------------------------------------------
 
+    def _attention_options(self) -> TreeAttentionOptions:
+        return TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
+
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False):
         if not isinstance(mb_list, TreeMicroBatchList):
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
-        options = TreeAttentionOptions(backend=self.tree_backend, block_size=self.tree_block_size)
+        if self.parallel_dims.pp_enabled:
+            return self._pipelined(mb_list, process_output_fn, forward_only)
         gather = self._tree_gather()
         (model,) = self.model_parts
 
         def forward(i: int, mb):
             # The mask of every row (after Ulysses' all-to-all attention sees them all); the rest
             # of the model runs this rank's rows: all of them, or its slice under Ulysses.
-            meta = ArchonTreeMeta(tree_attention_mask(mb.rows), options)
+            mask = tree_attention_mask(mb.rows)
             rows = mb.rows if mb_list.head_rows is None else mb_list.head_rows[i]
             n = rows.num_rows
             logits = model(
@@ -270,7 +286,7 @@ class _TreeArchonEngine(TreeEngineSwitch):
                 rows.local(mb.tree.position_ids)[None],
                 cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=mb.tree.input_ids.device),
                 max_seqlen=n,
-                tree_attn_meta=meta,
+                tree_attn_meta=mask,
             ).reshape(n, -1)
             return logits, gather.gather(logits, mb.tree, self._tp_group, rows)
 
@@ -287,6 +303,53 @@ class _TreeArchonEngine(TreeEngineSwitch):
             # stock all-gather of per-token outputs (its backward sums the ranks') does.
             grad_scale=float(self._cp_size),
         )
+
+    def _pipelined(self, mb_list: TreeMicroBatchList, process_output_fn, forward_only: bool):
+        """Archon's own pipeline runner (torch's schedule) on the trees: the micro-batches'
+        inputs stacked [M, n] (every tree padded to the capacity), their ``subtree_end`` passed
+        as ``tree_attn_meta`` so that the schedule splits it with them; the last stage's loss
+        function gathers each micro-batch's outputs (the schedule calls it in micro-batch order,
+        as Archon's stock runner assumes) and hands them to AReaL's ``process_output_fn``. A
+        non-finite output raises on the last stage after the schedule, before the optimizer step
+        (the launcher then stops the other stages' processes)."""
+        gather = self._tree_gather()
+        finite = FiniteCheck("AReaL Archon tree engine")
+        order = iter(range(len(mb_list.packed)))
+
+        def process(pred: torch.Tensor, ctx: dict):
+            i = next(order)
+            mb = mb_list.packed[i]
+            logits = pred.reshape(mb.rows.num_rows, -1)
+            outputs = gather.gather(logits, mb.tree, self._tp_group, mb.rows)
+            finite.add(i, mb.tree, outputs)
+            if mb.tree.num_sequences == 0:
+                return None  # a fill-in: the runner takes a zero loss, gives no result
+            loss = process_output_fn(TreeHeadOutputs(outputs), ctx)
+            if loss is not None and not forward_only:
+                finite.add_loss(i, loss.detach())
+            return loss
+
+        results = self.runner.run(mb_list, process, forward_only)
+        finite.raise_if_any()
+        return results
+
+    def _prepare_pipelined_mb_inputs(self, mb_list):
+        if not isinstance(mb_list, TreeMicroBatchList):
+            return super()._prepare_pipelined_mb_inputs(mb_list)
+        packed = mb_list.packed
+        ids = torch.cat([mb.input_ids for mb in packed])  # [M, n]
+        m, n = ids.shape
+        kwargs = {
+            "positions": torch.cat([mb.position_ids for mb in packed]),
+            "cu_seqlens": torch.tensor([[0, n]] * m, dtype=torch.int32, device=ids.device),
+            "max_seqlen": torch.full((m,), n),
+            "tree_attn_meta": torch.stack([subtree_end_of(mb.tree) for mb in packed]),
+        }
+        contexts = [ArchonTrainContext(mb_input=data) for data in mb_list.mbs]
+        # torch's schedule wants a target on the last stage to call the loss function with; the
+        # loss reads the micro-batch's tree instead (one placeholder entry per micro-batch).
+        target = torch.zeros(m, 1, device=ids.device) if self.pp_has_last_stage else None
+        return ((ids,) if self.pp_has_first_stage else ()), kwargs, target, contexts
 
     @staticmethod
     def _loss_inputs(ctx: ArchonTrainContext) -> dict[str, Any]:
