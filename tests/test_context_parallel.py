@@ -285,3 +285,26 @@ def test_context_parallel_2_x_tensor_parallel_2_equals_unpacked():
     for rows in ranks:
         _check(rows)
     assert ranks[0][1]["trunk_parts"] >= 4
+
+
+def test_sequence_split_gives_contiguous_slices_and_refuses_what_it_cannot_split():
+    """Ulysses' split: rank r holds rows r n : (r + 1) n, every rank's rows listed in rank order;
+    a row count that does not divide, a rank out of range and an already split tree are refused."""
+    from megatron_tree.core.context_parallel import sequence_split
+    from megatron_tree.core.packing import build_packed_tree_batch
+
+    seqs = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 6]), torch.tensor([7, 8])]
+    (mb,) = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=16, block_size=8)
+    n = mb.rows.num_rows
+    assert n == 8
+    for rank in range(2):
+        rows = sequence_split(mb.rows, 2, rank)
+        assert rows.positions.tolist() == list(range(rank * n // 2, (rank + 1) * n // 2))
+        assert rows.cp_positions.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert rows.num_real == min(4, max(0, mb.tree.num_tree_tokens - rank * 4))
+    with pytest.raises(ValueError, match="equal slices"):
+        sequence_split(mb.rows, 3, 0)
+    with pytest.raises(ValueError, match="rank=2 must be below"):
+        sequence_split(mb.rows, 2, 2)
+    with pytest.raises(ValueError, match="whole tree"):
+        sequence_split(sequence_split(mb.rows, 2, 0), 2, 0)

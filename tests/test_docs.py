@@ -256,11 +256,20 @@ assert areal.engine.MegatronPPOCritic is TreeMegatronPPOCritic
 print("MEGATRON_TREE_DOCS_OK")
 """
 
+AREAL_ARCHON_CHECK = """\
+# what AReaL's trainer runs for an "archon" allocation (rl_trainer.py, _create_train_engine)
+from areal.experimental.engine.archon_engine import ArchonPPOActor, ArchonPPOCritic
+assert ArchonPPOActor is areal_archon.TreeArchonPPOActor
+assert ArchonPPOCritic is areal_archon.TreeArchonPPOCritic
+print("MEGATRON_TREE_DOCS_OK")
+"""
+
 # snippet id -> (preamble: checkpoints -> namespace, or source run before it in a fresh process;
 # check: namespace -> None, or source run after it).
 PREAMBLES = {
     snippet_id("README.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("docs/areal.md", 0): (AREAL_PREAMBLE, AREAL_CHECK),
+    snippet_id("docs/areal.md", 1): (AREAL_PREAMBLE, AREAL_ARCHON_CHECK),
     snippet_id("docs/huggingface.md", 0): (hf_namespace, check_hf),
     snippet_id("docs/usage.md", 0): (rl_loop_namespace, check_rl_loop),
     snippet_id("docs/usage.md", 1): (MEGATRON_BRIDGE_PREAMBLE, MEGATRON_BRIDGE_CHECK),
