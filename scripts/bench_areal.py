@@ -40,6 +40,7 @@ MODEL = dict(
     num_attention_heads=8,
     num_key_value_heads=4,
     head_dim=32,
+    max_position_embeddings=16384,  # Archon's rotary table ends here; GRPO rows pass 512
 )
 ENGINES = ("AReaL", "AReaL tree", "megatron_tree")
 ARCHON_ENGINES = ("Archon", "Archon tree", "megatron_tree")
