@@ -67,15 +67,20 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, train: bool = True, **engi
         if hasattr(m, "packed_attn")
     }
     logp = eng.compute_logp([areal_batch(seqs)])[0]
-    grads = []
+    grads, refusal = [], None
+    trajectories = areal_trajectories(
+        seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
+    )
+    batch = eng.compute_advantages(trajectories)
+    stats_tracker.export_all()  # drop what compute_logp / advantages logged
     if train:
-        trajectories = areal_trajectories(
-            seqs, prompt_lens=[4] * len(seqs), logprobs=[hf[i] for i in range(len(seqs))]
-        )
-        batch = eng.compute_advantages(trajectories)
-        stats_tracker.export_all()  # drop what compute_logp / advantages logged
         with captured_grads(eng) as grads:
             eng.ppo_update(batch)
+    elif tree:  # our engine refuses to train here, naming why
+        try:
+            eng.ppo_update(batch)
+        except NotImplementedError as error:
+            refusal = str(error)
     out = {
         "engine": type(eng).__name__,
         "attention": slots,
@@ -84,6 +89,7 @@ def _run(path: str, seqs: list, hf: dict, tree: bool, train: bool = True, **engi
         "grads": grads,
         "stats": stats_tracker.export_all(),
         "tree_stats": getattr(eng, "tree_stats", None),
+        "refusal": refusal,
         "seconds": time.perf_counter() - start,
     }
     eng.destroy()
@@ -309,3 +315,5 @@ def test_tree_archon_engine_parallel(checkpoints, layout):
         assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
         if layout not in FORWARD_ONLY:
             _assert_same_update(r["ours"], r["stock"])
+        else:
+            assert "StopIteration" in (r["ours"]["refusal"] or ""), r["ours"]["refusal"]

@@ -806,3 +806,13 @@ def test_min_micro_batches_appends_all_padding_fill_ins():
         assert mb.tree.padded_length == packed[0].tree.padded_length == 64
     with pytest.raises(ValueError, match="min_micro_batches"):
         build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=64, min_micro_batches=0)
+
+
+def test_micro_batch_multiple_rounds_the_count_up_with_fill_ins():
+    """micro_batch_multiple=3 on a batch of two trees: one fill-in makes three."""
+    seqs = [torch.arange(1, 10), torch.arange(11, 20)]  # 9 + 9 tokens: two trees of 16
+    alone = build_packed_tree_batch({"input_ids": seqs}, max_tokens_per_mb=16, block_size=16)
+    packed = build_packed_tree_batch(
+        {"input_ids": seqs}, max_tokens_per_mb=16, block_size=16, micro_batch_multiple=3
+    )
+    assert len(alone) == 2 and len(packed) == 3 and packed.num_dummy_trees == 1

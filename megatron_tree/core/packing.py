@@ -516,6 +516,7 @@ def build_packed_tree_batch(
     route_key: str | None = None,
     share_trunks: bool | None = None,
     min_micro_batches: int = 1,
+    micro_batch_multiple: int = 1,
 ) -> PackedTreeBatch:
     """Pack a right-padded batch into prefix tries, one per micro-batch.
 
@@ -576,11 +577,14 @@ def build_packed_tree_batch(
         min_micro_batches: at least this many micro-batches, all-padding fill-ins appended where
             the batch packs into fewer (torch's pipeline schedules need as many micro-batches as
             pipeline stages).
+        micro_batch_multiple: the micro-batch count a multiple of this, fill-ins appended (torch's
+            interleaved pipeline schedules need a multiple of the pipeline size).
 
     Returns:
         :class:`PackedTreeBatch`.
     """
     min_micro_batches = check_int("min_micro_batches", min_micro_batches, minimum=1)
+    micro_batch_multiple = check_int("micro_batch_multiple", micro_batch_multiple, minimum=1)
     share_trunks = _check_options(
         pad_to_max, share_prefixes, share_trunks, balance_cost, packing, cost_model
     )
@@ -625,6 +629,7 @@ def build_packed_tree_batch(
     if dp_group is not None:  # as many micro-batches on every rank
         target = _sync_num_micro_batches(target, dp_group)
     target = max(target, min_micro_batches)
+    target = -(-target // micro_batch_multiple) * micro_batch_multiple
     if target > len(micro_batches):  # all-padding fill-ins
         filler = PackedTree.all_padding(pad_to(1), pad_token_id, keys.device)
         micro_batches += [micro_batch(filler) for _ in range(target - len(micro_batches))]

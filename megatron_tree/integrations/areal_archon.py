@@ -25,9 +25,11 @@ micro-batch's rows: Archon's all-to-all hands the attention every row for a shar
 and the gathers sum the per-token outputs over the group. Forward results come back through
 AReaL's own reordering as ``[B, L]``.
 
-Refused, each with its reason: pipeline parallelism (``pp > 1``), and models with recurrent mixers
-(Qwen3.5's gated delta-net; use the FSDP engine, :mod:`.areal_fsdp`, whose HF model runs the
-package's tree modules).
+Pipeline parallelism (``pp > 1``) runs forward only (``compute_logp``, ``compute_values``):
+Archon's pipeline runner does not train on this torch (see ``_pipelined``). Refused, each with its
+reason: training under pipeline parallelism, pipeline with context parallelism, and models with
+recurrent mixers (Qwen3.5's gated delta-net; use the FSDP engine, :mod:`.areal_fsdp`, whose HF
+model runs the package's tree modules).
 """
 
 from __future__ import annotations
@@ -212,7 +214,9 @@ class _TreeArchonEngine(TreeEngineSwitch):
             and not checkpoint_has_value_head(config.path)
         ):
             logger.info("megatron_tree: the checkpoint has no value head; drawn (seed 0)")
-            init_value_head(self.model_parts[0])
+            for part in self.model_parts:  # under PP only the last stage holds the head
+                if getattr(part, "score", None) is not None:
+                    init_value_head(part)
 
     def _create_model_structure(self):
         model = super()._create_model_structure()
@@ -230,23 +234,24 @@ class _TreeArchonEngine(TreeEngineSwitch):
         if not self.tree_training:
             return super()._prepare_mb_list(input_)
         per_token, per_sequence = split_inputs(input_)
+        dims = self.parallel_dims
         packed = build_packed_tree_batch(
             {"input_ids": input_["input_ids"], "attention_mask": input_["attention_mask"]}
             | per_token,
             max_tokens_per_mb=tree_capacity(
                 self.config.mb_spec.max_tokens_per_mb,
                 block_size=self.tree_block_size,
-                align=self._cp_size,
+                align=dims.seq_len_divisor,
                 setting="mb_spec.max_tokens_per_mb",
             ),
             block_size=self.tree_block_size,
-            parallel_size=self._cp_size,
-            # A pipeline's stages exchange fixed shapes, and torch's schedules want a micro-batch
-            # for every stage.
-            pad_to_max=self.parallel_dims.pp_enabled,
-            min_micro_batches=len(self.pp_stages) * self.parallel_dims.pp
-            if self.parallel_dims.pp_enabled
-            else 1,
+            parallel_size=dims.seq_len_divisor,  # Archon's TP (sequence-sharded) x CP x 2
+            # A pipeline's stages exchange fixed shapes (and Archon's compile forces
+            # pad_to_maximum); torch's schedules want a micro-batch for every stage, a multiple of
+            # the pipeline size for the interleaved ones.
+            pad_to_max=dims.pp_enabled or bool(self.config.pad_to_maximum),
+            min_micro_batches=len(self.pp_stages) * dims.pp if dims.pp_enabled else 1,
+            micro_batch_multiple=dims.pp if dims.pp_enabled else 1,
             dp_group=self.data_parallel_group,
             share_prefixes=self.tree_share_prefixes,
             share_trunks=False,
@@ -271,6 +276,16 @@ class _TreeArchonEngine(TreeEngineSwitch):
         if not isinstance(mb_list, TreeMicroBatchList):
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         if self.parallel_dims.pp_enabled:
+            if not forward_only:
+                raise NotImplementedError(
+                    f"pipeline_parallel_size={self.parallel_dims.pp}: the Archon tree engine runs "
+                    "forward only under pipeline parallelism. Archon's pipeline runner does not "
+                    "train here: torch's schedule calls the last stage's loss function once more "
+                    "than there are micro-batches and the runner stops with StopIteration "
+                    "(archon_runner.pp_loss_fn; Archon's stock engine alike). Train with data, "
+                    "tensor or Ulysses context parallelism, or on the Megatron tree engine "
+                    "(megatron_tree.integrations.areal), which pipelines trees"
+                )
             return self._pipelined(mb_list, process_output_fn, forward_only)
         gather = self._tree_gather()
         (model,) = self.model_parts

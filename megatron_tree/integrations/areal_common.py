@@ -200,10 +200,10 @@ def run_micro_batches(
         loss = process_output_fn(TreeHeadOutputs(outputs), context(data))
         if loss is None:
             continue
+        finite.add_loss(i, loss.detach())
         if forward_only:
             results.append(loss.detach())
         else:
-            finite.add_loss(i, loss.detach())
             (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     finite.raise_if_any()
     return results if forward_only else []

@@ -98,7 +98,8 @@ def build_archon_engine(
         parallel: ``ParallelStrategy`` fields (default: data parallel over the world).
         archon: ``ArchonEngineConfig`` fields (default ``attn_type="sdpa"``).
         config: :func:`~harness.areal.make_config`'s fields (fp32, lr 0, dropout off, no
-            gradient checkpointing).
+            gradient checkpointing); ``pad_to_maximum`` defaults to False (Archon's default;
+            AReaL's own tree path forces it on).
     """
     import torch.distributed as dist
     from areal.api import FinetuneSpec
@@ -110,6 +111,7 @@ def build_archon_engine(
         os.environ[name] = str(value)
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     os.environ["AREAL_SPMD_MODE"] = "1"  # not single-controller: the trainer builds in-process
+    config.setdefault("pad_to_maximum", False)
     cfg = make_config(
         path,
         critic=critic,
