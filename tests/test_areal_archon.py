@@ -16,8 +16,10 @@ import time
 import pytest
 import torch
 
+from harness.areal import assert_same_update, dp_shards
 from harness.dist import run_spawned
-from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
+from harness.models import max_err
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL
 
 ON_AREAL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "areal"
 pytestmark = [
@@ -168,13 +170,9 @@ def _worker(rank: int, paths: dict, seqs: list) -> dict:
     return out
 
 
-def _dp_shards(seqs: list) -> list[list]:
-    """Rank 0: every other sequence (3 micro-batches of 48 tokens); rank 1: two sequences (2)."""
-    return [seqs[0::2], seqs[1:10:8]]
-
-
 def _parallel_worker(rank: int, path: str, seqs: list, layout: str) -> dict:
-    """``dp2``: FSDP2 over two ranks, each its share of the sequences (:func:`_dp_shards`; ours
+    """``dp2``: FSDP2 over two ranks, each its share of the sequences
+    (:func:`~harness.areal.dp_shards`; ours
     with 48-token micro-batches of 16-token blocks: rank 1 gets an all-padding fill-in so that
     both run as many forwards). ``cp2``: Archon's Ulysses context parallelism over two ranks, the
     whole batch on both (each rank computes a contiguous half of every micro-batch's rows)."""
@@ -185,7 +183,7 @@ def _parallel_worker(rank: int, path: str, seqs: list, layout: str) -> dict:
     from megatron_tree.integrations.areal_archon import TreeArchonPPOActor
 
     if layout == "dp2":
-        mine, engine = _dp_shards(seqs)[rank], {}
+        mine, engine = dp_shards(seqs)[rank], {}
         TreeArchonPPOActor.tree_block_size = 16  # this process only
         ours_engine = {"mb_tokens": 48}
     else:
@@ -222,25 +220,6 @@ def archon_runs(checkpoints):
     return out
 
 
-def _max_err(a: dict, b: dict) -> float:
-    from megatron_tree.testing.tolerances import max_abs_error, worst_error
-
-    return worst_error(max_abs_error(a[i], b[i]) for i in b)
-
-
-def _assert_same_update(ours: dict, stock: dict) -> None:
-    from megatron_tree.testing.reference import gradient_errors
-
-    assert len(stock["grads"]) == len(ours["grads"]) == 1
-    errors = gradient_errors(ours["grads"][0], stock["grads"][0])
-    assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    keys = [k for k in stock["stats"] if "loss" in k or "importance_weight" in k]
-    assert keys
-    for key in keys:
-        want, got = stock["stats"][key], ours["stats"][key]
-        assert abs(got - want) <= LOSS_RTOL * max(abs(want), 1e-6), (key, got, want)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_stock_archon_engine_compute_logp_equals_hf(archon_runs, arch):
     """Archon's stock engine (packed SDPA, non-tree) in fp32 gives each sequence HF's log-probs:
@@ -249,7 +228,7 @@ def test_stock_archon_engine_compute_logp_equals_hf(archon_runs, arch):
     assert run["stock"]["engine"] == "ArchonPPOActor" and run["stock"]["attention"] == {
         "SDPAWrapper"
     }
-    assert _max_err(run["stock"]["logp"], run["hf"]) <= LOGP_TOL
+    assert max_err(run["stock"]["logp"], run["hf"]) <= LOGP_TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -260,8 +239,8 @@ def test_tree_archon_engine_compute_logp(archon_runs, arch):
     ours = run["ours"]
     assert ours["engine"] == "TreeArchonPPOActor" and ours["tree_attention"]
     assert ours["tree_stats"]["tokens_computed"] < ours["tree_stats"]["tokens_unpacked"]
-    assert _max_err(ours["logp"], run["hf"]) <= LOGP_TOL
-    assert _max_err(ours["logp"], run["stock"]["logp"]) <= LOGP_TOL
+    assert max_err(ours["logp"], run["hf"]) <= LOGP_TOL
+    assert max_err(ours["logp"], run["stock"]["logp"]) <= LOGP_TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -269,7 +248,7 @@ def test_tree_archon_engine_ppo_update(archon_runs, arch):
     """AReaL's ppo_update (grpo_loss_fn): the same gradients and loss statistics as the stock
     engine on the same batch."""
     run = archon_runs[arch]
-    _assert_same_update(run["ours"], run["stock"])
+    assert_same_update(run["ours"], run["stock"])
 
 
 def test_tree_archon_critic(archon_runs):
@@ -279,7 +258,7 @@ def test_tree_archon_critic(archon_runs):
 
     stock, ours = archon_runs["critic_stock"], archon_runs["critic_ours"]
     assert (stock["engine"], ours["engine"]) == ("ArchonPPOCritic", "TreeArchonPPOCritic")
-    assert _max_err(ours["values"], stock["values"]) <= LOGP_TOL
+    assert max_err(ours["values"], stock["values"]) <= LOGP_TOL
     assert len(stock["grads"]) == len(ours["grads"]) >= 1
     for got, want in zip(ours["grads"], stock["grads"]):
         errors = gradient_errors(got, want)
@@ -311,9 +290,9 @@ def test_tree_archon_engine_parallel(checkpoints, layout):
         assert [r["ours"]["tree_stats"]["micro_batches"] for r in ranks] == [3, 3]
     for r in ranks:
         assert r["ours"]["tree_attention"]
-        assert _max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
-        assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
+        assert max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
+        assert max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
         if layout not in FORWARD_ONLY:
-            _assert_same_update(r["ours"], r["stock"])
+            assert_same_update(r["ours"], r["stock"])
         else:
             assert "StopIteration" in (r["ours"]["refusal"] or ""), r["ours"]["refusal"]

@@ -16,8 +16,10 @@ import time
 import pytest
 import torch
 
+from harness.areal import assert_same_update, dp_shards
 from harness.dist import run_spawned
-from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL, LOSS_RTOL
+from harness.models import max_err
+from megatron_tree.testing.tolerances import GRAD_RTOL, LOGP_TOL
 
 ON_AREAL_STACK = os.environ.get("MEGATRON_TREE_BRIDGE") == "areal"
 pytestmark = [
@@ -139,14 +141,10 @@ def _non_finite_run(path: str, seqs: list) -> str:
         eng.destroy()
 
 
-def _dp_shards(seqs: list) -> list[list]:
-    """Rank 0: every other sequence (3 micro-batches of 48 tokens); rank 1: two sequences (2)."""
-    return [seqs[0::2], seqs[1:10:8]]
-
-
 def _dp_worker(rank: int, path: str, seqs: list) -> dict:
     """Data parallel 2 (FSDP2 shards every parameter over the two ranks), HF gradient
-    checkpointing on in both engines: each rank its share of the sequences (:func:`_dp_shards`);
+    checkpointing on in both engines: each rank its share of the sequences
+    (:func:`~harness.areal.dp_shards`);
     ours with 48-token micro-batches of 16-token blocks (rank 0 needs more than rank 1, which gets
     an all-padding fill-in so that both run as many forwards), the stock engine with one."""
     from harness.areal_fsdp import setup_fsdp_cpu
@@ -155,7 +153,7 @@ def _dp_worker(rank: int, path: str, seqs: list) -> dict:
     setup_fsdp_cpu()  # AReaL imports only with its stand-ins
     from megatron_tree.integrations.areal_fsdp import TreeFSDPPPOActor
 
-    mine = _dp_shards(seqs)[rank]
+    mine = dp_shards(seqs)[rank]
     hf = hf_logprobs(path, mine)
     stock = _run(path, mine, hf, False, gradient_checkpointing=True)
     TreeFSDPPPOActor.tree_block_size = 16  # this process only
@@ -182,17 +180,11 @@ def fsdp_runs(checkpoint):
     return out
 
 
-def _max_err(a: dict, b: dict) -> float:
-    from megatron_tree.testing.tolerances import max_abs_error, worst_error
-
-    return worst_error(max_abs_error(a[i], b[i]) for i in b)
-
-
 def test_stock_fsdp_engine_compute_logp_equals_hf(fsdp_runs):
     """AReaL's stock FSDP engine (packed, non-tree) in fp32 on the CPU stand-in gives each
     sequence HF's log-probs: the reference below is sound."""
     assert fsdp_runs["stock"]["engine"] == "FSDPPPOActor"
-    assert _max_err(fsdp_runs["stock"]["logp"], fsdp_runs["hf"]) <= LOGP_TOL
+    assert max_err(fsdp_runs["stock"]["logp"], fsdp_runs["hf"]) <= LOGP_TOL
 
 
 def test_tree_fsdp_engine_compute_logp(fsdp_runs):
@@ -201,24 +193,14 @@ def test_tree_fsdp_engine_compute_logp(fsdp_runs):
     ours = fsdp_runs["ours"]
     assert ours["engine"] == "TreeFSDPPPOActor" and ours["attention"] == "megatron_tree"
     assert ours["tree_stats"]["tokens_computed"] < ours["tree_stats"]["tokens_unpacked"]
-    assert _max_err(ours["logp"], fsdp_runs["hf"]) <= LOGP_TOL
-    assert _max_err(ours["logp"], fsdp_runs["stock"]["logp"]) <= LOGP_TOL
+    assert max_err(ours["logp"], fsdp_runs["hf"]) <= LOGP_TOL
+    assert max_err(ours["logp"], fsdp_runs["stock"]["logp"]) <= LOGP_TOL
 
 
 def test_tree_fsdp_engine_ppo_update(fsdp_runs):
     """AReaL's ppo_update (grpo_loss_fn): the same gradients and loss statistics as the stock
     engine on the same batch."""
-    from megatron_tree.testing.reference import gradient_errors
-
-    stock, ours = fsdp_runs["stock"], fsdp_runs["ours"]
-    assert len(stock["grads"]) == len(ours["grads"]) == 1
-    errors = gradient_errors(ours["grads"][0], stock["grads"][0])
-    assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    keys = [k for k in stock["stats"] if "loss" in k or "importance_weight" in k]
-    assert keys
-    for key in keys:
-        want, got = stock["stats"][key], ours["stats"][key]
-        assert abs(got - want) <= LOSS_RTOL * max(abs(want), 1e-6), (key, got, want)
+    assert_same_update(fsdp_runs["ours"], fsdp_runs["stock"])
 
 
 def test_tree_fsdp_critic(fsdp_runs):
@@ -228,7 +210,7 @@ def test_tree_fsdp_critic(fsdp_runs):
 
     stock, ours = fsdp_runs["critic_stock"], fsdp_runs["critic_ours"]
     assert (stock["engine"], ours["engine"]) == ("FSDPPPOCritic", "TreeFSDPPPOCritic")
-    assert _max_err(ours["values"], stock["values"]) <= LOGP_TOL
+    assert max_err(ours["values"], stock["values"]) <= LOGP_TOL
     assert len(stock["grads"]) == len(ours["grads"]) > 1  # one per PPO minibatch
     for got, want in zip(ours["grads"], stock["grads"]):
         errors = gradient_errors(got, want)
@@ -245,14 +227,14 @@ def test_tree_fsdp_engine_data_parallel(checkpoint):
 
     seqs = branching_sequences()
     packing = dict(max_tokens_per_mb=48, block_size=16, share_trunks=False)  # as the engine's
-    alone = [len(build_packed_tree_batch({"input_ids": s}, **packing)) for s in _dp_shards(seqs)]
+    alone = [len(build_packed_tree_batch({"input_ids": s}, **packing)) for s in dp_shards(seqs)]
     assert alone == [3, 2]  # rank 1 alone would run one forward fewer
     ranks = run_spawned(_dp_worker, 2, checkpoint, seqs, megatron=False)
     assert [r["ours"]["tree_stats"]["micro_batches"] for r in ranks] == [3, 3]
     for r in ranks:
         assert r["ours"]["checkpointing"] and r["stock"]["checkpointing"]
-        assert _max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
-        assert _max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
+        assert max_err(r["ours"]["logp"], r["hf"]) <= LOGP_TOL
+        assert max_err(r["ours"]["logp"], r["stock"]["logp"]) <= LOGP_TOL
         errors = gradient_errors(r["ours"]["grads"][0], r["stock"]["grads"][0])
         assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 

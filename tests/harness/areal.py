@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_tree.patches._scoped import swapped
+
 # Tokens per micro-batch of the test engines: the whole test batch (384 tokens of
 # branching_sequences) in one; AReaL's tree path pads every tree to it (pad_to_maximum).
 MB_TOKENS = 512
@@ -47,21 +49,37 @@ def _rank_env() -> None:
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
 
 
-@contextlib.contextmanager
-def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
-    """``PPOTrainer._create_train_engine`` / ``_create_critic`` look the class up as
-    ``areal.engine.MegatronPPOActor`` / ``MegatronPPOCritic`` at call time; ``engine_cls`` takes
-    its place for the call."""
-    import areal.engine as engines
+def engine_class(module, name: str, engine_cls: type | None):
+    """AReaL's trainer looks its engine classes up at call time (``PPOTrainer
+    ._create_train_engine`` / ``_create_critic``: ``areal.engine.MegatronPPOActor``,
+    ``FSDPPPOActor``, ``archon_engine.ArchonPPOActor``, ...): ``engine_cls`` takes
+    ``module.name``'s place for the block (the documented switch); None leaves AReaL's."""
+    getattr(module, name)  # resolves a lazy import
+    if engine_cls is None:
+        return contextlib.nullcontext()
+    return swapped(module, **{name: engine_cls})
 
-    name = "MegatronPPOCritic" if critic else "MegatronPPOActor"
-    original = getattr(engines, name)  # resolves the lazy import
-    if engine_cls is not None:
-        setattr(engines, name, engine_cls)
-    try:
-        yield
-    finally:
-        setattr(engines, name, original)
+
+def dp_shards(seqs: list) -> list[list]:
+    """Two data-parallel ranks' shares of :func:`~harness.models.branching_sequences`: rank 0
+    every other sequence (3 micro-batches of 48 tokens), rank 1 two sequences (2)."""
+    return [seqs[0::2], seqs[1:10:8]]
+
+
+def assert_same_update(ours: dict, stock: dict) -> None:
+    """One ``ppo_update`` (AReaL's ``grpo_loss_fn``) of two engines: the same gradients and the
+    same loss and importance-weight statistics (``grads``, ``stats`` as the runs record them)."""
+    from megatron_tree.testing.reference import gradient_errors
+    from megatron_tree.testing.tolerances import GRAD_RTOL, LOSS_RTOL
+
+    assert len(stock["grads"]) == len(ours["grads"]) == 1
+    errors = gradient_errors(ours["grads"][0], stock["grads"][0])
+    assert max(errors.values()) <= GRAD_RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    keys = [k for k in stock["stats"] if "loss" in k or "importance_weight" in k]
+    assert keys
+    for key in keys:
+        want, got = stock["stats"][key], ours["stats"][key]
+        assert abs(got - want) <= LOSS_RTOL * max(abs(want), 1e-6), (key, got, want)
 
 
 def make_config(
@@ -197,7 +215,10 @@ def build_areal_engine(
     create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
     if fp32_params and (tree or engine_cls is not None):
         raise ValueError("fp32_params is for AReaL's own stock (non-tree) reference engine only")
-    with _engine_class(critic, engine_cls):
+    import areal.engine as engines
+
+    name = "MegatronPPOCritic" if critic else "MegatronPPOActor"
+    with engine_class(engines, name, engine_cls):
         engine = create(trainer, cfg, alloc)
     if fp32_params and bridge_type == "mbridge":  # Megatron-Bridge builds in the asked dtype
         _rebuild_bridge_config_after_dtype(engine)

@@ -9,14 +9,12 @@ calls flash-attention, CUDA only). The batches and configs are :mod:`harness.are
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
 
-from .areal import MB_TOKENS, make_config
+from .areal import MB_TOKENS, engine_class, make_config
 
 # Archon pads a stock micro-batch to a multiple of one 2 MiB page of hidden states
 # (DEFAULT_PAGE_SIZE_BYTES // hidden // dtype bytes: 8192 rows for the tiny models' hidden 64 in
@@ -55,23 +53,6 @@ class _TorchWithIntegerHistc:
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
-    """``PPOTrainer._create_train_engine`` / ``_create_critic`` import ``ArchonPPOActor`` /
-    ``ArchonPPOCritic`` from ``areal.experimental.engine.archon_engine`` at call time;
-    ``engine_cls`` takes its place for the call (the documented switch)."""
-    from areal.experimental.engine import archon_engine
-
-    name = "ArchonPPOCritic" if critic else "ArchonPPOActor"
-    original = getattr(archon_engine, name)
-    if engine_cls is not None:
-        setattr(archon_engine, name, engine_cls)
-    try:
-        yield
-    finally:
-        setattr(archon_engine, name, original)
 
 
 def build_archon_engine(
@@ -128,7 +109,10 @@ def build_archon_engine(
     )
     trainer = SimpleNamespace(scheduler=None)  # read only in single-controller mode
     create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
-    with _engine_class(critic, engine_cls):
+    from areal.experimental.engine import archon_engine
+
+    name = "ArchonPPOCritic" if critic else "ArchonPPOActor"
+    with engine_class(archon_engine, name, engine_cls):
         engine = create(trainer, cfg, alloc)
     engine.initialize(
         None,
@@ -137,25 +121,8 @@ def build_archon_engine(
     return engine
 
 
-@contextlib.contextmanager
-def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """The parameter gradients of each ``train_batch`` in the block, as the backward left them
-    (full tensors, by Archon's parameter names), copied before ``optimizer_step`` clips them."""
-    grads: list[dict[str, torch.Tensor]] = []
-    step = engine.optimizer_step
+def captured_grads(engine):
+    """:func:`harness.areal_fsdp.captured_grads` by Archon's parameter names (every model part)."""
+    from .areal_fsdp import captured_grads as captured
 
-    def optimizer_step():
-        merged = {}
-        for name, param in engine._get_model_name_parameters():
-            if param.grad is None:
-                raise ValueError(f"parameter {name} has no gradient")
-            grad = param.grad
-            merged[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
-        grads.append(merged)
-        return step()
-
-    engine.optimizer_step = optimizer_step
-    try:
-        yield grads
-    finally:
-        del engine.optimizer_step  # the class's method again
+    return captured(engine, engine._get_model_name_parameters)

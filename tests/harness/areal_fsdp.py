@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .areal import MB_TOKENS, make_config
+from .areal import MB_TOKENS, engine_class, make_config
 
 
 def setup_fsdp_cpu() -> None:
@@ -80,23 +80,6 @@ def packed_sdpa() -> Iterator[None]:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
 
 
-@contextlib.contextmanager
-def _engine_class(critic: bool, engine_cls: type | None) -> Iterator[None]:
-    """``PPOTrainer._create_train_engine`` / ``_create_critic`` look the class up as
-    ``areal.engine.FSDPPPOActor`` / ``FSDPPPOCritic`` at call time; ``engine_cls`` takes its place
-    for the call (the README's switch)."""
-    import areal.engine as engines
-
-    name = "FSDPPPOCritic" if critic else "FSDPPPOActor"
-    original = getattr(engines, name)  # resolves the lazy import
-    if engine_cls is not None:
-        setattr(engines, name, engine_cls)
-    try:
-        yield
-    finally:
-        setattr(engines, name, original)
-
-
 def build_fsdp_engine(
     path: str,
     *,
@@ -142,7 +125,10 @@ def build_fsdp_engine(
     )
     trainer = SimpleNamespace(scheduler=None)  # read only in single-controller mode
     create = PPOTrainer._create_critic if critic else PPOTrainer._create_train_engine
-    with _engine_class(critic, engine_cls):
+    import areal.engine as engines
+
+    name = "FSDPPPOCritic" if critic else "FSDPPPOActor"
+    with engine_class(engines, name, engine_cls):
         engine = create(trainer, cfg, alloc)
     engine.initialize(
         None,
@@ -152,16 +138,18 @@ def build_fsdp_engine(
 
 
 @contextlib.contextmanager
-def captured_grads(engine) -> Iterator[list[dict[str, torch.Tensor]]]:
+def captured_grads(engine, named_parameters=None) -> Iterator[list[dict[str, torch.Tensor]]]:
     """The parameter gradients of each ``train_batch`` in the block, as the backward left them:
     ``engine.optimizer_step`` (which clips them in place, then steps) is wrapped on the instance to
-    copy every parameter's full ``.grad`` (FSDP2 DTensors gathered) by name first."""
+    copy every parameter's full ``.grad`` (FSDP2 DTensors gathered) by name first.
+    ``named_parameters``: what lists them (default ``engine.model.named_parameters``)."""
+    named_parameters = named_parameters or engine.model.named_parameters
     grads: list[dict[str, torch.Tensor]] = []
     step = engine.optimizer_step
 
     def optimizer_step():
         merged = {}
-        for name, param in engine.model.named_parameters():
+        for name, param in named_parameters():
             if param.grad is None:
                 raise ValueError(f"parameter {name} has no gradient")
             grad = param.grad
