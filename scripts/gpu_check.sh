@@ -316,11 +316,11 @@ rows_step "log-prob benchmark" "$OUT/rows_logprobs.txt" "$T_LOGP" "$OUT/logprobs
 
 if [ "$MODE" = gpu ]; then
   echo "== [5] end-to-end GRPO step, tree vs. unshared (qwen3_0p5b, bf16, flex, 16K-token trees)"
-  E2E=(--device cuda --bf16 --backend flex --config examples/configs/qwen3_0p5b --max-tokens 16384
+  E2E=(--model qwen3_tiny --device cuda --bf16 --backend flex --config examples/configs/qwen3_0p5b --max-tokens 16384
     --prompts 8 --samples 8 --prompt-len 2048 --response-len 256 512 --reps 3 --parity-sequences 2)
 else
   echo "== [5] end-to-end GRPO step, tree vs. unshared (--small, CPU)"
-  E2E=(--device cpu --small --reps 1 --parity-sequences 2)
+  E2E=(--model qwen3_tiny --device cpu --small --reps 1 --parity-sequences 2)
 fi
 timeout -k 10 "$T_E2E" "$PY" examples/tree_vs_baseline.py "${E2E[@]}" --out "$OUT" 2>&1 \
   | grep -v -i warn | tee "$OUT/e2e.txt"

