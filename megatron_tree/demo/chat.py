@@ -118,9 +118,10 @@ class AdditionTask:
     """Short additions with a checkable reward.
 
     A first turn asks ``What is a + b?`` (operands 1..``max_operand``); a second turn asks to add
-    one more number to that result. The reward of a response is 1 when it ends its turn within the
-    token budget and the last number it states is the answer, else 0. SmolLM2-135M-Instruct earns
-    it on roughly one sampled response in eight at temperature 1, so GRPO has something to learn.
+    one more number to that result. The reward of a response: 0.5 for ending its turn within the
+    token budget, 0.5 more when the last number it states is then the answer; 0 for a response that
+    runs past the budget. At temperature 1, SmolLM2-135M-Instruct ends about one sampled turn in
+    three within 32 tokens and answers right in about one in eight, so GRPO has something to learn.
     """
 
     max_operand: int = 9
@@ -143,7 +144,9 @@ class AdditionTask:
 
     def reward(self, text: str, ended: bool, question: Question) -> float:
         numbers = self._NUMBER.findall(text)
-        return 1.0 if ended and numbers and int(numbers[-1]) == question.answer else 0.0
+        if not ended:
+            return 0.0
+        return 1.0 if numbers and int(numbers[-1]) == question.answer else 0.5
 
 
 @dataclass
@@ -184,7 +187,7 @@ class ChatRollouts:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def _group(
-        self, group: int, prompt: list[int], question: Question, n: int, g, bar
+        self, group: int, prompt: list[int], question: Question, n: int, g, bar, greedy: bool
     ) -> list[Rollout]:
         responses, lengths, logps = sample(
             self.model,
@@ -193,6 +196,7 @@ class ChatRollouts:
             self.eos,
             self.pad,
             g=g,
+            greedy=greedy,
             progress=bar,
         )
         out = []
@@ -220,6 +224,7 @@ class ChatRollouts:
         *,
         seed: int,
         second_turn_samples: int = 0,
+        greedy: bool = False,
         label: str = "sampling",
     ) -> list[Rollout]:
         """``samples`` responses to each question (group i: question i), then, when
@@ -228,7 +233,8 @@ class ChatRollouts:
         and a follow-up question, answered ``second_turn_samples`` times (group len(questions) + i).
 
         A second turn's prompt starts with the whole first-turn sequence it continues, so the tree
-        shares it. Sampling is seeded by ``seed`` alone. A progress bar counts decoding steps.
+        shares it. Sampling is seeded by ``seed`` alone (``greedy``: the most likely token at each
+        step instead). A progress bar counts decoding steps.
         """
         if samples < 1 or second_turn_samples < 0:
             raise ValueError(
@@ -242,7 +248,7 @@ class ChatRollouts:
         firsts = []
         for i, q in enumerate(questions):
             messages = [{"role": "user", "content": q.text}]
-            group = self._group(i, self._chat(messages), q, samples, g, bar)
+            group = self._group(i, self._chat(messages), q, samples, g, bar, greedy)
             rollouts += group
             firsts.append((messages, q, group))
         for i, (messages, q, group) in enumerate(firsts if second_turn_samples else []):
@@ -261,7 +267,9 @@ class ChatRollouts:
             # The template re-renders the first answer; keep the tokens the model sampled and take
             # the template's tokens after the end of that answer's turn (its second-to-last EOS).
             prompt = first + full[_after_nth_last(full, self.eos, 2) :]
-            rollouts += self._group(len(questions) + i, prompt, follow, second_turn_samples, g, bar)
+            rollouts += self._group(
+                len(questions) + i, prompt, follow, second_turn_samples, g, bar, greedy
+            )
         bar.close()
         return rollouts
 

@@ -40,10 +40,11 @@ LOGP_TOL = 1e-5
 HF_HYBRID_LOGP_TOL = 2e-5
 # A pretrained fp32 model at full depth (SmolLM2-135M-Instruct: 30 layers, vocabulary 49,152,
 # peaked distributions with log-probs down to about -23): HF's own fp32 log-probs differ from its
-# fp64 run by up to 3.4e-5 on a chat sequence, so a 2-4 layer bar does not hold; measured tree vs HF
-# 2.0e-5 (the unshared Megatron run vs HF 1.7e-5) and tree vs unshared 1.2e-5. 1e-4 keeps a margin
-# under what a bug moves (>= 1e-3).
-PRETRAINED_LOGP_TOL = 1e-4
+# fp64 run by up to 3.4e-5 on one chat sequence, so the 2-4 layer bar does not hold. Measured on the
+# main job's batches (715 and 3,633 tokens): tree vs HF 2.0e-5 / 2.9e-5 (the unshared Megatron run
+# vs HF 1.7e-5 / 1.7e-5), tree vs unshared over every token 1.2e-5 / 4.8e-5. 2e-4 is 4x the worst
+# and still 5x under what a bug moves (>= 1e-3).
+PRETRAINED_LOGP_TOL = 2e-4
 # Token-mean losses (and logged router losses), relative: one scalar summed over every token in
 # another order, ~1e-7 relative; a token counted once instead of k times moves it by >= 1e-3.
 LOSS_RTOL = 1e-5
