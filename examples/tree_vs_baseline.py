@@ -15,9 +15,9 @@ synthetic GRPO batch (8 prompts x 8 samples, prompt 1024, responses 128-256 by d
 HuggingFace checkpoint is written to a temp dir first). The job prints a progress line per phase,
 then a table:
 parity of the tree's per-token log-probs against HuggingFace on each unpacked sequence, the
-tree/baseline loss agreement (absolute and relative: the GRPO loss at the sampling policy is near
-zero), tree_token_ratio, step times (median and spread of interleaved runs), the speed-up next to
-the ideal from the FLOP model and each step's FLOP rate (whose ratio is the fraction of the ideal
+tree/baseline agreement of every token's log-prob, of the loss (absolute and relative) and of the
+gradients, tree_token_ratio, step times (median and spread of interleaved runs), the speed-up next
+to the ideal from the FLOP model and each step's FLOP rate (whose ratio is the fraction of the ideal
 reached), and the activation memory of each step with its attention kernel's part. Each line says
 its unit and what a ratio is against; a speed-up above the ideal, or a tree using more memory than
 the baseline, gets a line saying why. It writes a PNG of the first tree's attention mask.
@@ -84,10 +84,8 @@ MODELS = REAL_MODELS + ("qwen3_tiny", "qwen3_moe_tiny", "qwen35_tiny", "nemotron
 # Gated delta-net and Mamba-2 hybrids: Megatron-Bridge only (transformers >= 5.8)
 HYBRID_MODELS = ("qwen35_tiny", "nemotron_h_tiny")
 ENGINES = ("megatron", "hf")
-HF_MODELS = (
-    "smollm2",
-    "qwen3_tiny",
-)  # --engine hf: dense models (the FLOP shape is read off the HF config)
+# --engine hf: dense models (the FLOP shape is read off the HF config)
+HF_MODELS = ("smollm2", "qwen3_tiny")
 # Default batch sizes per engine (--small overrides both): HF's engine is sized for ~1 min on a CPU.
 MEGATRON_SIZES = {"prompts": 8, "prompt_len": 1024, "response_len": (128, 256)}
 HF_SIZES = {"prompts": 4, "prompt_len": 256, "response_len": (32, 64)}

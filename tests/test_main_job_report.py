@@ -102,3 +102,25 @@ def test_speedup_above_ideal_says_why(job):
     )
     single = make_row(speedup_per_rep=[3.7], fraction_of_ideal=3.7 / 3.5)
     assert "single timed run" in job.speedup_note(single)
+
+
+def test_tree_vs_baseline_gaps_fail_on_nan(job):
+    """The main job's parity, log-prob and gradient comparisons read a NaN as an infinite error
+    (Python's max() would drop it), so every ``<= tol`` on them fails."""
+    import math
+
+    import torch
+
+    good = torch.zeros(2, 5)
+    bad = good.clone()
+    bad[1, 2] = float("nan")
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert job.logprob_gap(good, good, mask) == 0.0
+    assert math.isinf(job.logprob_gap(bad, good, mask))
+    reference = {0: torch.zeros(4), 1: torch.zeros(4)}
+    assert job.parity(None, None, good, [0, 1], reference)[0] == 0.0
+    assert math.isinf(job.parity(None, None, bad, [0, 1], reference)[0])
+    grads = {"a": torch.ones(3), "b": torch.ones(2)}
+    assert job.gradient_gap(grads, grads) == (0.0, 0.0)
+    poisoned = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")])}
+    assert all(math.isinf(x) for x in job.gradient_gap(poisoned, grads))
